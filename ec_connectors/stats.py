@@ -1,0 +1,126 @@
+"""Connector statistics: vLLM's ECConnectorStats (log lines) and Prometheus metrics."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.metrics import (
+    ECConnectorPromMetrics,
+    ECConnectorStats,
+)
+
+COUNTERS = {
+    # name: help
+    "saves": "Embeddings written to the transport",
+    "save_bytes": "Bytes of embeddings written",
+    "save_failures": "Saves that failed or were dropped",
+    "skipped_saves": "Encodes skipped because the item was already stored",
+    "loads": "Embeddings loaded from the transport into vLLM's encoder cache",
+    "load_bytes": "Bytes of embeddings loaded",
+    "load_failures": "Loads that failed (missing, corrupt, timed out, staging full)",
+    "corrupt": "Stored items rejected by integrity checks",
+    "evictions": "Stored items evicted by the byte budget",
+    "hits": "Scheduler lookups that found an item ready",
+    "deferrals": "Scheduler steps a request waited for its items",
+    "timeouts": "Items that missed their load deadline",
+    "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
+    "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
+}
+LATENCIES = {
+    "save_s": "Seconds to write one embedding",
+    "load_s": "Seconds from prefetch to staged, per item",
+}
+
+
+@dataclass
+class EPDStats(ECConnectorStats):
+    """`data` = {"counters": {name: number}, "latency": {name: [seconds, ...]}}."""
+
+    def __post_init__(self) -> None:
+        self.data.setdefault("counters", {})
+        self.data.setdefault("latency", {})
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "latency": {}}
+
+    def aggregate(self, other: ECConnectorStats) -> EPDStats:
+        counters, latency = self.data["counters"], self.data["latency"]
+        for k, v in other.data.get("counters", {}).items():
+            counters[k] = counters.get(k, 0) + v
+        for k, v in other.data.get("latency", {}).items():
+            latency.setdefault(k, []).extend(v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = dict(self.data["counters"])
+        for k, values in self.data["latency"].items():
+            if values:
+                ordered = sorted(values)
+                out[f"{k}_p50_ms"] = round(ordered[len(ordered) // 2] * 1e3, 3)
+                out[f"{k}_max_ms"] = round(ordered[-1] * 1e3, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data["counters"] and not any(self.data["latency"].values())
+
+
+class StatsRecorder:
+    """Thread-safe accumulator; `take()` hands the interval's stats to vLLM and resets."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = EPDStats()
+        self.totals: dict[str, float] = {}
+
+    def inc(self, name: str, value: float = 1) -> None:
+        with self._lock:
+            c = self._stats.data["counters"]
+            c[name] = c.get(name, 0) + value
+            self.totals[name] = self.totals.get(name, 0) + value
+
+    def observe(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._stats.data["latency"].setdefault(name, []).append(seconds)
+
+    def take(self) -> EPDStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, EPDStats()
+            return stats
+
+
+class EPDPromMetrics(ECConnectorPromMetrics):
+    """Counters `vllm:epd_<name>_total` and histograms `vllm:epd_<name>` per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        self._hists: dict[str, dict[int, Any]] = {}
+        for name, doc in COUNTERS.items():
+            metric = self._counter_cls(name=f"vllm:epd_{name}", documentation=doc,
+                                       labelnames=labelnames)
+            self._counters[name] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+        buckets = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+        for name, doc in LATENCIES.items():
+            metric = self._histogram_cls(name=f"vllm:epd_{name.removesuffix('_s')}_seconds",
+                                         documentation=doc, labelnames=labelnames,
+                                         buckets=buckets)
+            self._hists[name] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.get("counters", {}).items():
+            per_engine = self._counters.get(name)
+            if per_engine and engine_idx in per_engine and value:
+                per_engine[engine_idx].inc(value)
+        for name, values in transfer_stats_data.get("latency", {}).items():
+            per_engine = self._hists.get(name)
+            if per_engine and engine_idx in per_engine:
+                for v in values:
+                    per_engine[engine_idx].observe(v)

@@ -1,0 +1,241 @@
+"""Worker-role logic of EPDConnector (runs in each vLLM worker process).
+
+Producer: `save` hands the encoder output to a bounded background writer, so the model
+runner never waits on storage; each finished save is reported to the scheduler at once
+(control channel) and through `get_finished`.
+Consumer: the scheduler asks for items over the control channel *before* it schedules the
+request (`Prefetch`); loader threads fetch and verify them into a byte-bounded staging area
+and answer `Staged`. `place`, called from `start_load_caches` on the step that schedules the
+request, only moves staged tensors into vLLM's encoder cache.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.control import ControlEndpoint
+from ec_connectors.log import get_logger
+from ec_connectors.messages import ControlMessage, Drop, Hello, Prefetch, Saved, Staged
+from ec_connectors.stats import StatsRecorder
+from ec_connectors.transports.base import Transport
+
+logger = get_logger(__name__)
+
+
+class EPDWorker:
+    def __init__(
+        self,
+        config: EPDConfig,
+        transport: Transport,
+        *,
+        is_producer: bool,
+        is_consumer: bool,
+        address: str,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.rank = rank
+        self.device = device
+        self.stats = StatsRecorder()
+        self._lock = threading.Lock()
+        self._staged: dict[str, tuple[torch.Tensor, float]] = {}
+        self._staged_bytes = 0
+        self._saves_done: set[str] = set()
+        self._loads_done: set[str] = set()
+        self._events_seen = (0, 0, 0)
+        self._save_slots = threading.BoundedSemaphore(config.max_pending_saves)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-writer")
+        self._loaders = ThreadPoolExecutor(config.load_threads, thread_name_prefix="epd-loader")
+        self.channel = ControlEndpoint(address, bind=False, on_message=self._on_control,
+                                       name=f"epd-worker{rank}-ctl")
+        self.channel.send(Hello(rank=rank, pid=os.getpid()))
+
+    # -- producer --------------------------------------------------------------------------
+    def save(self, item_id: str, tensor: torch.Tensor) -> None:
+        """Queue one encoder output for writing. Blocks only when `max_pending_saves`
+        writes are queued (backpressure), at most `save_queue_timeout_s`."""
+        # A device tensor may be freed or reused by vLLM: copy it to host now. A CPU tensor
+        # is a fresh encoder output that vLLM never mutates: keep a reference, no copy.
+        tensor = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()
+        if not self._save_slots.acquire(timeout=self.config.save_queue_timeout_s):
+            self.stats.inc("save_failures")
+            logger.warning("EPD: save queue full for %.1f s; not storing item %r (consumers "
+                           "will encode it locally). Raise max_pending_saves or check the "
+                           "storage.", self.config.save_queue_timeout_s, item_id)
+            self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=False,
+                                    error="save queue full"))
+            return
+        try:
+            self._writer.submit(self._write, item_id, tensor)
+        except RuntimeError:  # shutting down
+            self._save_slots.release()
+
+    def _write(self, item_id: str, tensor: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        try:
+            info = self.transport.put(item_id, tensor)
+        except Exception as exc:
+            self.stats.inc("save_failures")
+            logger.error("EPD: failed to store item %r: %s", item_id, exc)
+            self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=False, error=str(exc)))
+            return
+        finally:
+            self._save_slots.release()
+            self._fold_transport_events()
+        self.stats.inc("saves")
+        self.stats.inc("save_bytes", info.nbytes)
+        self.stats.observe("save_s", time.perf_counter() - t0)
+        with self._lock:
+            self._saves_done.add(item_id)
+        self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=True, info=info))
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued save is written (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        taken = 0
+        try:
+            while taken < self.config.max_pending_saves:
+                if not self._save_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    return False
+                taken += 1
+            return True
+        finally:
+            for _ in range(taken):
+                self._save_slots.release()
+
+    # -- consumer --------------------------------------------------------------------------
+    def _on_control(self, msg: ControlMessage, _peer: bytes | None) -> None:
+        if isinstance(msg, Prefetch):
+            self._loaders.submit(self._prefetch, msg)
+        elif isinstance(msg, Drop):
+            self._unstage(msg.item_id)
+
+    def _prefetch(self, msg: Prefetch) -> None:
+        item_id = msg.item_id
+        self._reap()
+        with self._lock:
+            staged = self._staged.get(item_id)
+        if staged is not None:
+            self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=True,
+                                     nbytes=staged[0].nbytes, num_embeds=_rows(staged[0])))
+            return
+        t0 = time.monotonic()
+        error = ""
+        tensor = None
+        try:
+            tensor = self.transport.get(item_id, t0 + msg.timeout_s)
+            if tensor is None:
+                error = "not available (missing, corrupt or timed out)"
+            elif self.device.type != "cpu":
+                tensor = tensor.to(self.device)
+        except Exception as exc:  # a transport bug must cost one item, not the worker
+            error = f"{type(exc).__name__}: {exc}"
+            tensor = None
+        self._fold_transport_events()
+        if tensor is not None:
+            with self._lock:
+                if self._staged_bytes + tensor.nbytes > self.config.max_staged_bytes:
+                    error = (f"staging full ({self._staged_bytes} of "
+                             f"{self.config.max_staged_bytes} bytes)")
+                    tensor = None
+                else:
+                    self._staged[item_id] = (tensor, time.monotonic())
+                    self._staged_bytes += tensor.nbytes
+        if tensor is None:
+            self.stats.inc("load_failures")
+            logger.info("EPD: item %r not staged: %s", item_id, error)
+            self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=False, error=error))
+            return
+        self.stats.observe("load_s", time.monotonic() - t0)
+        self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=True, nbytes=tensor.nbytes,
+                                 num_embeds=_rows(tensor)))
+
+    def _unstage(self, item_id: str) -> torch.Tensor | None:
+        with self._lock:
+            entry = self._staged.pop(item_id, None)
+            if entry is None:
+                return None
+            self._staged_bytes -= entry[0].nbytes
+            return entry[0]
+
+    def _reap(self) -> None:
+        """Drop staged items nobody placed within `staged_ttl_s` (aborted requests)."""
+        cutoff = time.monotonic() - self.config.staged_ttl_s
+        with self._lock:
+            stale = [k for k, (_, ts) in self._staged.items() if ts < cutoff]
+        for k in stale:
+            self._unstage(k)
+            logger.info("EPD: staged item %r expired unplaced", k)
+
+    def place(self, encoder_cache: dict[str, torch.Tensor], items: dict[str, int]) -> None:
+        """Move staged items into vLLM's encoder cache (start_load_caches)."""
+        for item_id, num_embeds in items.items():
+            tensor = self._unstage(item_id)
+            if item_id in encoder_cache:
+                continue
+            if tensor is None:
+                # Should not happen (the scheduler only places staged items); a synchronous
+                # load is the last chance to avoid vLLM's "Encoder cache miss".
+                logger.error("EPD: item %r was not staged on rank %d; loading synchronously",
+                             item_id, self.rank)
+                tensor = self.transport.get(item_id, time.monotonic() + self.config.load_timeout_s)
+                if tensor is None:
+                    self.stats.inc("load_failures")
+                    continue
+                tensor = tensor.to(self.device)
+            if tensor.shape[0] != num_embeds:
+                logger.warning("EPD: item %r has %d embeddings, the request expects %d",
+                               item_id, tensor.shape[0], num_embeds)
+            encoder_cache[item_id] = tensor
+            self.stats.inc("loads")
+            self.stats.inc("load_bytes", tensor.nbytes)
+            with self._lock:
+                self._loads_done.add(item_id)
+        self._reap()
+
+    # -- reporting -------------------------------------------------------------------------
+    def _fold_transport_events(self) -> None:
+        ev = self.transport.events
+        with self._lock:
+            seen = self._events_seen
+            now = (ev.evictions, ev.corrupt, ev.evicted_bytes)
+            self._events_seen = now
+        if now[0] > seen[0]:
+            self.stats.inc("evictions", now[0] - seen[0])
+        if now[1] > seen[1]:
+            self.stats.inc("corrupt", now[1] - seen[1])
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(items saved, items loaded) since the last call: completion feedback for vLLM."""
+        with self._lock:
+            saved, self._saves_done = self._saves_done, set()
+            loaded, self._loads_done = self._loads_done, set()
+        return saved or None, loaded or None
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._staged_bytes
+
+    def close(self) -> None:
+        self.flush(timeout_s=self.config.save_queue_timeout_s)
+        self._writer.shutdown(wait=True)
+        self._loaders.shutdown(wait=False, cancel_futures=True)
+        self.channel.close()
+        with self._lock:
+            self._staged.clear()
+            self._staged_bytes = 0
+        self.transport.close()
+
+
+def _rows(tensor: torch.Tensor) -> int:
+    return int(tensor.shape[0]) if tensor.dim() else 1

@@ -1,0 +1,1 @@
+"""Encoder service: launcher, demo, test model, vLLM CLI shim (the pool and gateway come next)."""

