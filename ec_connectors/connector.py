@@ -113,9 +113,9 @@ class EPDConnector(ECConnectorBase):
         return self._worker.get_finished() if self._worker else (None, None)
 
     def get_ec_connector_stats(self) -> EPDStats | None:
-        """Either role: this interval's counters and latencies."""
-        side = self._worker or self._sched
-        return side.stats.take() if side else None
+        """SCHEDULER: this interval's counters and latencies, workers' included (they ship
+        theirs over the control channel). WORKER: None, so nothing is counted twice."""
+        return self._sched.stats.take() if self._sched else None
 
     def shutdown(self) -> None:
         """Either role: flush pending saves, stop threads, close sockets."""

@@ -32,7 +32,7 @@ def item_key(item_id: str) -> str:
     if len(raw) > MAX_ID_BYTES:
         raise InvalidItemId(f"item id is {len(raw)} bytes; the limit is {MAX_ID_BYTES}")
     digest = hashlib.blake2b(raw, digest_size=16).hexdigest()
-    prefix = _UNSAFE.sub("_", item_id)[:_PREFIX_LEN].strip("_")
+    prefix = _UNSAFE.sub("_", item_id)[:_PREFIX_LEN].strip("_-")  # never a leading "-"
     return f"{prefix}-{digest}" if prefix else digest
 
 

@@ -58,7 +58,14 @@ class Saved(msgspec.Struct, tag=True):
     error: str = ""
 
 
-ControlMessage = Hello | Prefetch | Drop | Staged | Saved
+class WorkerStats(msgspec.Struct, tag=True):
+    """worker -> scheduler: counters and latencies since the last report (EPDStats.data)."""
+
+    rank: int
+    data: dict[str, dict[str, float | list[float]]]
+
+
+ControlMessage = Hello | Prefetch | Drop | Staged | Saved | WorkerStats
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)

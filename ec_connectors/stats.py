@@ -84,6 +84,13 @@ class StatsRecorder:
         with self._lock:
             self._stats.data["latency"].setdefault(name, []).append(seconds)
 
+    def merge(self, data: dict[str, Any]) -> None:
+        """Fold another recorder's `take().data` into this one."""
+        with self._lock:
+            self._stats.aggregate(EPDStats(data=data))
+            for k, v in data.get("counters", {}).items():
+                self.totals[k] = self.totals.get(k, 0) + v
+
     def take(self) -> EPDStats | None:
         with self._lock:
             if self._stats.is_empty():

@@ -21,7 +21,15 @@ import torch
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
 from ec_connectors.log import get_logger
-from ec_connectors.messages import ControlMessage, Drop, Hello, Prefetch, Saved, Staged
+from ec_connectors.messages import (
+    ControlMessage,
+    Drop,
+    Hello,
+    Prefetch,
+    Saved,
+    Staged,
+    WorkerStats,
+)
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
 
@@ -72,6 +80,7 @@ class EPDWorker:
             logger.warning("EPD: save queue full for %.1f s; not storing item %r (consumers "
                            "will encode it locally). Raise max_pending_saves or check the "
                            "storage.", self.config.save_queue_timeout_s, item_id)
+            self.report_stats()
             self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=False,
                                     error="save queue full"))
             return
@@ -88,6 +97,7 @@ class EPDWorker:
             self.stats.inc("save_failures")
             logger.error("EPD: failed to store item %r: %s", item_id, exc)
             self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=False, error=str(exc)))
+            self.report_stats()
             return
         finally:
             self._save_slots.release()
@@ -98,6 +108,7 @@ class EPDWorker:
         with self._lock:
             self._saves_done.add(item_id)
         self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=True, info=info))
+        self.report_stats()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written (tests, shutdown)."""
@@ -155,10 +166,12 @@ class EPDWorker:
             self.stats.inc("load_failures")
             logger.info("EPD: item %r not staged: %s", item_id, error)
             self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=False, error=error))
+            self.report_stats()
             return
         self.stats.observe("load_s", time.monotonic() - t0)
         self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=True, nbytes=tensor.nbytes,
                                  num_embeds=_rows(tensor)))
+        self.report_stats()
 
     def _unstage(self, item_id: str) -> torch.Tensor | None:
         with self._lock:
@@ -202,6 +215,7 @@ class EPDWorker:
             with self._lock:
                 self._loads_done.add(item_id)
         self._reap()
+        self.report_stats()
 
     # -- reporting -------------------------------------------------------------------------
     def _fold_transport_events(self) -> None:
@@ -214,6 +228,12 @@ class EPDWorker:
             self.stats.inc("evictions", now[0] - seen[0])
         if now[1] > seen[1]:
             self.stats.inc("corrupt", now[1] - seen[1])
+
+    def report_stats(self) -> None:
+        """Ship this interval's stats to the scheduler side (see WorkerStats)."""
+        stats = self.stats.take()
+        if stats is not None:
+            self.channel.send(WorkerStats(rank=self.rank, data=stats.data))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(items saved, items loaded) since the last call: completion feedback for vLLM."""

@@ -24,7 +24,16 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
 from ec_connectors.keys import item_key, safe_key
 from ec_connectors.log import get_logger
-from ec_connectors.messages import ControlMessage, Drop, Hello, ItemInfo, Prefetch, Saved, Staged
+from ec_connectors.messages import (
+    ControlMessage,
+    Drop,
+    Hello,
+    ItemInfo,
+    Prefetch,
+    Saved,
+    Staged,
+    WorkerStats,
+)
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
 from scheduler_hooks.index import AvailabilityIndex
@@ -99,6 +108,10 @@ class EPDSchedulerSide:
             logger.info("EPD: worker rank %d (pid %d) connected", msg.rank, msg.pid)
         elif isinstance(msg, Staged):
             self._on_staged(msg)
+        elif isinstance(msg, WorkerStats):
+            # vLLM's V1 model runner never collects worker-side connector stats, so workers
+            # ship theirs here and they leave with the scheduler's (one path, no double count).
+            self.stats.merge(msg.data)
         elif isinstance(msg, Saved) and msg.ok and msg.info is not None:
             self.index.add(msg.info.key)
             with self._lock:
@@ -189,7 +202,9 @@ class EPDSchedulerSide:
             if st is None:
                 key = safe_key(item_id)
                 if key is None or not (item_id in hints or key in self.index):
-                    continue  # unknown: vLLM encodes it locally
+                    logger.debug("EPD: request %s item %r is not in the transport; vLLM "
+                                 "encodes it locally", req_id, item_id)
+                    continue
                 st = self._prefetch(item_id)
             if st.status is Status.LOADING and now > st.deadline:
                 with self._lock:
