@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from encoder_service.launcher import VllmServer, metric_value, start_all
-from encoder_service.media import chat_body, content_item_id, test_image_png
+from encoder_service.media import chat_body, content_item_id, sample_image_png
 
 MODEL_NAME = "tiny-llava"
 
@@ -39,7 +39,7 @@ def run_demo(work_dir: Path, model: Path, prompt: str, base_port: int = 18100) -
     say("starting an encoder-only vLLM producer and a vLLM consumer (EPDConnector, safetensors)")
     start_all([producer, consumer], progress=say)
     try:
-        image = test_image_png(seed=7)
+        image = sample_image_png(seed=7)
         item_id = content_item_id(image, MODEL_NAME)
         with httpx.Client(timeout=120) as client:
             t0 = time.perf_counter()

@@ -11,7 +11,7 @@ import numpy as np
 from PIL import Image
 
 
-def test_image_png(seed: int, size: int = 112) -> bytes:
+def sample_image_png(seed: int, size: int = 112) -> bytes:
     """A deterministic, non-trivial PNG image."""
     rng = np.random.default_rng(seed)
     pixels = (rng.random((size, size, 3)) * 255).astype("uint8")

@@ -14,7 +14,7 @@ import pytest
 
 from encoder_service.demo import MODEL_NAME, epd_config
 from encoder_service.launcher import VllmServer, metric_value, start_all
-from encoder_service.media import chat_body, content_item_id, test_image_png
+from encoder_service.media import chat_body, content_item_id, sample_image_png
 from encoder_service.testmodel import SPECS, build
 
 from .conftest import WORK
@@ -83,7 +83,7 @@ def stored_file(c, item_id) -> Path:
 
 def test_consumer_output_equals_aggregated_and_uses_producer_embedding(cluster):
     c = cluster
-    image = test_image_png(seed=101)
+    image = sample_image_png(seed=101)
     item_id = content_item_id(image, MODEL_NAME)
     reference = tokens(ask(c, c["agg"], image, item_id))
     params = encode(c, image, item_id)
@@ -97,7 +97,7 @@ def test_single_deferred_request_with_no_other_traffic(cluster):
     """The consumer gets the request before the producer has made the item: it must defer
     (zero-token steps on vLLM's V1 runner) and still load it when it lands."""
     c = cluster
-    image = test_image_png(seed=202)
+    image = sample_image_png(seed=202)
     item_id = content_item_id(image, MODEL_NAME)
     reference = tokens(ask(c, c["agg"], image, item_id))
     loads = metric(c, "loads_total")
@@ -116,7 +116,7 @@ def test_single_deferred_request_with_no_other_traffic(cluster):
 
 def test_corrupted_cache_file_still_yields_the_correct_answer(cluster):
     c = cluster
-    image = test_image_png(seed=303)
+    image = sample_image_png(seed=303)
     item_id = content_item_id(image, MODEL_NAME)
     reference = tokens(ask(c, c["agg"], image, item_id))
     params = encode(c, image, item_id)
@@ -141,7 +141,7 @@ def test_hostile_item_ids_write_nothing_outside_the_storage_dir(cluster, tmp_pat
     hostile = [f"../../../../../../tmp/epd-escape-{tag}", str(tmp_path / f"abs-{tag}"),
                f"..\\..\\{tag}", "x" * 3000]
     for n, item_id in enumerate(hostile):
-        image = test_image_png(seed=400 + n)
+        image = sample_image_png(seed=400 + n)
         reference = tokens(ask(c, c["agg"], image, item_id))
         params = encode(c, image, item_id)
         loads = metric(c, "loads_total")
