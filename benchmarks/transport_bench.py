@@ -95,7 +95,8 @@ def main() -> None:
             ours = r["ours_save"] + r["ours_load"]
             crit_ex = ex
             crit_ours = r["ours_place"]
-            print(f"{r['mb']:>6.0f}MB | {r['memcpy']:>6.1f}ms | {ex:>8.1f}ms {gb / ex * 1e3:>5.2f}GB/s | "
+            size = f"{r['mb']:>6.0f}MB"
+            print(f"{size} | {r['memcpy']:>6.1f}ms | {ex:>8.1f}ms {gb / ex * 1e3:>5.2f}GB/s | "
                   f"{ours:>7.1f}ms {gb / ours * 1e3:>4.2f}GB/s | {ex / ours:>11.2f}x | "
                   f"{ours / r['memcpy']:>10.1f}x | {crit_ex:>16.1f}ms | {crit_ours:>13.4f}ms")
             print(f"{'':>8}   save {r['ours_save']:.1f} ms vs {r['example_save']:.1f} ms, "
