@@ -18,6 +18,7 @@ from encoder_service.media import chat_body, content_item_id, sample_image_png
 from encoder_service.testmodel import SPECS, build
 
 from .conftest import WORK
+from .helpers import wait_for
 
 pytestmark = pytest.mark.e2e
 PROMPT = "what is in this picture"
@@ -67,12 +68,9 @@ def metric(c, name) -> float:
 
 
 def wait_metric(c, name, at_least, timeout=15.0) -> float:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = metric(c, name)
-        if value >= at_least or time.monotonic() > deadline:
-            return value
-        time.sleep(0.2)
+    """The metric once it reaches `at_least` (vLLM publishes stats a step or two later)."""
+    wait_for(lambda: metric(c, name) >= at_least, timeout, interval=0.2)
+    return metric(c, name)
 
 
 def stored_file(c, item_id) -> Path:
@@ -121,9 +119,7 @@ def test_corrupted_cache_file_still_yields_the_correct_answer(cluster):
     reference = tokens(ask(c, c["agg"], image, item_id))
     params = encode(c, image, item_id)
     path = stored_file(c, item_id)
-    deadline = time.monotonic() + 10
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_for(path.exists, timeout=10)
     data = bytearray(path.read_bytes())
     for i in range(1, 200, 7):
         data[-i] ^= 0x5A

@@ -1,4 +1,3 @@
-import time
 
 import torch
 
@@ -6,14 +5,7 @@ from ec_connectors.keys import item_key
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from scheduler_hooks.index import AvailabilityIndex
 
-
-def wait_for(pred, timeout=3.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+from .helpers import wait_for
 
 
 def test_index_learns_new_files_in_the_background(tmp_path):

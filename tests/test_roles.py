@@ -17,6 +17,8 @@ from ec_connectors.transports import make_transport
 from ec_connectors.worker import EPDWorker
 from scheduler_hooks.scheduler import EPDSchedulerSide, Status
 
+from .helpers import wait_for
+
 NUM_EMBEDS = 16
 
 
@@ -61,7 +63,7 @@ class Pair:
         self.worker = EPDWorker(cfg, make_transport(cfg), is_producer=producer,
                                 is_consumer=consumer, address=addr, rank=0,
                                 device=torch.device("cpu"))
-        wait_for(lambda: self.sched.num_workers == 1)
+        wait_until(lambda: self.sched.num_workers == 1)
 
     def close(self):
         self.worker.close()
@@ -88,13 +90,8 @@ class Pair:
         return meta, cache
 
 
-def wait_for(pred, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.005)
-    raise AssertionError("condition not reached")
+def wait_until(pred, timeout=5.0):
+    assert wait_for(pred, timeout), "condition not reached"
 
 
 @pytest.fixture
@@ -125,8 +122,13 @@ def test_producer_to_consumer_round_trip(pair_factory):
     x = torch.randn(NUM_EMBEDS, 32).bfloat16()
     params = produce(prod, request("p1", "img"), {"img": x})
     assert params["epd"]["items"]["img"]["num_embeds"] == NUM_EMBEDS
-    wait_for(lambda: "checksum" in (prod.sched.request_finished(request("p2", "img")) or {})
-             .get("epd", {}).get("items", {}).get("img", {}) or True)
+    # once the save is reported, the producer's params describe the stored bytes too
+    later = request("p2", "img")
+    prod.sched.update_state_after_alloc(later, 0)
+    wait_until(lambda: "img" in prod.sched._saved)
+    described = prod.sched.request_finished(later)["epd"]["items"]["img"]
+    assert described["nbytes"] == x.numel() * 2 and described["shape"] == [NUM_EMBEDS, 32]
+    assert len(described["checksum"]) == 16
 
     req = request("c1", "img", params=params)
     assert not cons.sched.has_cache_item("img")  # nothing staged before ensure
@@ -137,8 +139,8 @@ def test_producer_to_consumer_round_trip(pair_factory):
     assert cons.worker.staged_bytes == 0  # moved, not copied
     assert cons.worker.get_finished() == (None, {"img"})
     # worker-side counters reach the scheduler side (vLLM publishes the scheduler's stats)
-    wait_for(lambda: cons.sched.stats.totals.get("loads") == 1)
-    wait_for(lambda: prod.sched.stats.totals.get("saves") == 1)
+    wait_until(lambda: cons.sched.stats.totals.get("loads") == 1)
+    wait_until(lambda: prod.sched.stats.totals.get("saves") == 1)
     # Once handed over, later steps of the same request are not deferred again.
     assert cons.sched.ensure_cache_available(req, 0)
 
@@ -148,7 +150,7 @@ def test_consumer_finds_items_without_params_through_the_index(pair_factory):
     x = torch.randn(NUM_EMBEDS, 8)
     produce(prod, request("p", "img"), {"img": x})
     req = request("c", "img")
-    wait_for(lambda: cons.sched.ensure_cache_available(req, 0) is False
+    wait_until(lambda: cons.sched.ensure_cache_available(req, 0) is False
              or cons.sched._staging.get("img") is not None)
     cons.step_until_ready(req)
     _, cache = cons.schedule(req)
@@ -204,7 +206,7 @@ def test_token_count_mismatch_is_not_placed(pair_factory):
 def test_producer_skips_items_already_stored(pair_factory):
     prod = pair_factory("producer")
     produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
-    wait_for(lambda: prod.sched.has_cache_item("img"))
+    wait_until(lambda: prod.sched.has_cache_item("img"))
 
 
 def test_staging_budget_is_enforced(pair_factory):
@@ -224,7 +226,7 @@ def test_garbled_control_message_is_dropped(pair_factory, ctl_dir):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(cons.sched.channel.address)
     sock.send(b"\x93garbage")
-    wait_for(lambda: cons.sched.channel.bad_frames == 1)
+    wait_until(lambda: cons.sched.channel.bad_frames == 1)
     sock.close(0)
     req = request("c", "x", params={"epd": {"items": ["x"]}})
     cons.step_until_ready(req)  # still serving: the prefetch runs and times out normally
