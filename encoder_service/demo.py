@@ -64,7 +64,9 @@ def run_demo(work_dir: Path, model: Path, prompt: str, base_port: int = 18100) -
             after = metric_value(client.get(consumer.url + "/metrics").text, loads)
         source = ("loaded from the encoder's output over the safetensors transport"
                   if after > before else "encoded locally by the consumer (fallback)")
-        say(f"answer ({t_dec * 1e3:.0f} ms): {answer['message']['content']!r}")
+        say(f"answer ({t_dec * 1e3:.0f} ms, first request includes warm-up): "
+            f"{answer['message']['content']!r} (random-weight test model: the text is noise, "
+            "the tests compare token ids with an aggregated server)")
         say(f"token ids: {answer.get('token_ids')}")
         say(f"the consumer's image embedding was {source} "
             f"(vllm:epd_loads_total {before:.0f} -> {after:.0f})")
