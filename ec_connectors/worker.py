@@ -80,9 +80,8 @@ class EPDWorker:
             logger.warning("EPD: save queue full for %.1f s; not storing item %r (consumers "
                            "will encode it locally). Raise max_pending_saves or check the "
                            "storage.", self.config.save_queue_timeout_s, item_id)
-            self.report_stats()
-            self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=False,
-                                    error="save queue full"))
+            self._reply(Saved(item_id=item_id, rank=self.rank, ok=False,
+                              error="save queue full"))
             return
         try:
             self._writer.submit(self._write, item_id, tensor)
@@ -96,19 +95,16 @@ class EPDWorker:
         except Exception as exc:
             self.stats.inc("save_failures")
             logger.error("EPD: failed to store item %r: %s", item_id, exc)
-            self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=False, error=str(exc)))
-            self.report_stats()
+            self._reply(Saved(item_id=item_id, rank=self.rank, ok=False, error=str(exc)))
             return
         finally:
             self._save_slots.release()
-            self._fold_transport_events()
         self.stats.inc("saves")
         self.stats.inc("save_bytes", info.nbytes)
         self.stats.observe("save_s", time.perf_counter() - t0)
         with self._lock:
             self._saves_done.add(item_id)
-        self.channel.send(Saved(item_id=item_id, rank=self.rank, ok=True, info=info))
-        self.report_stats()
+        self._reply(Saved(item_id=item_id, rank=self.rank, ok=True, info=info))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written (tests, shutdown)."""
@@ -140,11 +136,10 @@ class EPDWorker:
             self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=True,
                                      nbytes=staged[0].nbytes, num_embeds=_rows(staged[0])))
             return
-        t0 = time.monotonic()
         error = ""
         tensor = None
         try:
-            tensor = self.transport.get(item_id, t0 + msg.timeout_s)
+            tensor = self.transport.get(item_id, time.monotonic() + msg.timeout_s)
             if tensor is None:
                 error = "not available (missing, corrupt or timed out)"
             elif self.device.type != "cpu":
@@ -152,7 +147,6 @@ class EPDWorker:
         except Exception as exc:  # a transport bug must cost one item, not the worker
             error = f"{type(exc).__name__}: {exc}"
             tensor = None
-        self._fold_transport_events()
         if tensor is not None:
             with self._lock:
                 if self._staged_bytes + tensor.nbytes > self.config.max_staged_bytes:
@@ -165,13 +159,11 @@ class EPDWorker:
         if tensor is None:
             self.stats.inc("load_failures")
             logger.info("EPD: item %r not staged: %s", item_id, error)
-            self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=False, error=error))
-            self.report_stats()
+            self._reply(Staged(item_id=item_id, rank=self.rank, ok=False, error=error))
             return
-        self.stats.observe("load_s", time.monotonic() - t0)
-        self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=True, nbytes=tensor.nbytes,
-                                 num_embeds=_rows(tensor)))
-        self.report_stats()
+        # load_s (prefetch -> staged on every rank) is observed once, by the scheduler side.
+        self._reply(Staged(item_id=item_id, rank=self.rank, ok=True, nbytes=tensor.nbytes,
+                           num_embeds=_rows(tensor)))
 
     def _unstage(self, item_id: str) -> torch.Tensor | None:
         with self._lock:
@@ -229,8 +221,15 @@ class EPDWorker:
         if now[1] > seen[1]:
             self.stats.inc("corrupt", now[1] - seen[1])
 
+    def _reply(self, msg: Saved | Staged) -> None:
+        """Tell the scheduler side an outcome, followed by the stats it changed."""
+        self.channel.send(msg)
+        self.report_stats()
+
     def report_stats(self) -> None:
-        """Ship this interval's stats to the scheduler side (see WorkerStats)."""
+        """Ship this interval's stats, transport events included, to the scheduler side
+        (see WorkerStats)."""
+        self._fold_transport_events()
         stats = self.stats.take()
         if stats is not None:
             self.channel.send(WorkerStats(rank=self.rank, data=stats.data))

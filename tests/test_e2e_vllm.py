@@ -57,6 +57,14 @@ def tokens(answer) -> list[int]:
     return ids
 
 
+def case(c, seed: int, item_id: str | None = None) -> tuple[bytes, str, list[int]]:
+    """An image, its item id (content-derived unless given) and the aggregated server's
+    greedy tokens for it: the reference every EPD answer must equal."""
+    image = sample_image_png(seed=seed)
+    item_id = item_id or content_item_id(image, MODEL_NAME)
+    return image, item_id, tokens(ask(c, c["agg"], image, item_id))
+
+
 def encode(c, image, item_id) -> dict:
     params = ask(c, c["prod"], image, item_id, max_tokens=1).get("ec_transfer_params")
     assert params and item_id in params["epd"]["items"], params
@@ -81,9 +89,7 @@ def stored_file(c, item_id) -> Path:
 
 def test_consumer_output_equals_aggregated_and_uses_producer_embedding(cluster):
     c = cluster
-    image = sample_image_png(seed=101)
-    item_id = content_item_id(image, MODEL_NAME)
-    reference = tokens(ask(c, c["agg"], image, item_id))
+    image, item_id, reference = case(c, seed=101)
     params = encode(c, image, item_id)
     loads = metric(c, "loads_total")
     answer = ask(c, c["cons"], image, item_id, params)
@@ -95,9 +101,7 @@ def test_single_deferred_request_with_no_other_traffic(cluster):
     """The consumer gets the request before the producer has made the item: it must defer
     (zero-token steps on vLLM's V1 runner) and still load it when it lands."""
     c = cluster
-    image = sample_image_png(seed=202)
-    item_id = content_item_id(image, MODEL_NAME)
-    reference = tokens(ask(c, c["agg"], image, item_id))
+    image, item_id, reference = case(c, seed=202)
     loads = metric(c, "loads_total")
     result: dict = {}
     promised = {"epd": {"items": [item_id]}}
@@ -114,9 +118,7 @@ def test_single_deferred_request_with_no_other_traffic(cluster):
 
 def test_corrupted_cache_file_still_yields_the_correct_answer(cluster):
     c = cluster
-    image = sample_image_png(seed=303)
-    item_id = content_item_id(image, MODEL_NAME)
-    reference = tokens(ask(c, c["agg"], image, item_id))
+    image, item_id, reference = case(c, seed=303)
     params = encode(c, image, item_id)
     path = stored_file(c, item_id)
     assert wait_for(path.exists, timeout=10)
@@ -137,8 +139,7 @@ def test_hostile_item_ids_write_nothing_outside_the_storage_dir(cluster, tmp_pat
     hostile = [f"../../../../../../tmp/epd-escape-{tag}", str(tmp_path / f"abs-{tag}"),
                f"..\\..\\{tag}", "x" * 3000]
     for n, item_id in enumerate(hostile):
-        image = sample_image_png(seed=400 + n)
-        reference = tokens(ask(c, c["agg"], image, item_id))
+        image, item_id, reference = case(c, seed=400 + n, item_id=item_id)
         params = encode(c, image, item_id)
         loads = metric(c, "loads_total")
         assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
