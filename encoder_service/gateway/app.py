@@ -1,0 +1,384 @@
+"""The gateway's ASGI app: an OpenAI-compatible endpoint in front of EPD vLLM instances.
+
+POST /v1/chat/completions: validate + tag media (parsing.py), skip items already available
+(availability.py), encode the rest (encoders.py), send the request with its
+ec_transfer_params to a prefill/decode instance (decoders.py) and pass the answer through
+(SSE chunks are forwarded as they arrive). POST /v1/completions and GET /v1/models are passed
+through. GET /health, GET /metrics. A client disconnect cancels the upstream calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from encoder_service.gateway.availability import make_availability
+from encoder_service.gateway.config import GatewayConfig
+from encoder_service.gateway.decoders import DecodePool, Upstream
+from encoder_service.gateway.encoders import EncoderRouter, VllmEncoderClient
+from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.metrics import GatewayMetrics
+from encoder_service.gateway.parsing import prepare_chat
+from encoder_service.gateway.urls import fetch_media
+from scheduler_hooks.params import PARAMS_KEY
+
+logger = logging.getLogger("epd.gateway")
+_RID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _request_id(request: Request) -> str:
+    """The client's x-request-id when it is short and safe, else a fresh one."""
+    rid = request.headers.get("x-request-id", "")
+    return rid if _RID.match(rid) else uuid.uuid4().hex
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class Gateway:
+    """State shared by the handlers: config, upstream clients, metrics."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.metrics = GatewayMetrics()
+        self.availability = make_availability(cfg)
+        self.client: httpx.AsyncClient | None = None
+        self.fetch_client: httpx.AsyncClient | None = None
+        self.router: EncoderRouter | None = None
+        self.decoders: DecodePool | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def startup(self) -> None:
+        t = self.cfg.timeouts
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
+            connect=t.connect_s, read=t.decode_s, write=t.decode_s, pool=t.connect_s))
+        self.fetch_client = httpx.AsyncClient(trust_env=False)
+        self.router = EncoderRouter(
+            [VllmEncoderClient(u, self.cfg.model, self.client, t.encoder_s)
+             for u in self.cfg.encoders], cooldown_s=self.cfg.cooldown_s)
+        self.decoders = DecodePool(self.cfg, self.client)
+        logger.info("gateway ready model=%s encoders=%s decoders=%s availability=%s",
+                    self.cfg.model, self.cfg.encoders, self.cfg.decoders,
+                    self.availability.name)
+
+    async def shutdown(self) -> None:
+        for c in (self.client, self.fetch_client):
+            if c is not None:
+                await c.aclose()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _error(self, exc: GatewayError, endpoint: str, rid: str) -> JSONResponse:
+        self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        if exc.status < 500:
+            self.metrics.rejected.labels(exc.reason).inc()
+        logger.warning("request rejected rid=%s endpoint=%s status=%d reason=%s message=%r",
+                       rid, endpoint, exc.status, exc.reason, exc.message)
+        return JSONResponse(exc.body(), status_code=exc.status, headers={"x-request-id": rid})
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.cfg.limits.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise GatewayError(413, f"request body is larger than {limit} bytes",
+                               "request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise GatewayError(413, f"request body is larger than {limit} bytes",
+                                   "request_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except ValueError as exc:
+            raise GatewayError(400, f"request body is not valid JSON: {exc}",
+                               "bad_json") from None
+
+    async def _fetch(self, url: str) -> tuple[bytes, str | None]:
+        assert self.fetch_client is not None
+        return await fetch_media(self.fetch_client, url, self.cfg.media, self.cfg.limits)
+
+    async def _unless_gone(self, receive: Receive, work: Awaitable[Any]) -> Any:
+        """`work`'s result, or _ClientGone (work cancelled) if the client disconnects first."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            raise _ClientGone
+        return task.result()
+
+    # -- endpoints -------------------------------------------------------------------------
+    async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        rid = _request_id(request)
+        t0 = time.perf_counter()
+        self.metrics.inflight.inc()
+        try:
+            try:
+                body = await self._read_json(request)
+                prepared = await prepare_chat(body, self.cfg, self._fetch)
+            except GatewayError as exc:
+                await self._error(exc, "chat", rid)(scope, receive, send)
+                return
+            t_parse = time.perf_counter() - t0
+            self.metrics.stage.labels("parse").observe(t_parse)
+            try:
+                up, info = await self._unless_gone(receive, self._route(prepared, rid))
+            except _ClientGone:
+                self.metrics.disconnects.inc()
+                logger.info("client disconnected rid=%s stage=encode_or_connect; upstream "
+                            "calls cancelled", rid)
+                return
+            except GatewayError as exc:
+                await self._error(exc, "chat", rid)(scope, receive, send)
+                return
+            info["parse_ms"] = _ms(t_parse)
+            await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream, info)
+        finally:
+            self.metrics.inflight.dec()
+
+    async def _route(self, prepared: Any, rid: str) -> tuple[Upstream, dict[str, Any]]:
+        assert self.router is not None and self.decoders is not None
+        ids = [it.item_id for it in prepared.items]
+        hits = self.availability.available(ids) if ids else set()
+        todo = [it for it in prepared.items if it.item_id not in hits]
+        hints: dict[str, Any] = {i: {} for i in hits}
+        info: dict[str, Any] = {"items": len(ids), "hits": len(hits), "encoded": 0,
+                                "fallback": 0, "enc_retries": 0}
+        m = self.metrics
+        if hits:
+            m.items.labels("cache_hit").inc(len(hits))
+        if todo:
+            t = time.perf_counter()
+            outcome, errors = await self.router.encode(todo, rid)
+            m.stage.labels("encode").observe(time.perf_counter() - t)
+            info["encode_ms"] = _ms(time.perf_counter() - t)
+            hints.update(outcome.hints)
+            info.update(encoded=len(outcome.hints), fallback=len(outcome.failed),
+                        enc_retries=outcome.retries)
+            m.items.labels("encoded").inc(len(outcome.hints))
+            if outcome.retries:
+                m.retries.labels("encoder").inc(outcome.retries)
+            if errors:
+                m.upstream_errors.labels("encoder").inc(len(errors))
+            if outcome.failed:
+                m.items.labels("fallback").inc(len(outcome.failed))
+                m.fallbacks.inc()
+                logger.warning("encoder failure rid=%s items=%d errors=%s action=sending raw "
+                               "media (decode instance encodes locally)", rid,
+                               len(outcome.failed), errors)
+            elif errors:
+                logger.warning("encoder retry rid=%s errors=%s action=retried on another "
+                               "encoder, succeeded", rid, errors)
+        if hints:
+            prepared.body["ec_transfer_params"] = {PARAMS_KEY: {"items": hints}}
+        payload = json.dumps(prepared.body, separators=(",", ":")).encode()
+        up = await self._open("/v1/chat/completions", payload, rid)
+        return up, info
+
+    async def _open(self, path: str, payload: bytes | None, rid: str,
+                    method: str = "POST") -> Upstream:
+        assert self.decoders is not None
+        try:
+            up = await self.decoders.open(method, path, payload, rid)
+        except GatewayError:
+            self.metrics.upstream_errors.labels("decode").inc()
+            raise
+        if up.retries:
+            self.metrics.retries.labels("decode").inc(up.retries)
+            self.metrics.upstream_errors.labels("decode").inc(up.retries)
+        return up
+
+    async def _relay(self, up: Upstream, scope: Scope, receive: Receive, send: Send, rid: str,
+                     t0: float, endpoint: str, stream: bool, info: dict[str, Any]) -> None:
+        """Pass the upstream answer through; closing `up` on every path (a client disconnect
+        closes the upstream connection, which aborts the request there)."""
+        resp = up.response
+        headers = [(b"x-request-id", rid.encode())]
+        ctype = resp.headers.get("content-type")
+        if ctype:
+            headers.append((b"content-type", ctype.encode()))
+        first: float | None = None
+        status = resp.status_code
+        gone = False
+        try:
+            if not stream:
+                try:
+                    data = await asyncio.wait_for(self._unless_gone(receive, resp.aread()),
+                                                  self.cfg.timeouts.decode_s)
+                except asyncio.TimeoutError:
+                    raise GatewayError(504, "the prefill/decode instance did not answer "
+                                       "in time", "decode_timeout") from None
+                first = time.perf_counter()
+                headers.append((b"content-length", str(len(data)).encode()))
+                await send({"type": "http.response.start", "status": status,
+                            "headers": headers})
+                await send({"type": "http.response.body", "body": data})
+            else:
+                await send({"type": "http.response.start", "status": status,
+                            "headers": headers})
+
+                async def pump() -> None:
+                    nonlocal first
+                    async for chunk in resp.aiter_raw():
+                        if first is None:
+                            first = time.perf_counter()
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+                    await send({"type": "http.response.body", "body": b""})
+
+                await self._unless_gone(receive, pump())
+        except _ClientGone:
+            gone = True
+        except OSError:  # the ASGI server reports a vanished client this way
+            gone = True
+        except GatewayError as exc:
+            await self._error(exc, endpoint, rid)(scope, receive, send)
+            return
+        except httpx.HTTPError as exc:
+            self.metrics.upstream_errors.labels("decode").inc()
+            logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid, up.url, exc)
+            status = 502
+        finally:
+            await up.release()
+        m = self.metrics
+        total = time.perf_counter() - t0
+        if gone:
+            m.disconnects.inc()
+            logger.info("client disconnected rid=%s decoder=%s; upstream request aborted",
+                        rid, up.url)
+            return
+        if first is not None:
+            m.stage.labels("first_token").observe(first - up.sent_at)
+        m.stage.labels("total").observe(total)
+        m.requests.labels(endpoint, str(status)).inc()
+        logger.info("request rid=%s endpoint=%s status=%d stream=%s decoder=%s dec_retries=%d "
+                    "%s first_token_ms=%s total_ms=%s", rid, endpoint, status, stream, up.url,
+                    up.retries, " ".join(f"{k}={v}" for k, v in info.items()),
+                    _ms(None if first is None else first - up.sent_at), _ms(total))
+
+    async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        rid = _request_id(request)
+        t0 = time.perf_counter()
+        try:
+            body = await self._read_json(request)
+            if not isinstance(body, dict):
+                raise GatewayError(400, "request body must be a JSON object")
+            model = body.setdefault("model", self.cfg.model)
+            if model != self.cfg.model:
+                raise GatewayError(404, f"model {model!r} is not served here; this gateway "
+                                   f"serves {self.cfg.model!r}", "unknown_model")
+            body.pop("ec_transfer_params", None)
+            payload = json.dumps(body, separators=(",", ":")).encode()
+            up = await self._unless_gone(receive, self._open("/v1/completions", payload, rid))
+        except _ClientGone:
+            self.metrics.disconnects.inc()
+            return
+        except GatewayError as exc:
+            await self._error(exc, "completions", rid)(scope, receive, send)
+            return
+        await self._relay(up, scope, receive, send, rid, t0, "completions",
+                          body.get("stream") is True, {})
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = _request_id(Request(scope, receive))
+        try:
+            up = await self._open("/v1/models", None, rid, method="GET")
+        except GatewayError as exc:
+            await self._error(exc, "models", rid)(scope, receive, send)
+            return
+        await self._relay(up, scope, receive, send, rid, time.perf_counter(), "models",
+                          False, {})
+
+    async def health(self, request: Request) -> JSONResponse:
+        """200 when at least one prefill/decode instance is healthy (encoders are optional:
+        without them requests still succeed, encoded locally)."""
+        assert self.client is not None
+        timeout = self.cfg.timeouts.health_s
+
+        async def probe(url: str) -> bool:
+            try:
+                r = await self.client.get(url + "/health", timeout=timeout)
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        urls = [*self.cfg.decoders, *self.cfg.encoders]
+        oks = await asyncio.gather(*(probe(u) for u in urls))
+        state = dict(zip(urls, oks, strict=True))
+        dec = {u: state[u] for u in self.cfg.decoders}
+        enc = {u: state[u] for u in self.cfg.encoders}
+        ok = any(dec.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "decoders": dec,
+                             "encoders": enc}, status_code=200 if ok else 503)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+
+class _Endpoint:
+    """A raw ASGI endpoint (Starlette calls it with scope/receive/send)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.fn(scope, receive, send)
+
+
+def create_app(cfg: GatewayConfig) -> Starlette:
+    """The gateway app; `app.state.gateway` is the Gateway (metrics, router, pools)."""
+    gw = Gateway(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        await gw.startup()
+        try:
+            yield
+        finally:
+            await gw.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", _Endpoint(gw.chat), methods=["POST"]),
+        Route("/v1/completions", _Endpoint(gw.completions), methods=["POST"]),
+        Route("/v1/models", _Endpoint(gw.models), methods=["GET"]),
+        Route("/health", gw.health, methods=["GET"]),
+        Route("/metrics", gw.metrics_endpoint, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gw
+    return app

@@ -1,0 +1,45 @@
+"""`epd gateway`: serve the gateway from a config file (JSON or TOML) and/or flags."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from encoder_service.gateway.config import GatewayConfig, GatewayConfigError, read_config_file
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="epd gateway", description="OpenAI-compatible EPD "
+                                "endpoint: encoders + prefill/decode instances behind one URL")
+    p.add_argument("--config", type=Path, help="gateway config file (.json or .toml)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--model", help="served model name")
+    p.add_argument("--encoder", action="append", default=[], help="encoder base URL (repeat)")
+    p.add_argument("--decoder", action="append", default=[], help="decode base URL (repeat)")
+    p.add_argument("--storage-path", help="safetensors transport directory (enables "
+                   "skipping items that are already encoded)")
+    args = p.parse_args(argv)
+    try:
+        data = read_config_file(args.config) if args.config else {}
+        for key in ("host", "port", "model"):
+            if getattr(args, key) is not None:
+                data[key] = getattr(args, key)
+        if args.encoder:
+            data["encoders"] = args.encoder
+        if args.decoder:
+            data["decoders"] = args.decoder
+        if args.storage_path:
+            data["availability"] = {**data.get("availability", {}), "kind": "safetensors",
+                                    "storage_path": args.storage_path}
+        cfg = GatewayConfig.build(data)
+    except GatewayConfigError as exc:
+        print(f"epd gateway: {exc}", file=sys.stderr)
+        return 2
+    from encoder_service.gateway.server import serve
+
+    print(f"epd gateway: serving {cfg.model} on http://{cfg.host}:{cfg.port} "
+          f"(encoders {cfg.encoders or 'none'}, decoders {cfg.decoders})", flush=True)
+    serve(cfg)
+    return 0

@@ -1,0 +1,39 @@
+"""The gateway's Prometheus metrics (own registry per app: several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10,
+                 30, 60, 120)
+
+
+class GatewayMetrics:
+    """Stages: parse (read + validate + hash), encode (encoder calls), first_token (decode
+    request sent -> first byte back; includes the decode side's transfer wait and prefill),
+    total. Item outcomes: cache_hit (already available, not encoded), encoded, fallback
+    (sent as raw media after encoder failure: the decode instance encodes it)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("epd_gateway_requests", "Requests by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.stage = Histogram("epd_gateway_stage_seconds", "Per-stage latency", ["stage"],
+                               buckets=STAGE_BUCKETS, registry=r)
+        self.items = Counter("epd_gateway_items", "Media items by outcome", ["outcome"],
+                             registry=r)
+        self.retries = Counter("epd_gateway_retries", "Upstream retries", ["target"],
+                               registry=r)
+        self.fallbacks = Counter("epd_gateway_fallbacks",
+                                 "Requests sent with raw media after encoder failure",
+                                 registry=r)
+        self.rejected = Counter("epd_gateway_rejected", "Requests refused (4xx) by reason",
+                                ["reason"], registry=r)
+        self.upstream_errors = Counter("epd_gateway_upstream_errors",
+                                       "Failed upstream calls", ["target"], registry=r)
+        self.disconnects = Counter("epd_gateway_client_disconnects",
+                                   "Client disconnects that aborted upstream requests",
+                                   registry=r)
+        self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
+                              registry=r)

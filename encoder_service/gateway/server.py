@@ -1,0 +1,85 @@
+"""Run the gateway: `serve` (blocking, for `epd gateway`), `GatewayThread` (in-process, for
+`epd up`, tests and benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import uvicorn
+
+from encoder_service.gateway.app import create_app
+from encoder_service.gateway.config import GatewayConfig
+
+
+def setup_logging(level: str = "info") -> None:
+    """Structured key=value lines on stderr for the gateway logger (idempotent)."""
+    log = logging.getLogger("epd.gateway")
+    log.setLevel(level.upper())
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s epd.gateway %(message)s"))
+        log.addHandler(h)
+        log.propagate = False
+
+
+def _uvicorn_config(cfg: GatewayConfig, app=None) -> uvicorn.Config:
+    return uvicorn.Config(app or create_app(cfg), host=cfg.host, port=cfg.port,
+                          log_level="warning", access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=5)
+
+
+def serve(cfg: GatewayConfig) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn's own handlers: graceful, 5 s cap)."""
+    setup_logging(cfg.log_level)
+    uvicorn.Server(_uvicorn_config(cfg)).run()
+
+
+class GatewayThread:
+    """The gateway on a background thread with its own event loop. `start()` returns once it
+    accepts connections (or raises); `stop()` shuts it down gracefully."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        setup_logging(cfg.log_level)
+        self.cfg = cfg
+        self.app = create_app(cfg)
+        self.server = uvicorn.Server(_uvicorn_config(cfg, self.app))
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=self._run, name="epd-gateway", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    @property
+    def gateway(self):
+        return self.app.state.gateway
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as exc:  # noqa: BLE001 - reported by start()
+            self._error = exc
+
+    def start(self, timeout_s: float = 15.0) -> GatewayThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start on {self.url}: "
+                                   f"{self._error or 'timeout (port in use?)'}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> GatewayThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
