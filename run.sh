@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The two commands of the README. Both run the idempotent setup first.
-#   ./run.sh demo   start an EPD pair (vLLM encoder -> vLLM prefill/decode) and answer one image request
+#   ./run.sh demo   epd up --demo: vLLM encoder + vLLM prefill/decode + gateway; one image request through the gateway
 #   ./run.sh test   the whole test suite (lint, unit, real Mooncake/vLLM end-to-end)
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 scripts/setup_env.py
 case "${1:-}" in
-  demo) shift; exec .venv/bin/epd demo "$@" ;;
+  demo) shift; exec .venv/bin/epd up --demo "$@" ;;
   test)
     shift
     .venv/bin/ruff check .

