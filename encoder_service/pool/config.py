@@ -1,0 +1,92 @@
+"""The encoder pool's configuration, validated in one place (pydantic; unknown keys are errors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class PoolConfigError(ValueError):
+    """A bad pool configuration; the message names every offending key."""
+
+
+class PoolConfig(BaseModel):
+    """Settings of the encoder pool and its HTTP server.
+
+    Budgets are bytes of finished embeddings (features) per tier; a feature's bytes are
+    reserved from its estimated token count before it is encoded, so the CPU tier never holds
+    more than `cpu_budget_bytes`, queued or finished.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: Path  # local model directory (LLaVA family)
+    served_model_name: str | None = None  # namespace of published items; default: dir name
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"  # auto = model's dtype
+    devices: list[str] = Field(default_factory=lambda: ["cpu"], min_length=1)
+    workers_per_device: int = Field(default=1, ge=1, le=16)
+
+    # --- batching and queues ---
+    max_batch_size: int = Field(default=8, ge=1, le=256)
+    max_wait_ms: float = Field(default=5.0, ge=0, le=10_000)
+    max_queue_items: int = Field(default=256, ge=1)  # per modality; beyond it: HTTP 429
+    retry_after_s: float = Field(default=1.0, gt=0)
+
+    # --- budgets and lifecycle ---
+    cpu_budget_bytes: int = Field(default=2 * GiB, gt=0)
+    gpu_budget_bytes: int = Field(default=1 * GiB, gt=0)
+    retain: Literal["discard", "keep"] = "discard"  # after prefill: free it, or keep for reuse
+
+    # --- failure handling ---
+    item_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    on_failure: Literal["text_only", "fail"] = "text_only"
+    max_media_bytes: int = Field(default=20 * MiB, gt=0)
+    max_image_pixels: int = Field(default=4096 * 4096, gt=0)
+    max_items_per_request: int = Field(default=64, ge=1)
+    max_oom_retries: int = Field(default=2, ge=0, le=8)
+
+    # --- publishing (EPDConnector's ec_connector_extra_config; namespace defaults to the
+    # served model name so vLLM consumers of that model find the items) ---
+    transport: dict[str, Any] = Field(default_factory=dict)
+    engine_id: str = "epd-encoder-pool"
+
+    # --- HTTP ---
+    host: str = "127.0.0.1"
+    port: int = Field(default=18480, ge=1, le=65535)
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolConfig:
+        if not (self.model / "config.json").is_file():
+            raise ValueError(f"model directory {self.model} has no config.json")
+        for dev in self.devices:
+            if not (dev == "cpu" or dev.startswith("cuda")):
+                raise ValueError(f"device {dev!r} is not 'cpu' or 'cuda[:N]'")
+        return self
+
+    @property
+    def namespace(self) -> str:
+        return self.served_model_name or self.model.name
+
+    def transport_config(self):
+        """The validated EPDConfig for `make_transport` (errors name the bad key)."""
+        from ec_connectors.config import EPDConfig
+
+        extra = dict(self.transport)
+        extra.setdefault("namespace", self.namespace)
+        return EPDConfig.from_dict(extra)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PoolConfig:
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+                for err in exc.errors()
+            )
+            raise PoolConfigError(f"invalid encoder pool config: {problems}") from None

@@ -1,0 +1,92 @@
+"""Media items at the pool's door: decode, validate, size-check, and shrink on OOM.
+
+Everything a client sends is checked here, before it takes a queue slot: the encoded size,
+the pixel count (read from the header, before decoding, so a decompression bomb never
+allocates), and a full decode (a truncated or corrupt file fails here, not in a batch).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass, replace
+
+from PIL import Image, UnidentifiedImageError
+
+MIN_SIDE = 8  # reduced-resolution retries stop here
+
+
+class BadMedia(ValueError):
+    """Media that cannot be used; the message names the item and the reason."""
+
+    def __init__(self, item_id: str, reason: str) -> None:
+        super().__init__(f"item {item_id!r}: {reason}")
+        self.item_id = item_id
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """A decoded media item. Images: `image` (RGB). Videos: `frames` (RGB, in order)."""
+
+    item_id: str
+    modality: str
+    image: Image.Image | None = None
+    frames: tuple[Image.Image, ...] = ()
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(width, height) of the image or of the first frame."""
+        img = self.image if self.image is not None else self.frames[0]
+        return img.size
+
+
+def payload_bytes(item_id: str, data: str, max_bytes: int) -> bytes:
+    """Bytes of a base64 string or a `data:<mime>;base64,` URL, size-checked."""
+    if data.startswith("data:"):
+        head, sep, data = data.partition(",")
+        if not sep or ";base64" not in head:
+            raise BadMedia(item_id, "data URL must be base64 encoded")
+    if len(data) > (max_bytes * 4) // 3 + 8:
+        raise BadMedia(item_id, f"media is larger than the {max_bytes}-byte limit")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadMedia(item_id, "media is not valid base64") from None
+    if len(raw) > max_bytes:
+        raise BadMedia(item_id, f"media is {len(raw)} bytes; the limit is {max_bytes}")
+    if not raw:
+        raise BadMedia(item_id, "media is empty")
+    return raw
+
+
+def decode_image(item_id: str, raw: bytes, max_pixels: int) -> MediaItem:
+    """A fully decoded RGB image, or BadMedia (corrupt, truncated, too many pixels)."""
+    try:
+        img = Image.open(io.BytesIO(raw))
+        width, height = img.size
+        if width * height > max_pixels:
+            raise BadMedia(item_id, f"image is {width}x{height} = {width * height} pixels; "
+                                    f"the limit is {max_pixels}")
+        img.load()
+        img = img.convert("RGB")
+    except BadMedia:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
+            Image.DecompressionBombError) as exc:
+        raise BadMedia(item_id, f"cannot decode image: {exc}") from None
+    return MediaItem(item_id, "image", image=img)
+
+
+def reduce_media(item: MediaItem) -> MediaItem | None:
+    """The item at reduced cost for an out-of-memory retry: an image at half its width and
+    height, a video with every other frame. None when it cannot shrink further."""
+    if item.image is not None:
+        w, h = item.image.size
+        if min(w, h) // 2 < MIN_SIDE:
+            return None
+        return replace(item, image=item.image.resize((w // 2, h // 2), Image.BICUBIC))
+    if len(item.frames) > 1:
+        return replace(item, frames=item.frames[::2])
+    return None
