@@ -60,6 +60,12 @@ SPECS = {
         name="large", image_size=336, vision_hidden=512, vision_layers=6, vision_heads=8,
         lm_hidden=1024, lm_layers=2, lm_heads=16,
     ),
+    # ViT-L/32-style tower (1024 wide, 12 layers, 49 tokens per 224 px image): per-image
+    # matrices are small, so cross-request batching pays on CPU (benchmarks/pool_bench.py).
+    "vitl32": ModelSpec(
+        name="vitl32", image_size=224, patch_size=32, vision_hidden=1024, vision_layers=12,
+        vision_heads=16, lm_hidden=2048, lm_layers=1, lm_heads=16,
+    ),
 }
 
 
