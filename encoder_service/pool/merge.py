@@ -4,8 +4,11 @@ A prompt carries one placeholder token per media item (`expanded=False`, the def
 run of `num_tokens` placeholder tokens per item (`expanded=True`, what vLLM's processors
 produce). The position map says, for each item in prompt order, which placeholder it fills
 and where its rows land in the merged sequence; `merge_embeddings` then fills the merged
-sequence with one batched embedding lookup for all text tokens (`index_copy_`) plus one slice
-write per item: no Python loop over tokens. `merge_loop` is the per-token reference.
+sequence with batched embedding lookups written straight into the output (`index_select`
+with `out=`, one per run of consecutive text tokens) plus one slice write per item: the
+Python loop runs over runs and items, never over tokens. Pass a reused `out` buffer (as a
+serving engine's persistent input-embeddings buffer) to skip first-touch page faults.
+`merge_loop` is the per-token reference.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 class MergeError(ValueError):
@@ -49,6 +51,18 @@ class PositionMap:
     length: int  # rows of the merged sequence
     text_positions: torch.Tensor  # int64 [num_text]: merged row of each text token
     text_token_ids: torch.Tensor  # int64 [num_text]: those tokens' ids, same order
+
+    def text_runs(self) -> list[tuple[int, int, int]]:
+        """(merged_start, index into text_token_ids, length) of each run of consecutive text
+        rows: at most items + 1 runs."""
+        pos = self.text_positions
+        if pos.numel() == 0:
+            return []
+        breaks = torch.nonzero(pos[1:] - pos[:-1] != 1).flatten() + 1
+        starts = [0, *breaks.tolist()]
+        ends = [*starts[1:], pos.numel()]
+        firsts = pos[torch.tensor(starts)].tolist()
+        return [(m, a, b - a) for m, a, b in zip(firsts, starts, ends, strict=True)]
 
     def span(self, item_id: str) -> Span:
         for s in self.spans:
@@ -163,11 +177,12 @@ def merge_embeddings(pmap: PositionMap, embed_weight: torch.Tensor,
     pairs = _checked(pmap, features, dim)
     if out is None:
         out = torch.empty(pmap.length, dim, dtype=embed_weight.dtype, device=embed_weight.device)
-    elif out.shape != (pmap.length, dim):
-        raise MergeError(f"out has shape {tuple(out.shape)}, need ({pmap.length}, {dim})")
-    if pmap.text_token_ids.numel():
-        out.index_copy_(0, pmap.text_positions.to(out.device),
-                        F.embedding(pmap.text_token_ids.to(out.device), embed_weight))
+    elif out.shape != (pmap.length, dim) or out.dtype != embed_weight.dtype:
+        raise MergeError(f"out is {tuple(out.shape)} {out.dtype}, need ({pmap.length}, {dim}) "
+                         f"{embed_weight.dtype}")
+    ids = pmap.text_token_ids.to(embed_weight.device)
+    for start, src, n in pmap.text_runs():
+        torch.index_select(embed_weight, 0, ids[src:src + n], out=out[start:start + n])
     for s, emb in pairs:
         out[s.start:s.end] = emb
     return out
@@ -175,7 +190,8 @@ def merge_embeddings(pmap: PositionMap, embed_weight: torch.Tensor,
 
 def merge_loop(token_ids: Sequence[int] | torch.Tensor, items: Sequence[ItemRef],
                placeholder_ids: Mapping[int, str], embed_weight: torch.Tensor,
-               features: Mapping[str, torch.Tensor], *, expanded: bool = False) -> torch.Tensor:
+               features: Mapping[str, torch.Tensor], *, expanded: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Reference merge: a Python loop over tokens, row by row (tests and benchmarks only)."""
     rows: list[torch.Tensor] = []
     item_iter = iter(items)
@@ -194,7 +210,8 @@ def merge_loop(token_ids: Sequence[int] | torch.Tensor, items: Sequence[ItemRef]
             item = next(item_iter)
             for r in range(item.num_tokens):
                 rows.append(features[item.item_id][r].to(embed_weight.dtype))
-    out = torch.empty(len(rows), embed_weight.shape[1], dtype=embed_weight.dtype)
+    if out is None:
+        out = torch.empty(len(rows), embed_weight.shape[1], dtype=embed_weight.dtype)
     for i, row in enumerate(rows):
         out[i] = row
     return out
