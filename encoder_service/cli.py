@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     own = {"gateway": ("encoder_service.gateway.cli",
                        "the HTTP endpoint in front of encoders and prefill/decode instances"),
            "up": ("encoder_service.up", "start a local deployment (encoders, prefill/decode, "
-                  "gateway) from one config file; --demo sends a request and stops")}
+                  "gateway) from one config file; --demo sends a request and stops"),
+           "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
+                     "load against any OpenAI-compatible endpoint)")}
     for name, (_, text) in own.items():
         sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)

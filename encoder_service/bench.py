@@ -1,0 +1,260 @@
+"""`epd bench serve`: concurrent multimodal load against any OpenAI-compatible endpoint
+(this gateway, or a plain vLLM server).
+
+Workload: `num_requests` streamed chat requests, each with one image (a data: URL) and a
+short prompt, `ignore_eos` so every answer has exactly `max_tokens` tokens. A `reuse` share
+of the requests repeat an image already sent (placed at random, seeded); the others bring a
+new image. Arrivals: as fast as `concurrency` allows, or Poisson at `request_rate`.
+Reports throughput, TTFT, TPOT and end-to-end latency (p50/p90/p99); writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from encoder_service.media import data_url, sample_image_png
+
+
+@dataclass
+class BenchSpec:
+    url: str
+    model: str = "tiny-llava"
+    num_requests: int = 200
+    concurrency: int = 8
+    request_rate: float = math.inf
+    reuse: float = 0.5
+    distinct_images: int | None = None
+    max_tokens: int = 16
+    image_size: int = 112
+    prompt: str = "describe the image"
+    seed: int = 0
+    timeout_s: float = 120.0
+    label: str = ""
+
+
+@dataclass
+class Record:
+    image: int
+    ok: bool
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class BenchResult:
+    spec: dict[str, Any]
+    duration_s: float
+    summary: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def image_sequence(spec: BenchSpec) -> list[int]:
+    """Image index per request: `reuse` of them repeat an earlier image (seeded)."""
+    n = spec.num_requests
+    distinct = spec.distinct_images or max(1, round(n * (1 - spec.reuse)))
+    distinct = min(distinct, n)
+    rng = random.Random(spec.seed)
+    new_at = {0, *rng.sample(range(1, n), distinct - 1)} if n > 1 else {0}
+    seq, seen = [], 0
+    for i in range(n):
+        if i in new_at:
+            seq.append(seen)
+            seen += 1
+        else:
+            seq.append(rng.randrange(seen))
+    return seq
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: list[Record], duration_s: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    tpot = [(r.e2e - r.ttft) / (r.tokens - 1) for r in ok
+            if r.e2e is not None and r.ttft is not None and r.tokens > 1]
+    out: dict[str, Any] = {
+        "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "duration_s": duration_s, "req_per_s": len(ok) / duration_s if duration_s else 0.0,
+        "out_tok_per_s": sum(r.tokens for r in ok) / duration_s if duration_s else 0.0,
+    }
+    for name, vals in (("ttft_ms", ttft), ("tpot_ms", tpot), ("e2e_ms", e2e)):
+        for q in (50, 90, 99):
+            v = _pct(vals, q)
+            out[f"{name}_p{q}"] = None if v is None else v * 1e3
+    return out
+
+
+async def _one(client: httpx.AsyncClient, spec: BenchSpec, image_url: str, idx: int
+               ) -> Record:
+    body = {"model": spec.model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": spec.max_tokens, "ignore_eos": True, "temperature": 0.0,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": image_url}},
+                {"type": "text", "text": spec.prompt}]}]}
+    rec = Record(image=idx, ok=False, start=time.perf_counter())
+    try:
+        async with client.stream("POST", spec.url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                choices = chunk.get("choices") or []
+                if rec.ttft is None and choices and (choices[0].get("delta") or {}).get(
+                        "content"):
+                    rec.ttft = time.perf_counter() - rec.start
+                usage = chunk.get("usage")
+                if usage:
+                    rec.tokens = int(usage.get("completion_tokens") or 0)
+        rec.e2e = time.perf_counter() - rec.start
+        rec.ok = rec.tokens > 0
+        if not rec.ok:
+            rec.error = "no tokens"
+    except httpx.HTTPError as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
+    """Run the workload against `spec.url`; never raises for failed requests (counted)."""
+    seq = image_sequence(spec)
+    urls = {i: data_url(sample_image_png(seed=10_000 + spec.seed * 1000 + i, size=spec.image_size))
+            for i in sorted(set(seq))}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(seq), desc=spec.label or spec.url, unit="req", file=sys.stderr)
+    sem = asyncio.Semaphore(spec.concurrency)
+    rng = random.Random(spec.seed + 1)
+    limits = httpx.Limits(max_connections=spec.concurrency * 2)
+    async with httpx.AsyncClient(timeout=spec.timeout_s, limits=limits) as client:
+        async def task(i: int) -> Record:
+            async with sem:
+                rec = await _one(client, spec, urls[seq[i]], seq[i])
+            if bar is not None:
+                bar.update(1)
+            return rec
+
+        t0 = time.perf_counter()
+        tasks = []
+        for i in range(len(seq)):
+            tasks.append(asyncio.create_task(task(i)))
+            if math.isfinite(spec.request_rate):
+                await asyncio.sleep(rng.expovariate(spec.request_rate))
+        records = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return BenchResult(spec=asdict(spec) | {"request_rate": str(spec.request_rate)},
+                       duration_s=duration, summary=summarize(records, duration),
+                       records=[asdict(r) for r in records])
+
+
+def format_table(results: dict[str, dict[str, Any]]) -> str:
+    """A fixed-width table of summaries, one row per label."""
+    cols = [("req/s", "req_per_s", 2), ("tok/s", "out_tok_per_s", 0),
+            ("TTFT p50", "ttft_ms_p50", 1), ("p90", "ttft_ms_p90", 1), ("p99", "ttft_ms_p99", 1),
+            ("TPOT p50", "tpot_ms_p50", 2), ("E2E p50", "e2e_ms_p50", 1),
+            ("p90", "e2e_ms_p90", 1), ("p99", "e2e_ms_p99", 1), ("errors", "errors", 0)]
+    width = max(len(k) for k in results) + 2
+    lines = ["".ljust(width) + "".join(c[0].rjust(10) for c in cols) + "   (ms)"]
+    for label, s in results.items():
+        cells = []
+        for _, key, nd in cols:
+            v = s.get(key)
+            cells.append(("-" if v is None else f"{v:.{nd}f}").rjust(10))
+        lines.append(label.ljust(width) + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, BenchResult], path: Path) -> None:
+    """CDFs of TTFT and end-to-end latency, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for label, res in results.items():
+        ok = [r for r in res.records if r["ok"]]
+        for ax, key in zip(axes[:2], ("ttft", "e2e"), strict=True):
+            vals = np.sort([r[key] * 1e3 for r in ok if r[key] is not None])
+            if len(vals):
+                ax.plot(vals, np.arange(1, len(vals) + 1) / len(vals), label=label)
+    for ax, name in zip(axes[:2], ("TTFT (ms)", "end-to-end latency (ms)"), strict=True):
+        ax.set_xlabel(name)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    labels = list(results)
+    axes[2].bar(labels, [results[k].summary["req_per_s"] for k in labels])
+    axes[2].set_ylabel("requests / s")
+    axes[2].tick_params(axis="x", labelrotation=15)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(results: dict[str, BenchResult], path: Path, extra: dict | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"runs": {k: asdict(v) for k, v in results.items()},
+                                **(extra or {})}, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="epd bench", description="benchmarks")
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("serve", help="multimodal load against an OpenAI-compatible endpoint")
+    s.add_argument("--url", required=True, help="base URL (gateway or vLLM server)")
+    s.add_argument("--model", default="tiny-llava")
+    s.add_argument("--num-requests", type=int, default=200)
+    s.add_argument("--concurrency", type=int, default=8)
+    s.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second (default: as fast as concurrency allows)")
+    s.add_argument("--reuse", type=float, default=0.5, help="share of requests repeating an "
+                   "image already sent")
+    s.add_argument("--distinct-images", type=int, help="overrides --reuse")
+    s.add_argument("--max-tokens", type=int, default=16)
+    s.add_argument("--image-size", type=int, default=112)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--label", default="run")
+    s.add_argument("--json", type=Path, default=Path("bench-serve.json"))
+    s.add_argument("--png", type=Path, default=Path("bench-serve.png"))
+    s.add_argument("--no-progress", action="store_true")
+    a = p.parse_args(argv)
+    if not 0 <= a.reuse < 1 or a.num_requests < 1 or a.concurrency < 1:
+        print("epd bench serve: need 0 <= reuse < 1, num-requests >= 1, concurrency >= 1",
+              file=sys.stderr)
+        return 2
+    spec = BenchSpec(url=a.url.rstrip("/"), model=a.model, num_requests=a.num_requests,
+                     concurrency=a.concurrency, request_rate=a.request_rate, reuse=a.reuse,
+                     distinct_images=a.distinct_images, max_tokens=a.max_tokens,
+                     image_size=a.image_size, seed=a.seed, label=a.label)
+    res = asyncio.run(run_bench(spec, progress=not a.no_progress))
+    print(format_table({a.label: res.summary}))
+    write_json({a.label: res}, a.json)
+    plot({a.label: res}, a.png)
+    print(f"wrote {a.json} and {a.png}")
+    return 0 if res.summary["errors"] == 0 else 1

@@ -1,0 +1,96 @@
+"""`epd bench serve`: workload shape and the figures it reports, against a small streaming
+stand-in server over real HTTP (the benchmark itself drives real vLLM servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from encoder_service.bench import (
+    BenchSpec,
+    Record,
+    format_table,
+    image_sequence,
+    plot,
+    run_bench,
+    summarize,
+)
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+@pytest.mark.parametrize("n,reuse", [(200, 0.5), (10, 0.0), (50, 0.9)])
+def test_image_sequence_has_the_requested_reuse(n, reuse):
+    seq = image_sequence(BenchSpec(url="x", num_requests=n, reuse=reuse))
+    distinct = max(1, round(n * (1 - reuse)))
+    assert len(seq) == n and len(set(seq)) == distinct
+    seen: set[int] = set()
+    for i in seq:  # new images appear in order; reuses only point back
+        assert i in seen or i == len(seen)
+        seen.add(i)
+    assert seq == image_sequence(BenchSpec(url="x", num_requests=n, reuse=reuse))
+
+
+def test_summary_percentiles_and_tpot():
+    recs = [Record(image=0, ok=True, start=0, ttft=t / 1e3, e2e=(t + 30) / 1e3, tokens=4)
+            for t in range(1, 101)] + [Record(image=0, ok=False, start=0, error="x")]
+    s = summarize(recs, duration_s=10.0)
+    assert s["ok"] == 100 and s["errors"] == 1 and s["req_per_s"] == 10.0
+    assert s["ttft_ms_p50"] == pytest.approx(50.5)
+    assert s["tpot_ms_p50"] == pytest.approx(10.0)  # 30 ms over 3 inter-token gaps
+    assert "errors" in format_table({"a": s})
+
+
+def test_run_bench_measures_a_streaming_server(tmp_path):
+    seen: list[str] = []
+
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body["messages"][0]["content"][0]["image_url"]["url"][-40:])
+
+        async def gen():
+            yield 'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+            for _ in range(body["max_tokens"]):
+                await asyncio.sleep(0.002)
+                yield 'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+            usage = {"completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    port = next(p for p in range(18540, 18550) if _free(p))
+    server = uvicorn.Server(uvicorn.Config(Starlette(routes=[
+        Route("/v1/chat/completions", chat, methods=["POST"])]), port=port, log_level="error"))
+    server.install_signal_handlers = lambda: None
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        spec = BenchSpec(url=f"http://127.0.0.1:{port}", num_requests=20, concurrency=4,
+                         reuse=0.5, max_tokens=5)
+        res = asyncio.run(run_bench(spec, progress=False))
+    finally:
+        server.should_exit = True
+    s = res.summary
+    assert s["ok"] == 20 and s["errors"] == 0
+    assert len(set(seen)) == 10  # 50% reuse: 10 distinct images sent
+    assert 2 <= s["tpot_ms_p50"] < 50 and s["ttft_ms_p50"] < s["e2e_ms_p50"]
+    plot({"stub": res}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 5000
