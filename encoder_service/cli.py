@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
            "up": ("encoder_service.up", "start a local deployment (encoders, prefill/decode, "
                   "gateway) from one config file; --demo sends a request and stops"),
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
-                     "load against any OpenAI-compatible endpoint)")}
+                     "load against any OpenAI-compatible endpoint)"),
+           "encoder": ("encoder_service.pool.server", "batching encoder pool server (publishes "
+                       "embeddings vLLM EPDConnector consumers load)")}
     for name, (_, text) in own.items():
         sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)
