@@ -6,12 +6,14 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 GiB = 1 << 30
+MiB = 1 << 20
+KiB = 1 << 10
 
 
 class ConfigError(ValueError):
@@ -27,7 +29,7 @@ class EPDConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transport: Literal["safetensors"] = "safetensors"
+    transport: Literal["safetensors", "mooncake"] = "safetensors"
     # Items from different models must never mix: keys live under this namespace.
     # Default: the served model name.
     namespace: str | None = None
@@ -38,6 +40,33 @@ class EPDConfig(BaseModel):
     fsync: bool = False  # rename is atomic for readers; fsync adds crash durability
     verify_checksum: bool = True
     scan_interval_s: float = Field(default=0.25, gt=0, le=60)
+
+    # --- mooncake transport (Transfer Engine, P2P pulls into a registered pool) ---
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    host: str = "auto"  # this node's address for peers: "auto" = probe, hostname, 127.0.0.1
+    device_name: str | None = None  # RDMA device(s); default $RDMA_DEVICE_NAME, else all
+    # Producer side-channel port = base_port + stage_offset + dp_rank * world + rank;
+    # announcements on that + 1000 (see ec_connectors/net.py).
+    base_port: int = Field(default=15500, ge=1024, le=64000)
+    stage_offset: int = Field(default=0, ge=0, le=999)
+    # Producer side channels ("host:port") a consumer subscribes to and pulls from when a
+    # request carries no location; with a list, params may only name these producers.
+    producers: list[str] = Field(default_factory=list, max_length=256)
+    memory_pool_device: Literal["cpu", "cuda"] = "cpu"
+    # Producer: the byte budget of held items (LRU eviction of unleased items, then
+    # backpressure). Consumer: room for pulls in flight.
+    memory_pool_bytes: int = Field(default=2 * GiB, ge=1 * MiB)
+    inline_max_bytes: int = Field(default=256 * KiB, ge=0, le=16 * MiB)
+    lease_ttl_s: float = Field(default=60.0, gt=0)  # promised items are never evicted sooner
+    announce_interval_s: float = Field(default=2.0, gt=0, le=60)
+    # Size-scaled pull timeout: base + nbytes / rate, capped by the load deadline.
+    transfer_timeout_base_s: float = Field(default=2.0, gt=0)
+    min_transfer_bytes_per_s: float = Field(default=100e6, gt=0)
+    serve_threads: int = Field(default=4, ge=1, le=64)
+    progress_timeout_s: int = Field(default=10, ge=1)  # MC_TCP_PROGRESS_TIMEOUT_SEC if unset
+    # A pull that timed out may still be written by a frozen producer: its buffer is held
+    # until the producer answers or disconnects, at most this long.
+    quarantine_ttl_s: float = Field(default=300.0, gt=0)
 
     # --- producer side ---
     max_pending_saves: int = Field(default=16, ge=1)
@@ -52,6 +81,15 @@ class EPDConfig(BaseModel):
 
     # Directory of the scheduler<->worker control sockets (unix domain sockets).
     control_dir: str = Field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "epd-ctl"))
+
+    @field_validator("producers")
+    @classmethod
+    def _check_producers(cls, value: list[str]) -> list[str]:
+        from ec_connectors.net import parse_endpoint
+
+        for endpoint in value:
+            parse_endpoint(endpoint)  # raises ValueError with the reason
+        return value
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any] | None) -> EPDConfig:

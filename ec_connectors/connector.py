@@ -26,7 +26,7 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.control import control_address
 from ec_connectors.log import get_logger
 from ec_connectors.stats import EPDPromMetrics, EPDStats
-from ec_connectors.transports import make_transport
+from ec_connectors.transports import Placement, make_transport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,6 +57,19 @@ def _worker_rank() -> int:
         return 0
 
 
+def _placement(vllm_config: VllmConfig, role: ECConnectorRole, is_producer: bool,
+               is_consumer: bool) -> Placement:
+    par = vllm_config.parallel_config
+    world = max(1, (par.tensor_parallel_size or 1) * (par.pipeline_parallel_size or 1))
+    return Placement(
+        role="scheduler" if role == ECConnectorRole.SCHEDULER else "worker",
+        is_producer=is_producer, is_consumer=is_consumer,
+        dp_rank=getattr(par, "data_parallel_rank", 0) or 0,
+        rank=0 if role == ECConnectorRole.SCHEDULER else _worker_rank() % world,
+        world_size=world,
+    )
+
+
 def _worker_device() -> torch.device:
     from vllm.platforms import current_platform
 
@@ -72,7 +85,8 @@ class EPDConnector(ECConnectorBase):
         ec = vllm_config.ec_transfer_config
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
         address = control_address(self.config.control_dir, ec.engine_id, dp_rank)
-        transport = make_transport(self.config)
+        transport = make_transport(
+            self.config, _placement(vllm_config, role, self.is_producer, self.is_consumer))
         self._sched: EPDSchedulerSide | None = None
         self._worker: EPDWorker | None = None
         if role == ECConnectorRole.SCHEDULER:

@@ -16,13 +16,13 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
 
 from ec_connectors import messages
 from ec_connectors.log import get_logger
-from ec_connectors.messages import ControlMessage
 
 logger = get_logger(__name__)
 
@@ -35,24 +35,31 @@ def control_address(control_dir: str, engine_id: str, dp_rank: int) -> str:
 
 
 class ControlEndpoint:
-    """One end of the channel. `bind=True` (scheduler, ROUTER) or False (worker, DEALER).
+    """One end of a ZMQ channel, owned by one background thread; any thread may `send`.
 
-    `on_message(msg, peer)` runs on the endpoint's thread; `peer` is the ROUTER identity of
-    the sender (None on the worker side). Malformed frames are logged and dropped.
+    `bind=True`: ROUTER (scheduler side, or a producer's peer server); `bind=False`: DEALER.
+    `on_message(msg, peer, payload)` runs on the endpoint's thread: `peer` is the ROUTER
+    identity of the sender (None on a DEALER), `payload` the raw frames after the header
+    (inline item bytes on the peer channel). Frames that `decode` rejects are counted and
+    dropped. A DEALER reports a lost connection to `on_disconnect` (the peer process died).
     """
 
     def __init__(
         self,
         address: str,
         bind: bool,
-        on_message: Callable[[ControlMessage, bytes | None], None],
+        on_message: Callable[[Any, bytes | None, list[bytes]], None],
         name: str,
+        decode: Callable[[bytes], Any] = messages.decode,
+        on_disconnect: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self.bind = bind
         self._on_message = on_message
+        self._decode = decode
+        self._on_disconnect = on_disconnect
         self._ctx = zmq.Context.instance()
-        self._outbox: deque[tuple[bytes | None, bytes]] = deque()
+        self._outbox: deque[tuple[bytes | None, list[bytes | memoryview]]] = deque()
         self._bell_r, self._bell_w = os.pipe()
         os.set_blocking(self._bell_r, False)
         os.set_blocking(self._bell_w, False)
@@ -60,6 +67,7 @@ class ControlEndpoint:
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self.bad_frames = 0
+        self.connected = False  # DEALER: a connection is (or was last seen) up
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         if not self._ready.wait(10):
@@ -67,31 +75,42 @@ class ControlEndpoint:
         if self._error is not None:
             raise RuntimeError(f"EPD control endpoint {address} failed: {self._error}")
 
-    def send(self, msg: ControlMessage, to: bytes | None = None) -> None:
-        self._outbox.append((to, messages.encode(msg)))
+    def send(self, msg: msgspec.Struct, to: bytes | None = None,
+             payload: bytes | memoryview | None = None) -> None:
+        frames: list[bytes | memoryview] = [messages.encode(msg)]
+        if payload is not None:
+            frames.append(payload)
+        self._outbox.append((to, frames))
         with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake anyway
             os.write(self._bell_w, b"\0")
 
-    def _run(self) -> None:
+    def _open(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER if self.bind else zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.bind:
+            path = self.address.removeprefix("ipc://")
+            if self.address.startswith("ipc://") and os.path.exists(path):
+                os.unlink(path)  # a stale socket from a dead process
+            sock.bind(self.address)
+        else:
+            sock.connect(self.address)
+        return sock
+
+    def _run(self) -> None:
         try:
-            if self.bind:
-                path = self.address.removeprefix("ipc://")
-                if os.path.exists(path):
-                    os.unlink(path)  # a stale socket from a dead process
-                sock.bind(self.address)
-            else:
-                sock.connect(self.address)
+            sock = self._open()
+            monitor = (sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                       if self._on_disconnect is not None else None)
         except BaseException as exc:  # surfaced to the constructor
             self._error = exc
             self._ready.set()
-            sock.close()
             return
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._bell_r, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
         try:
             while not self._stop:
                 events = dict(poller.poll(500))
@@ -102,31 +121,59 @@ class ControlEndpoint:
                     except BlockingIOError:
                         pass
                 while self._outbox:
-                    to, data = self._outbox.popleft()
-                    if self.bind:
-                        if to is not None:
-                            sock.send_multipart([to, data])
-                    else:
-                        sock.send(data)
+                    to, frames = self._outbox.popleft()
+                    if not self.bind:
+                        sock.send_multipart(frames)
+                    elif to is not None:
+                        sock.send_multipart([to, *frames])
+                if monitor is not None and monitor in events:
+                    self._on_monitor(monitor)
                 if sock in events:
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        peer = frames[0] if self.bind else None
-                        try:
-                            msg = messages.decode(frames[-1])
-                        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                            self.bad_frames += 1
-                            logger.warning("EPD control: dropped a malformed message: %s", exc)
-                            continue
-                        try:
-                            self._on_message(msg, peer)
-                        except Exception:
-                            logger.exception("EPD control: handler failed for %r", msg)
+                    self._receive(sock)
         finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close()
             sock.close()
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                self.connected = False
+                try:
+                    self._on_disconnect()  # type: ignore[misc]
+                except Exception:
+                    logger.exception("EPD channel %s: disconnect handler failed", self.address)
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer = frames[0] if self.bind else None
+            body = frames[1:] if self.bind else frames
+            try:
+                if not body:
+                    raise msgspec.DecodeError("empty message")
+                msg = self._decode(body[0])
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self.bad_frames += 1
+                logger.warning("EPD channel %s: dropped a malformed message: %s",
+                               self.address, exc)
+                continue
+            try:
+                self._on_message(msg, peer, body[1:])
+            except Exception:
+                logger.exception("EPD channel %s: handler failed for %r", self.address, msg)
 
     def close(self) -> None:
         self._stop = True
@@ -136,7 +183,6 @@ class ControlEndpoint:
         for fd in (self._bell_r, self._bell_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self.bind:
-            path = self.address.removeprefix("ipc://")
+        if self.bind and self.address.startswith("ipc://"):
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(self.address.removeprefix("ipc://"))

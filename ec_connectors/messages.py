@@ -22,13 +22,18 @@ class Hello(msgspec.Struct, tag=True):
 
     rank: int
     pid: int
+    endpoint: str = ""  # this worker's transport endpoint, if it serves items (producers)
 
 
 class Prefetch(msgspec.Struct, tag=True):
-    """scheduler -> workers: stage this item in memory, then report `Staged`."""
+    """scheduler -> workers: stage this item in memory, then report `Staged`.
+    `location`/`nbytes`: where the item lives and its size, when known (request params or a
+    producer's announcement); transports that pull from a peer use them."""
 
     item_id: str
     timeout_s: float
+    location: str = ""
+    nbytes: int = 0
 
 
 class Drop(msgspec.Struct, tag=True):
@@ -71,10 +76,79 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
 
 
-def encode(msg: ControlMessage) -> bytes:
+def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
 def decode(data: bytes) -> ControlMessage:
     """Raises msgspec.DecodeError / ValidationError on garbage; callers drop such frames."""
     return _decoder.decode(data)
+
+
+# --- Peer side channel (Mooncake TE transport): consumer worker <-> producer worker ---------
+# Control only: the bytes of an item move through the transfer engine, except items up to
+# `inline_max_bytes`, which ride as one raw frame after the header (no pickle, ever).
+
+
+class Pull(msgspec.Struct, tag=True):
+    """consumer -> producer: write item `key` into my registered buffer `dst_addr` (of
+    `capacity` bytes) through the transfer engine session `session` ("host:rpc_port").
+    capacity 0 asks for the item's metadata first (or the item inline, if it is small)."""
+
+    pull_id: int
+    key: str
+    session: str
+    dst_addr: int
+    capacity: int
+
+
+class Pulled(msgspec.Struct, tag=True):
+    """producer -> consumer: the item is in your buffer (or in the next frame, `inline`)."""
+
+    pull_id: int
+    info: ItemInfo
+    inline: bool = False
+
+
+class PullFailed(msgspec.Struct, tag=True):
+    """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
+    transfer | bad_request."""
+
+    pull_id: int
+    code: str
+    error: str = ""
+    info: ItemInfo | None = None
+
+
+class Announce(msgspec.Struct, tag=True):
+    """producer -> subscribers: items stored at `endpoint`."""
+
+    endpoint: str
+    items: list[ItemInfo]
+
+
+class Evicted(msgspec.Struct, tag=True):
+    """producer -> subscribers: keys no longer held at `endpoint`."""
+
+    endpoint: str
+    keys: list[str]
+
+
+class Snapshot(msgspec.Struct, tag=True):
+    """producer -> subscribers, periodically: everything held at `endpoint` (heals missed
+    events; a producer whose snapshots stop is forgotten after a few intervals)."""
+
+    endpoint: str
+    keys: list[str]
+    nbytes: list[int]
+    interval_s: float
+
+
+PeerMessage = Pull | Pulled | PullFailed | Announce | Evicted | Snapshot
+
+_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
+
+
+def decode_peer(data: bytes) -> PeerMessage:
+    """Raises msgspec.DecodeError / ValidationError on garbage; callers drop such frames."""
+    return _peer_decoder.decode(data)

@@ -25,6 +25,8 @@ COUNTERS = {
     "hits": "Scheduler lookups that found an item ready",
     "deferrals": "Scheduler steps a request waited for its items",
     "timeouts": "Items that missed their load deadline",
+    "pull_timeouts": "Pulls a producer did not answer in time (frozen or overloaded peer)",
+    "peer_disconnects": "Pulls cut short because the producer's process went away",
     "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
     "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
 }

@@ -30,7 +30,7 @@ from ec_connectors.messages import (
     Staged,
     WorkerStats,
 )
-from ec_connectors.stats import StatsRecorder
+from ec_connectors.stats import COUNTERS, StatsRecorder
 from ec_connectors.transports.base import Transport
 
 logger = get_logger(__name__)
@@ -60,13 +60,13 @@ class EPDWorker:
         self._staged_bytes = 0
         self._saves_done: set[str] = set()
         self._loads_done: set[str] = set()
-        self._events_seen = (0, 0, 0)
+        self._events_seen: dict[str, int] = {}
         self._save_slots = threading.BoundedSemaphore(config.max_pending_saves)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-writer")
         self._loaders = ThreadPoolExecutor(config.load_threads, thread_name_prefix="epd-loader")
         self.channel = ControlEndpoint(address, bind=False, on_message=self._on_control,
                                        name=f"epd-worker{rank}-ctl")
-        self.channel.send(Hello(rank=rank, pid=os.getpid()))
+        self.channel.send(Hello(rank=rank, pid=os.getpid(), endpoint=transport.endpoint))
 
     # -- producer --------------------------------------------------------------------------
     def save(self, item_id: str, tensor: torch.Tensor) -> None:
@@ -121,7 +121,7 @@ class EPDWorker:
                 self._save_slots.release()
 
     # -- consumer --------------------------------------------------------------------------
-    def _on_control(self, msg: ControlMessage, _peer: bytes | None) -> None:
+    def _on_control(self, msg: ControlMessage, _peer: bytes | None, _payload: list) -> None:
         if isinstance(msg, Prefetch):
             self._loaders.submit(self._prefetch, msg)
         elif isinstance(msg, Drop):
@@ -139,7 +139,8 @@ class EPDWorker:
         error = ""
         tensor = None
         try:
-            tensor = self.transport.get(item_id, time.monotonic() + msg.timeout_s)
+            tensor = self.transport.get(item_id, time.monotonic() + msg.timeout_s,
+                                        location=msg.location, nbytes=msg.nbytes)
             if tensor is None:
                 error = "not available (missing, corrupt or timed out)"
             elif self.device.type != "cpu":
@@ -175,6 +176,7 @@ class EPDWorker:
 
     def _reap(self) -> None:
         """Drop staged items nobody placed within `staged_ttl_s` (aborted requests)."""
+        self.transport.reap()
         cutoff = time.monotonic() - self.config.staged_ttl_s
         with self._lock:
             stale = [k for k, (_, ts) in self._staged.items() if ts < cutoff]
@@ -211,15 +213,12 @@ class EPDWorker:
 
     # -- reporting -------------------------------------------------------------------------
     def _fold_transport_events(self) -> None:
-        ev = self.transport.events
+        now = self.transport.events.counters()
         with self._lock:
-            seen = self._events_seen
-            now = (ev.evictions, ev.corrupt, ev.evicted_bytes)
-            self._events_seen = now
-        if now[0] > seen[0]:
-            self.stats.inc("evictions", now[0] - seen[0])
-        if now[1] > seen[1]:
-            self.stats.inc("corrupt", now[1] - seen[1])
+            seen, self._events_seen = self._events_seen, now
+        for name, value in now.items():
+            if name in COUNTERS and value > seen.get(name, 0):
+                self.stats.inc(name, value - seen.get(name, 0))
 
     def _reply(self, msg: Saved | Staged) -> None:
         """Tell the scheduler side an outcome, followed by the stats it changed."""

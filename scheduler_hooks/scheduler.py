@@ -37,7 +37,7 @@ from ec_connectors.messages import (
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
 from scheduler_hooks.index import AvailabilityIndex
-from scheduler_hooks.params import BadParams, hinted_items, producer_params
+from scheduler_hooks.params import BadParams, Source, item_sources, producer_params
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -92,7 +92,8 @@ class EPDSchedulerSide:
         self._to_place: dict[str, int] = {}
         self._req_items: dict[str, dict[str, int]] = {}
         self._req_placed: dict[str, set[str]] = {}
-        self._req_hints: dict[str, set[str]] = {}
+        self._req_hints: dict[str, dict[str, Source]] = {}
+        self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
         self._unavailable: set[str] = set()
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._saved: OrderedDict[str, ItemInfo] = OrderedDict()
@@ -101,11 +102,14 @@ class EPDSchedulerSide:
                                        name="epd-sched-ctl")
 
     # -- control channel (runs on the channel thread) ---------------------------------------
-    def _on_control(self, msg: ControlMessage, peer: bytes | None) -> None:
+    def _on_control(self, msg: ControlMessage, peer: bytes | None, _payload: list) -> None:
         if isinstance(msg, Hello):
             with self._lock:
                 self._workers[msg.rank] = peer or b""
-            logger.info("EPD: worker rank %d (pid %d) connected", msg.rank, msg.pid)
+                if msg.endpoint:
+                    self._endpoints[msg.rank] = msg.endpoint
+            logger.info("EPD: worker rank %d (pid %d) connected%s", msg.rank, msg.pid,
+                        f", serving items at {msg.endpoint}" if msg.endpoint else "")
         elif isinstance(msg, Staged):
             self._on_staged(msg)
         elif isinstance(msg, WorkerStats):
@@ -139,7 +143,22 @@ class EPDSchedulerSide:
         for peer in peers:  # another rank may have staged it: free that memory
             self.channel.send(Drop(item_id=msg.item_id), to=peer)
 
-    def _prefetch(self, item_id: str) -> Staging:
+    def _source(self, item_id: str, key: str, hints: dict[str, Source]) -> Source:
+        """Where to pull from: the request's params (only configured producers, when a list
+        is configured: params are client-controlled), else the producers' announcements."""
+        source = hints.get(item_id, Source())
+        allowed = self.config.producers
+        if source.location and allowed and source.location not in allowed:
+            logger.warning("EPD: ignoring location %r for item %r: not a configured producer",
+                           source.location, item_id)
+            source = Source("", source.nbytes)
+        if not source.location:
+            found = self.transport.locate(key)
+            if found is not None:
+                return Source(found[0], source.nbytes or found[1])
+        return source
+
+    def _prefetch(self, item_id: str, source: Source = Source()) -> Staging:
         now = time.monotonic()
         st = Staging(Status.LOADING, now,
                      now + self.config.load_timeout_s + _SCHEDULER_GRACE_S)
@@ -149,7 +168,8 @@ class EPDSchedulerSide:
                 st.status, st.error = Status.FAILED, "no worker connected"
             self._staging[item_id] = st
         for peer in peers:
-            self.channel.send(Prefetch(item_id=item_id, timeout_s=self.config.load_timeout_s),
+            self.channel.send(Prefetch(item_id=item_id, timeout_s=self.config.load_timeout_s,
+                                       location=source.location, nbytes=source.nbytes),
                               to=peer)
         return st
 
@@ -167,16 +187,16 @@ class EPDSchedulerSide:
             return True
         return False
 
-    def _hints(self, request: Request) -> set[str]:
+    def _hints(self, request: Request) -> dict[str, Source]:
         req_id = request.request_id
         hints = self._req_hints.get(req_id)
         if hints is None:
             try:
-                hints = hinted_items(getattr(request, "ec_transfer_params", None))
+                hints = item_sources(getattr(request, "ec_transfer_params", None))
             except BadParams as exc:
                 logger.warning("EPD: request %s: ignoring malformed ec_transfer_params (%s); "
                                "its media will be encoded locally", req_id, exc)
-                hints = set()
+                hints = {}
             self._req_hints[req_id] = hints
         return hints
 
@@ -205,7 +225,7 @@ class EPDSchedulerSide:
                     logger.debug("EPD: request %s item %r is not in the transport; vLLM "
                                  "encodes it locally", req_id, item_id)
                     continue
-                st = self._prefetch(item_id)
+                st = self._prefetch(item_id, self._source(item_id, key, hints))
             if st.status is Status.LOADING and now > st.deadline:
                 with self._lock:
                     if st.status is Status.LOADING:
@@ -305,15 +325,18 @@ class EPDSchedulerSide:
         if not items:
             return None
         described: dict[str, dict[str, Any]] = {}
+        endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
         for item_id, num_embeds in items.items():
             entry: dict[str, Any] = {"num_embeds": num_embeds, "key": item_key(item_id)}
             info = self._saved.get(item_id)
             if info is not None:
                 entry.update(shape=list(info.shape), dtype=info.dtype, nbytes=info.nbytes,
                              checksum=info.checksum)
+                if endpoint:  # peer transports: this worker serves it
+                    entry["location"] = info.location
             described[item_id] = entry
         return producer_params(self.transport.name, self.config.namespace or "",
-                               self.engine_id, described)
+                               self.engine_id, described, endpoint=endpoint)
 
     @property
     def num_workers(self) -> int:

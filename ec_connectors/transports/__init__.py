@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.transports.base import Transport
+from ec_connectors.transports.base import Placement, Transport
 
 
-def make_transport(config: EPDConfig) -> Transport:
+def make_transport(config: EPDConfig, placement: Placement | None = None) -> Transport:
+    """The transport `config` names, for a process at `placement` (default: a worker that
+    both produces and consumes, e.g. a standalone encoder or a test)."""
+    placement = placement or Placement()
     if config.transport == "safetensors":
         from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 
@@ -14,7 +17,13 @@ def make_transport(config: EPDConfig) -> Transport:
             config.storage_path, config.namespace or "default", config.max_storage_bytes,
             fsync=config.fsync, verify_checksum=config.verify_checksum,
         )
+    if config.transport == "mooncake":
+        from ec_connectors.transports import mooncake_te
+
+        if placement.role == "scheduler":
+            return mooncake_te.MooncakeCatalog(config, placement)
+        return mooncake_te.MooncakeTransport(config, placement)
     raise ValueError(f"unknown transport {config.transport!r}")
 
 
-__all__ = ["Transport", "make_transport"]
+__all__ = ["Placement", "Transport", "make_transport"]

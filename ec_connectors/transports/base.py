@@ -35,15 +35,34 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a transport instance lives: vLLM's scheduler process or a worker, which roles
+    the connector plays, and which worker it is (peer-to-peer transports derive ports)."""
+
+    role: str = "worker"  # "scheduler" | "worker"
+    is_producer: bool = True
+    is_consumer: bool = True
+    dp_rank: int = 0
+    rank: int = 0
+    world_size: int = 1  # workers of one engine (tp * pp)
+
+
 @dataclass
 class TransportEvents:
-    """Counters a transport bumps; the worker folds them into connector stats."""
+    """Counters a transport bumps; the worker folds them into connector stats (the field
+    names that are also connector counters, see stats.COUNTERS)."""
 
     evictions: int = 0
     evicted_bytes: int = 0
     corrupt: int = 0
     missing: int = 0
+    pull_timeouts: int = 0
+    peer_disconnects: int = 0
     errors: list[str] = field(default_factory=list)
+
+    def counters(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, int)}
 
 
 class Transport(ABC):
@@ -59,8 +78,10 @@ class Transport(ABC):
         """Store `tensor` (CPU, contiguous) under `item_id`; readers never see a partial item."""
 
     @abstractmethod
-    def get(self, item_id: str, deadline: float) -> torch.Tensor | None:
-        """The verified item, waiting for it until `deadline` (time.monotonic()); None = miss."""
+    def get(self, item_id: str, deadline: float, location: str = "",
+            nbytes: int = 0) -> torch.Tensor | None:
+        """The verified item, waiting for it until `deadline` (time.monotonic()); None = miss.
+        `location`/`nbytes`: where it lives and its size, when known (peer transports)."""
 
     @abstractmethod
     def exists(self, item_id: str) -> bool:
@@ -73,6 +94,20 @@ class Transport(ABC):
     @abstractmethod
     def delete(self, item_id: str) -> bool:
         """Remove an item; True when something was removed."""
+
+    def locate(self, key: str) -> tuple[str, int] | None:
+        """Scheduler process: (location, nbytes) of a stored item, from memory; None if
+        unknown or if the transport needs no location."""
+        return None
+
+    @property
+    def endpoint(self) -> str:
+        """Where peers reach this instance ("" for transports without peers)."""
+        return ""
+
+    def reap(self) -> None:
+        """Periodic housekeeping (worker loader threads call it); no-op by default."""
+        return None
 
     def health(self) -> dict[str, object]:
         return {"transport": self.name, "ok": True}

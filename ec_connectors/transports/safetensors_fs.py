@@ -133,7 +133,8 @@ class SafetensorsTransport(Transport):
         return info
 
     # -- read ----------------------------------------------------------------------------
-    def get(self, item_id: str, deadline: float) -> torch.Tensor | None:
+    def get(self, item_id: str, deadline: float, location: str = "",
+            nbytes: int = 0) -> torch.Tensor | None:
         path = self.path_for(item_id)
         delay = 0.001
         while True:

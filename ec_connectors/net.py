@@ -1,0 +1,69 @@
+"""Addresses for the peer-to-peer transports: this node's host, the port scheme, endpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import re
+import socket
+
+PURPOSE_SERVE = 0  # side channel: pull requests and replies (ZMQ ROUTER on the producer)
+PURPOSE_ANNOUNCE = 1000  # announcements of stored items (ZMQ PUB on the producer)
+MAX_RANKS_PER_NODE = 1000  # stage_offset + dp_rank * world + rank must stay below this
+
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
+def port_for(base_port: int, purpose: int, stage_offset: int, dp_rank: int, world_size: int,
+             rank: int) -> int:
+    """`base + purpose_offset + stage_offset + dp_index * tp_size + tp_rank` (world_size =
+    workers of one engine, tp * pp), so DP replicas and TP ranks on one node never collide."""
+    local = stage_offset + dp_rank * world_size + rank
+    if local >= MAX_RANKS_PER_NODE:
+        raise ValueError(f"stage_offset + dp_rank * world + rank = {local} exceeds "
+                         f"{MAX_RANKS_PER_NODE - 1}: ports of two purposes would collide")
+    port = base_port + purpose + local
+    if port > 65535:
+        raise ValueError(f"port {port} is out of range; lower base_port")
+    return port
+
+
+def resolve_host(host: str) -> str:
+    """`auto`: the address of the interface that routes outward (a UDP connect sends nothing),
+    then the hostname's address, then 127.0.0.1. Anything else is returned as given."""
+    if host != "auto":
+        return host
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 1))
+        addr = s.getsockname()[0]
+        if addr and not addr.startswith("0."):
+            return addr
+    with contextlib.suppress(OSError):
+        addr = socket.gethostbyname(socket.gethostname())
+        if addr:
+            return addr
+    return "127.0.0.1"
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """`host:port` -> (host, port); raises ValueError on anything else (untrusted input)."""
+    if not isinstance(endpoint, str) or len(endpoint) > 300:
+        raise ValueError("an endpoint must be a 'host:port' string")
+    host, sep, port_s = endpoint.rpartition(":")
+    if not sep or not port_s.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not 'host:port'")
+    port = int(port_s)
+    if not 0 < port < 65536:
+        raise ValueError(f"endpoint {endpoint!r}: port out of range")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOST.match(host):
+            raise ValueError(f"endpoint {endpoint!r}: bad host") from None
+    return host, port
+
+
+def announce_endpoint(serve_endpoint: str) -> str:
+    """A producer's announcement address from its side-channel address."""
+    host, port = parse_endpoint(serve_endpoint)
+    return f"{host}:{port + PURPOSE_ANNOUNCE - PURPOSE_SERVE}"

@@ -1,0 +1,782 @@
+"""Mooncake Transfer Engine transport: consumers pull items from producers' registered pools.
+
+Producer worker: `put` copies the encoder output once into its registered pool and announces
+it (ZMQ PUB). A ZMQ ROUTER side channel answers `Pull`: the producer writes the item straight
+into the consumer's registered buffer with the transfer engine (RDMA or TCP), then replies
+`Pulled`. Small items ride inline in the reply (one round trip, no engine call).
+Items are held under a byte budget (the pool): leased for `lease_ttl_s` after their save,
+never deleted on pull (any number of consumers), LRU-evicted only once unleased and unpinned;
+when everything is leased a save waits (backpressure) and then fails loudly.
+
+Consumer worker: `get` allocates from its own pool, asks the producer to write, waits with a
+size-scaled deadline, verifies the checksum, and returns an owned tensor (the pool block goes
+back at once, so vLLM's encoder cache never pins pool memory).
+A buffer whose pull timed out may still be written by a frozen producer: it is quarantined
+until that producer answers or disconnects (or `quarantine_ttl_s`), never reused early.
+
+Scheduler process: `MooncakeCatalog` subscribes to producers' announcements and answers
+`list_keys` / `locate` from memory (the availability index's source).
+
+Routing, retries across tiers and request lifecycle live above (worker.py, scheduler_hooks/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+import zmq
+
+from ec_connectors import messages
+from ec_connectors.config import EPDConfig
+from ec_connectors.control import ControlEndpoint
+from ec_connectors.keys import item_key
+from ec_connectors.log import get_logger
+from ec_connectors.messages import (
+    Announce,
+    Evicted,
+    ItemInfo,
+    PeerMessage,
+    Pull,
+    Pulled,
+    PullFailed,
+    Snapshot,
+)
+from ec_connectors.net import (
+    PURPOSE_ANNOUNCE,
+    PURPOSE_SERVE,
+    announce_endpoint,
+    parse_endpoint,
+    port_for,
+    resolve_host,
+)
+from ec_connectors.pool import MemoryPool, PoolBuffer, PoolExhausted
+from ec_connectors.transports.base import (
+    Placement,
+    Transport,
+    checksum,
+    dtype_from_name,
+    dtype_name,
+    tensor_bytes,
+)
+
+logger = get_logger(__name__)
+
+_RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
+_UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save may still be queued
+
+
+class TransferEngineUnavailable(RuntimeError):
+    pass
+
+
+def _start_engine(config: EPDConfig, host: str):
+    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(config.progress_timeout_s))
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise TransferEngineUnavailable(
+            "transport 'mooncake' needs the Mooncake Transfer Engine: pip install "
+            "'epd-serve[cpu]' (mooncake-transfer-engine-non-cuda) or '[cuda]'; it needs "
+            f"libibverbs.so.1 (apt-get install libibverbs1). Import failed: {exc}") from exc
+    engine = TransferEngine()
+    device = config.device_name or os.environ.get("RDMA_DEVICE_NAME", "")
+    rc = engine.initialize(host, "P2PHANDSHAKE", config.protocol, device if
+                           config.protocol == "rdma" else "")
+    if rc != 0:
+        raise TransferEngineUnavailable(
+            f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {config.protocol!r}, "
+            f"{device!r}) failed with {rc}; check host/protocol/device_name")
+    return engine
+
+
+def describe(info: ItemInfo) -> tuple[torch.dtype, tuple[int, ...]]:
+    """dtype and shape of an item, checked against its byte size (untrusted metadata)."""
+    dtype = dtype_from_name(info.dtype)
+    shape = tuple(int(d) for d in info.shape)
+    numel = 1
+    for d in shape:
+        if d < 0:
+            raise ValueError(f"negative dimension in {shape}")
+        numel *= d
+    if numel * torch.empty((), dtype=dtype).element_size() != info.nbytes:
+        raise ValueError(f"shape {shape} of {info.dtype} is not {info.nbytes} bytes")
+    return dtype, shape
+
+
+# --- producer -------------------------------------------------------------------------------
+
+
+@dataclass
+class Held:
+    info: ItemInfo
+    buf: PoolBuffer
+    lease_until: float
+    pins: int = 0
+
+
+class ProducerStore:
+    """Items held in the registered pool: leases, pins, LRU. Thread-safe."""
+
+    def __init__(self, pool: MemoryPool, lease_ttl_s: float) -> None:
+        self.pool = pool
+        self.lease_ttl_s = lease_ttl_s
+        self._items: OrderedDict[str, Held] = OrderedDict()  # LRU first
+        self._lock = threading.Lock()
+        self.recently_evicted: OrderedDict[str, None] = OrderedDict()
+
+    def get(self, key: str) -> Held | None:
+        with self._lock:
+            held = self._items.get(key)
+            if held is not None:
+                self._items.move_to_end(key)
+            return held
+
+    def pin(self, key: str) -> Held | None:
+        with self._lock:
+            held = self._items.get(key)
+            if held is not None:
+                held.pins += 1
+                self._items.move_to_end(key)
+            return held
+
+    def unpin(self, held: Held) -> None:
+        with self._lock:
+            held.pins -= 1
+        self.pool.notify()
+
+    def renew(self, key: str) -> bool:
+        with self._lock:
+            held = self._items.get(key)
+            if held is None:
+                return False
+            held.lease_until = time.monotonic() + self.lease_ttl_s
+            self._items.move_to_end(key)
+            return True
+
+    def add(self, info: ItemInfo, buf: PoolBuffer) -> None:
+        with self._lock:
+            self._items[info.key] = Held(info, buf, time.monotonic() + self.lease_ttl_s)
+            self.recently_evicted.pop(info.key, None)
+
+    def evict_one(self) -> Held | None:
+        """Release the least recently used unleased, unpinned item; None if there is none."""
+        now = time.monotonic()
+        with self._lock:
+            for key, held in self._items.items():
+                if held.pins == 0 and held.lease_until <= now:
+                    del self._items[key]
+                    self.recently_evicted[key] = None
+                    while len(self.recently_evicted) > _RECENT_EVICTIONS:
+                        self.recently_evicted.popitem(last=False)
+                    break
+            else:
+                return None
+        held.buf.release()
+        return held
+
+    def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[Held]]:
+        """A block for a new item: free space, else evict, else wait for leases to lapse or
+        pins to drop (backpressure) until `deadline`. Raises PoolExhausted."""
+        evicted: list[Held] = []
+        while True:
+            buf = self.pool.try_allocate(nbytes)
+            if buf is not None:
+                return buf, evicted
+            victim = self.evict_one()
+            if victim is not None:
+                evicted.append(victim)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with self._lock:
+                    n, leased = len(self._items), sum(1 for h in self._items.values()
+                                                      if h.lease_until > time.monotonic())
+                raise PoolExhausted(
+                    f"producer pool full: {self.pool.used_bytes} of {self.pool.capacity} bytes "
+                    f"hold {n} items, {leased} still leased (lease_ttl_s={self.lease_ttl_s}); "
+                    f"raise memory_pool_bytes or lower lease_ttl_s")
+            with self._lock:
+                soonest = min((h.lease_until for h in self._items.values() if h.pins == 0),
+                              default=time.monotonic() + 0.05)
+            self.pool.wait_for_change(max(0.001, min(left, soonest - time.monotonic(), 0.25)))
+
+    def catalog(self) -> tuple[list[str], list[int]]:
+        with self._lock:
+            return list(self._items), [h.info.nbytes for h in self._items.values()]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            items, self._items = list(self._items.values()), OrderedDict()
+        for held in items:
+            if not held.buf.released:
+                held.buf.release()
+
+
+class Announcer:
+    """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
+
+    def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float):
+        self.endpoint = endpoint
+        self._store = store
+        self._interval_s = interval_s
+        self._queue: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
+        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.bind(bind)
+        self._thread = threading.Thread(target=self._run, name="epd-announce", daemon=True)
+        self._thread.start()
+
+    def stored(self, info: ItemInfo) -> None:
+        self._queue.put(Announce(endpoint=self.endpoint, items=[info]))
+
+    def evicted(self, keys: list[str]) -> None:
+        if keys:
+            self._queue.put(Evicted(endpoint=self.endpoint, keys=keys))
+
+    def _run(self) -> None:
+        next_snapshot = 0.0
+        try:
+            while True:
+                try:
+                    msg = self._queue.get(timeout=max(0.0, next_snapshot - time.monotonic()))
+                except queue.Empty:
+                    keys, sizes = self._store.catalog()
+                    msg = Snapshot(endpoint=self.endpoint, keys=keys, nbytes=sizes,
+                                   interval_s=self._interval_s)
+                    next_snapshot = time.monotonic() + self._interval_s
+                if msg is None:
+                    return
+                self._sock.send(messages.encode(msg))
+        finally:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
+# --- consumer ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingPull:
+    buf: PoolBuffer | None
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: PeerMessage | None = None
+    payload: bytes | None = None
+    error: str = ""
+
+
+class PeerLink:
+    """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
+    flight to it and the buffers it may still write into."""
+
+    def __init__(self, endpoint: str) -> None:
+        host, port = parse_endpoint(endpoint)
+        self.endpoint = endpoint
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, PendingPull] = {}
+        self._quarantine: dict[int, tuple[PoolBuffer, float]] = {}
+        self.broken = False
+        self.channel = ControlEndpoint(f"tcp://{host}:{port}", bind=False,
+                                       on_message=self._on_message, name=f"epd-peer-{port}",
+                                       decode=messages.decode_peer,
+                                       on_disconnect=self._on_disconnect)
+
+    def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float
+             ) -> PendingPull:
+        pull_id = next(self._ids)
+        pending = PendingPull(buf)
+        with self._lock:
+            self._pending[pull_id] = pending
+        self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
+                               dst_addr=buf.addr if buf else 0,
+                               capacity=buf.nbytes if buf else 0))
+        if not pending.done.wait(max(0.0, timeout_s)):
+            with self._lock:
+                if self._pending.pop(pull_id, None) is not None:
+                    pending.error = f"no answer from producer {self.endpoint} in {timeout_s:.2f} s"
+                    if buf is not None and self.channel.connected:
+                        # It may still write into buf: hold it until it answers or dies.
+                        self._quarantine[pull_id] = (buf, time.monotonic())
+                        pending.buf = None
+                    pending.done.set()
+        return pending
+
+    def _on_message(self, msg: PeerMessage, _peer: bytes | None, payload: list[bytes]) -> None:
+        pull_id = getattr(msg, "pull_id", None)
+        if pull_id is None:
+            return
+        with self._lock:
+            pending = self._pending.pop(pull_id, None)
+            late = self._quarantine.pop(pull_id, None) if pending is None else None
+        if late is not None:
+            logger.info("EPD: late answer from %s for pull %d; its buffer is free again",
+                        self.endpoint, pull_id)
+            late[0].release()
+        elif pending is not None:
+            pending.reply = msg
+            pending.payload = payload[0] if payload else None
+            pending.done.set()
+
+    def _on_disconnect(self) -> None:
+        """The producer's process is gone: nothing can write into our buffers any more."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            quarantined, self._quarantine = self._quarantine, {}
+            self.broken = True
+        for p in pending.values():
+            p.error = f"producer {self.endpoint} disconnected"
+            p.done.set()
+        for buf, _ in quarantined.values():
+            buf.release()
+        logger.warning("EPD: lost the connection to producer %s (%d pulls in flight)",
+                       self.endpoint, len(pending))
+
+    def reap(self, ttl_s: float) -> None:
+        cutoff = time.monotonic() - ttl_s
+        with self._lock:
+            stale = [k for k, (_, ts) in self._quarantine.items() if ts < cutoff]
+            bufs = [self._quarantine.pop(k)[0] for k in stale]
+        for buf in bufs:
+            logger.warning("EPD: releasing a buffer producer %s never answered for", self.endpoint)
+            buf.release()
+
+    @property
+    def quarantined(self) -> int:
+        return len(self._quarantine)
+
+    def close(self) -> None:
+        self.channel.close()
+        with self._lock:
+            quarantined, self._quarantine = self._quarantine, {}
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.error = "closed"
+            p.done.set()
+        for buf, _ in quarantined.values():
+            with contextlib.suppress(Exception):
+                buf.release()
+
+
+# --- the transport ----------------------------------------------------------------------------
+
+
+class MooncakeTransport(Transport):
+    """Worker-role transport (see module docstring). One per worker process."""
+
+    name = "mooncake"
+
+    def __init__(self, config: EPDConfig, placement: Placement) -> None:
+        super().__init__()
+        self.config = config
+        self.placement = placement
+        self.host = resolve_host(config.host)
+        self.engine = _start_engine(config, self.host)
+        self.session = f"{self.host}:{self.engine.get_rpc_port()}"
+        self.pool = MemoryPool(config.memory_pool_bytes, config.memory_pool_device,
+                               register=self._register)
+        self.store: ProducerStore | None = None
+        self.server: ControlEndpoint | None = None
+        self.announcer: Announcer | None = None
+        self._endpoint = ""
+        self._links: dict[str, PeerLink] = {}
+        self._links_lock = threading.Lock()
+        self._serve = ThreadPoolExecutor(config.serve_threads, thread_name_prefix="epd-serve")
+        self.pull_stats = {"pulls": 0, "inline": 0, "unknown": 0, "evicted": 0,
+                           "transfer_errors": 0}
+        if placement.is_producer:
+            self._start_producer()
+
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def _register(self, addr: int, size: int) -> None:
+        location = "cpu:0" if self.config.memory_pool_device == "cpu" else \
+            f"cuda:{torch.cuda.current_device()}"
+        rc = self.engine.register_memory(addr, size, location)
+        if rc != 0:
+            raise TransferEngineUnavailable(f"register_memory of the {size}-byte pool failed "
+                                            f"with {rc}")
+
+    def _start_producer(self) -> None:
+        p, c = self.placement, self.config
+        ports = [port_for(c.base_port, purpose, c.stage_offset, p.dp_rank, p.world_size, p.rank)
+                 for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE)]
+        self._endpoint = f"{self.host}:{ports[0]}"
+        self.store = ProducerStore(self.pool, c.lease_ttl_s)
+        try:
+            self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
+                                          on_message=self._on_pull, name="epd-peer-server",
+                                          decode=messages.decode_peer)
+            self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
+                                       self.store, c.announce_interval_s)
+        except (RuntimeError, zmq.ZMQError) as exc:
+            raise TransferEngineUnavailable(
+                f"cannot listen on {self.host}:{ports[0]}/{ports[1]} ({exc}); another process "
+                f"uses the port: set base_port or stage_offset") from exc
+        logger.info("EPD mooncake producer: side channel %s, announcements :%d, engine %s, "
+                    "pool %d MiB on %s", self.endpoint, ports[1], self.session,
+                    self.pool.capacity >> 20, c.memory_pool_device)
+
+    # -- producer ------------------------------------------------------------------------------
+    def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
+        if self.store is None:
+            raise RuntimeError("put() on a consumer-only mooncake transport")
+        key = item_key(item_id)
+        held = self.store.get(key)
+        if held is not None:  # same content id, same bytes: renew the promise, store nothing
+            self.store.renew(key)
+            return held.info
+        host_view = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        data = tensor_bytes(host_view)
+        deadline = time.monotonic() + self.config.save_queue_timeout_s
+        buf, evicted = self.store.reserve(len(data), deadline)
+        try:
+            buf.write(tensor)
+        except BaseException:
+            buf.release()
+            raise
+        info = ItemInfo(item_id=item_id, key=key, shape=tuple(tensor.shape),
+                        dtype=dtype_name(tensor.dtype), nbytes=len(data),
+                        checksum=checksum(data), location=self.endpoint)
+        self.store.add(info, buf)
+        if evicted:
+            self.events.evictions += len(evicted)
+            self.events.evicted_bytes += sum(h.info.nbytes for h in evicted)
+        if self.announcer is not None:
+            self.announcer.evicted([h.info.key for h in evicted])
+            self.announcer.stored(info)
+        return info
+
+    def _on_pull(self, msg: PeerMessage, peer: bytes | None, _payload: list[bytes]) -> None:
+        if not isinstance(msg, Pull) or peer is None:
+            return
+        try:
+            parse_endpoint(msg.session)
+        except ValueError as exc:
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="bad_request", error=str(exc)))
+            return
+        self._serve.submit(self._serve_pull, msg, peer)
+
+    def _reply(self, peer: bytes, msg: msgspec.Struct, payload: bytes | None = None) -> None:
+        if self.server is not None:
+            self.server.send(msg, to=peer, payload=payload)
+
+    def _serve_pull(self, msg: Pull, peer: bytes) -> None:
+        assert self.store is not None
+        held = self.store.pin(msg.key)
+        if held is None:
+            code = "evicted" if msg.key in self.store.recently_evicted else "unknown"
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code=code,
+                                         error=f"item {msg.key} is {code} at {self.endpoint}"))
+            return
+        try:
+            info = held.info
+            if info.nbytes <= self.config.inline_max_bytes:
+                data = bytes(held.buf.as_tensor(torch.uint8, (info.nbytes,)).cpu().numpy())
+                self._reply(peer, Pulled(pull_id=msg.pull_id, info=info, inline=True), data)
+                return
+            if msg.capacity < info.nbytes:
+                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
+                                             error=f"needs {info.nbytes} bytes"))
+                return
+            rc = self.engine.transfer_sync_write(msg.session, held.buf.addr, msg.dst_addr,
+                                                 info.nbytes)
+            if rc != 0:
+                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="transfer",
+                                             error=f"transfer_sync_write to {msg.session} "
+                                                   f"returned {rc}"))
+                return
+            self._reply(peer, Pulled(pull_id=msg.pull_id, info=info))
+        finally:
+            self.store.unpin(held)
+
+    # -- consumer ------------------------------------------------------------------------------
+    def _link(self, endpoint: str) -> PeerLink:
+        with self._links_lock:
+            link = self._links.get(endpoint)
+            if link is not None and link.broken:  # dropped after a failure: rebuild it
+                link.close()
+                link = None
+            if link is None:
+                link = self._links[endpoint] = PeerLink(endpoint)
+            return link
+
+    def _sources(self, location: str) -> list[str]:
+        if location:
+            return [location]
+        return list(self.config.producers)
+
+    def get(self, item_id: str, deadline: float, location: str = "",
+            nbytes: int = 0) -> torch.Tensor | None:
+        key = item_key(item_id)
+        sources = self._sources(location)
+        if not sources:
+            self.events.missing += 1
+            self.events.errors.append(f"{item_id!r}: no producer known (no location, no "
+                                      "producers configured)")
+            return None
+        backoff = _UNKNOWN_RETRY_S[0]
+        i = 0
+        while time.monotonic() < deadline:
+            endpoint = sources[i % len(sources)]
+            outcome, tensor, nbytes = self._pull_once(endpoint, key, deadline, nbytes)
+            if tensor is not None:
+                return tensor
+            if outcome == "too_small":
+                continue  # now we know the size: pull again from the same producer
+            if outcome in ("evicted", "corrupt", "timeout") and len(sources) == 1:
+                break  # a frozen producer would only cost more quarantined buffers
+            i += 1
+            if outcome in ("unknown", "disconnected", "transfer") and i % len(sources) == 0:
+                # Maybe still in the producer's save queue, or it restarts: retry until the
+                # deadline, backing off.
+                time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                backoff = min(backoff * 2, _UNKNOWN_RETRY_S[1])
+        self.events.missing += 1
+        return None
+
+    def _pull_once(self, endpoint: str, key: str, deadline: float, nbytes: int
+                   ) -> tuple[str, torch.Tensor | None, int]:
+        """One pull: (outcome, tensor or None, item size if learnt)."""
+        buf = None
+        if nbytes > self.config.inline_max_bytes:
+            try:
+                buf = self.pool.allocate(nbytes, deadline)
+            except PoolExhausted as exc:
+                self.events.errors.append(f"consumer pool: {exc}")
+                logger.warning("EPD: consumer pool exhausted, cannot pull %s: %s", key, exc)
+                time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+                return "pool", None, nbytes
+        link = self._link(endpoint)
+        scaled = self.config.transfer_timeout_base_s + nbytes / self.config.min_transfer_bytes_per_s
+        timeout = min(deadline - time.monotonic(), scaled)
+        self.pull_stats["pulls"] += 1
+        p = link.pull(key, self.session, buf, timeout)
+        try:
+            reply = p.reply
+            if isinstance(reply, Pulled):
+                return "ok", self._receive(reply, p), nbytes
+            if isinstance(reply, PullFailed):
+                if reply.code == "too_small" and reply.info is not None:
+                    return "too_small", None, reply.info.nbytes
+                self.pull_stats[{"unknown": "unknown", "evicted": "evicted"}.get(
+                    reply.code, "transfer_errors")] += 1
+                if reply.code not in ("unknown",):
+                    logger.warning("EPD: pull of %s from %s failed: %s %s", key, endpoint,
+                                   reply.code, reply.error)
+                return reply.code, None, nbytes
+            if "disconnected" in p.error:
+                self.events.peer_disconnects += 1
+                return "disconnected", None, nbytes
+            self.events.pull_timeouts += 1
+            logger.warning("EPD: pull of %s: %s", key, p.error)
+            return "timeout", None, nbytes
+        finally:
+            if p.buf is not None:  # not quarantined: ours to free
+                p.buf.release()
+
+    def _receive(self, reply: Pulled, p: PendingPull) -> torch.Tensor | None:
+        """An owned, verified tensor from the reply (inline bytes or our pool block)."""
+        info = reply.info
+        try:
+            dtype, shape = describe(info)
+        except ValueError as exc:
+            self.events.corrupt += 1
+            logger.warning("EPD: producer sent bad metadata for %s: %s", info.key, exc)
+            return None
+        if reply.inline:
+            if p.payload is None or len(p.payload) != info.nbytes:
+                self.events.corrupt += 1
+                return None
+            self.pull_stats["inline"] += 1
+            out = torch.frombuffer(bytearray(p.payload), dtype=torch.uint8)
+        else:
+            if p.buf is None or p.buf.nbytes < info.nbytes:
+                self.events.corrupt += 1
+                return None
+            # One copy out of the pool, then verify the copy (what we return is what we checked).
+            out = p.buf.as_tensor(torch.uint8, (p.buf.nbytes,))[:info.nbytes].to(
+                "cpu", copy=True)
+        if self.config.verify_checksum and checksum(memoryview(out.numpy())) != info.checksum:
+            self.events.corrupt += 1
+            logger.warning("EPD: checksum mismatch for %s from %s", info.key, info.location)
+            return None
+        return out.view(dtype).view(shape)
+
+    # -- the rest of the interface ---------------------------------------------------------------
+    def exists(self, item_id: str) -> bool:
+        return self.store is not None and self.store.get(item_key(item_id)) is not None
+
+    def list_keys(self) -> Iterable[str]:
+        return self.store.catalog()[0] if self.store is not None else []
+
+    def delete(self, item_id: str) -> bool:
+        return False  # items leave by lease expiry and LRU, never on request
+
+    def reap(self) -> None:
+        with self._links_lock:
+            links = list(self._links.values())
+        for link in links:
+            link.reap(self.config.quarantine_ttl_s)
+
+    def health(self) -> dict[str, object]:
+        with self._links_lock:
+            quarantined = sum(link.quarantined for link in self._links.values())
+        return {"transport": self.name, "ok": True, "endpoint": self.endpoint,
+                "session": self.session, "pool_used_bytes": self.pool.used_bytes,
+                "pool_bytes": self.pool.capacity, "held_items": len(self.store or ()),
+                "quarantined": quarantined, **self.pull_stats}
+
+    def close(self) -> None:
+        for part in (self.server, self.announcer):
+            if part is not None:
+                part.close()
+        self._serve.shutdown(wait=True, cancel_futures=True)
+        with self._links_lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        if self.store is not None:
+            self.store.clear()
+        self.pool.close()
+        with contextlib.suppress(Exception):
+            self.engine.unregister_memory(self.pool.base_addr)
+        self.engine = None
+
+
+class MooncakeCatalog(Transport):
+    """Scheduler-role view of the mooncake transport: which items producers hold, and where.
+    Fed by producers' announcements (ZMQ SUB); producers whose snapshots stop are forgotten."""
+
+    name = "mooncake"
+
+    def __init__(self, config: EPDConfig, placement: Placement) -> None:
+        super().__init__()
+        self.config = config
+        self._where: dict[str, tuple[str, int]] = {}  # key -> (endpoint, nbytes)
+        self._by_producer: dict[str, set[str]] = {}
+        self._last_seen: dict[str, tuple[float, float]] = {}  # endpoint -> (time, interval)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        targets = list(config.producers)
+        if placement.is_producer:  # our own workers, so has_cache_item knows what we hold
+            host = resolve_host(config.host)
+            for r in range(placement.world_size):
+                port = port_for(config.base_port, PURPOSE_SERVE, config.stage_offset,
+                                placement.dp_rank, placement.world_size, r)
+                targets.append(f"{host}:{port}")
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        for endpoint in dict.fromkeys(targets):
+            self._sock.connect(f"tcp://{announce_endpoint(endpoint)}")
+        self.bad_frames = 0
+        self._thread = threading.Thread(target=self._run, name="epd-catalog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(250):
+                    while True:
+                        try:
+                            data = self._sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            self._apply(messages.decode_peer(data))
+                        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                            self.bad_frames += 1
+                            logger.warning("EPD catalog: dropped a malformed announcement: %s",
+                                           exc)
+                self._expire()
+        finally:
+            self._sock.close()
+
+    def _apply(self, msg: PeerMessage) -> None:
+        if not isinstance(msg, Announce | Evicted | Snapshot):
+            return
+        endpoint = msg.endpoint
+        parse_endpoint(endpoint)
+        with self._lock:
+            mine = self._by_producer.setdefault(endpoint, set())
+            if isinstance(msg, Announce):
+                for info in msg.items:
+                    self._where[info.key] = (endpoint, info.nbytes)
+                    mine.add(info.key)
+                interval = self._last_seen.get(endpoint, (0.0, self.config.announce_interval_s))[1]
+            elif isinstance(msg, Evicted):
+                for key in msg.keys:
+                    mine.discard(key)
+                    if self._where.get(key, ("",))[0] == endpoint:
+                        del self._where[key]
+                interval = self._last_seen.get(endpoint, (0.0, self.config.announce_interval_s))[1]
+            else:
+                fresh = set(msg.keys)
+                for key in mine - fresh:
+                    if self._where.get(key, ("",))[0] == endpoint:
+                        del self._where[key]
+                for key, n in zip(msg.keys, msg.nbytes, strict=False):
+                    self._where[key] = (endpoint, n)
+                self._by_producer[endpoint] = fresh
+                interval = msg.interval_s
+            self._last_seen[endpoint] = (time.monotonic(), interval)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            dead = [e for e, (ts, iv) in self._last_seen.items() if now - ts > 3 * iv + 1.0]
+            for endpoint in dead:
+                for key in self._by_producer.pop(endpoint, ()):
+                    if self._where.get(key, ("",))[0] == endpoint:
+                        del self._where[key]
+                del self._last_seen[endpoint]
+                logger.warning("EPD catalog: producer %s went silent; forgetting its items",
+                               endpoint)
+
+    def locate(self, key: str) -> tuple[str, int] | None:
+        return self._where.get(key)
+
+    def list_keys(self) -> Iterable[str]:
+        with self._lock:
+            return list(self._where)
+
+    def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
+        raise RuntimeError("the scheduler process does not store items")
+
+    def get(self, item_id: str, deadline: float, location: str = "",
+            nbytes: int = 0) -> torch.Tensor | None:
+        raise RuntimeError("the scheduler process does not load items")
+
+    def exists(self, item_id: str) -> bool:
+        return item_key(item_id) in self._where
+
+    def delete(self, item_id: str) -> bool:
+        return False
+
+    def health(self) -> dict[str, object]:
+        return {"transport": self.name, "ok": True, "producers": sorted(self._last_seen),
+                "items": len(self._where)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
