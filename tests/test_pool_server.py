@@ -194,17 +194,34 @@ def test_full_queue_answers_429_with_retry_after(model, tmp_path):
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "max_batch_size": 1,
                                 "max_wait_ms": 0, "max_queue_items": 1, "retry_after_s": 2,
                                 "transport": {"storage_path": str(tmp_path)}})
-    pool = build_pool(cfg, encoders=[SlowEncoder(LlavaEncoder(model), 0.5)])
+    pool = build_pool(cfg, encoders=[SlowEncoder(LlavaEncoder(model), 1.0)])
     with Served(create_app(cfg, pool), 18411) as s:
         async def go():
             async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
-                return await asyncio.gather(*(c.post("/v1/encode", json={"items": [
-                    {"id": f"q{n}", "data": b64(png(112, 200 + n))}]}) for n in range(5)))
+                async def gauge(name):
+                    return metric_value((await c.get("/metrics")).text, name)
 
-        rs = asyncio.run(go())
-    codes = sorted(r.status_code for r in rs)
-    assert codes.count(200) >= 2 and 429 in codes, codes
-    refused = next(r for r in rs if r.status_code == 429)
+                def req(n):
+                    return asyncio.ensure_future(c.post("/v1/encode", json={"items": [
+                        {"id": f"q{n}", "data": b64(png(112, 200 + n))}]}))
+
+                running = req(0)  # wait until it is on the worker and the queue is empty
+                for _ in range(200):
+                    if await gauge("epd_pool_worker_outstanding_tokens") > 0:
+                        break
+                    await asyncio.sleep(0.01)
+                # one forms the next batch (waiting for the worker), one fills the queue
+                queued = [req(1), req(2)]
+                for _ in range(200):
+                    if await gauge("epd_pool_queue_depth") == 1:
+                        break
+                    await asyncio.sleep(0.01)
+                refused = await req(3)
+                return refused, await running, await asyncio.gather(*queued)
+
+        refused, first, others = asyncio.run(go())
+    assert first.status_code == 200 and [r.status_code for r in others] == [200, 200]
+    assert refused.status_code == 429, refused.text
     assert refused.headers["Retry-After"] == "2" and "queue is full" in refused.json()["error"]
 
 

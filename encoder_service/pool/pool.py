@@ -3,8 +3,10 @@ dispatch over workers, per-item deadlines and failure isolation.
 
 Contract of `EncoderPool`:
 - `submit(item)` reserves the item's estimated bytes in the CPU tier of the FeatureStore and
-  queues it; it raises `Overloaded` (queue full: HTTP 429) or `BudgetExceeded` (memory
-  budget full: HTTP 503) at once, never blocks, never grows memory without bound.
+  queues it (capacity: `max_queue_items` per modality, plus the one batch being formed
+  while it waits for a worker); it raises `Overloaded` (queue full: HTTP 429) or
+  `BudgetExceeded` (memory budget full: HTTP 503) at once, never blocks, never grows
+  memory without bound.
   Duplicate ids share one encode; an id whose feature is already in memory is not re-encoded.
 - A batch forms when `max_batch_size` items are queued or the oldest queued item has waited
   `max_wait_ms`, and goes to the eligible worker with the least outstanding work.
