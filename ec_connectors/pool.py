@@ -150,8 +150,14 @@ class PoolBuffer:
         return self._pool.storage[self.offset:self.offset + self.nbytes]
 
     def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
-        """The block as a tensor of `dtype` and `shape` (no copy; valid until release)."""
-        return self._raw().view(dtype).view(tuple(shape))
+        """The block's leading bytes as a tensor of `dtype` and `shape` (no copy; valid
+        until release)."""
+        shape = tuple(int(d) for d in shape)
+        need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if need > self.nbytes:
+            raise ValueError(f"{shape} of {dtype} needs {need} bytes; the buffer has "
+                             f"{self.nbytes}")
+        return self._raw()[:need].view(dtype).view(shape)
 
     def as_bytes(self) -> memoryview:
         """The block as a byte view (CPU pools only; no copy; valid until release)."""
