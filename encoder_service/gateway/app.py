@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from encoder_service.gateway.availability import make_availability
 from encoder_service.gateway.config import GatewayConfig
-from encoder_service.gateway.decoders import DecodePool, Upstream
+from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
 from encoder_service.gateway.encoders import EncoderRouter, VllmEncoderClient
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
@@ -82,12 +82,15 @@ class Gateway:
         self.router = EncoderRouter(
             [VllmEncoderClient(u, self.cfg.model, self.client, t.encoder_s)
              for u in self.cfg.encoders], cooldown_s=self.cfg.cooldown_s)
-        self.decoders = DecodePool(self.cfg, self.client)
+        self.decoders = DecodePool(self.cfg)
+        await self.decoders.start()
         logger.info("gateway ready model=%s encoders=%s decoders=%s availability=%s",
                     self.cfg.model, self.cfg.encoders, self.cfg.decoders,
                     self.availability.name)
 
     async def shutdown(self) -> None:
+        if self.decoders is not None:
+            await self.decoders.close()
         for c in (self.client, self.fetch_client):
             if c is not None:
                 await c.aclose()
@@ -225,22 +228,25 @@ class Gateway:
                      t0: float, endpoint: str, stream: bool, info: dict[str, Any]) -> None:
         """Pass the upstream answer through; closing `up` on every path (a client disconnect
         closes the upstream connection, which aborts the request there)."""
-        resp = up.response
         headers = [(b"x-request-id", rid.encode())]
-        ctype = resp.headers.get("content-type")
+        ctype = up.content_type
         if ctype:
             headers.append((b"content-type", ctype.encode()))
         first: float | None = None
-        status = resp.status_code
+        status = up.status_code
         gone = False
         try:
             if not stream:
                 try:
-                    data = await asyncio.wait_for(self._unless_gone(receive, resp.aread()),
+                    data = await asyncio.wait_for(self._unless_gone(receive, up.read()),
                                                   self.cfg.timeouts.decode_s)
                 except asyncio.TimeoutError:
                     raise GatewayError(504, "the prefill/decode instance did not answer "
                                        "in time", "decode_timeout") from None
+                except UpstreamError as exc:
+                    self.metrics.upstream_errors.labels("decode").inc()
+                    raise GatewayError(502, f"the prefill/decode instance {up.url} broke off "
+                                       f"its answer ({exc})", "decode_broke") from None
                 first = time.perf_counter()
                 headers.append((b"content-length", str(len(data)).encode()))
                 await send({"type": "http.response.start", "status": status,
@@ -252,7 +258,7 @@ class Gateway:
 
                 async def pump() -> None:
                     nonlocal first
-                    async for chunk in resp.aiter_raw():
+                    async for chunk in up.chunks():
                         if first is None:
                             first = time.perf_counter()
                         await send({"type": "http.response.body", "body": chunk,
@@ -267,10 +273,15 @@ class Gateway:
         except GatewayError as exc:
             await self._error(exc, endpoint, rid)(scope, receive, send)
             return
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             self.metrics.upstream_errors.labels("decode").inc()
             logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid, up.url, exc)
             status = 502
+            err = {"error": {"message": f"the prefill/decode instance broke off the stream "
+                                        f"({exc})", "type": "upstream_error", "code": 502}}
+            with contextlib.suppress(OSError):  # tell the client instead of a silent cut
+                await send({"type": "http.response.body",
+                            "body": f"data: {json.dumps(err)}\n\n".encode()})
         finally:
             await up.release()
         m = self.metrics

@@ -1,0 +1,209 @@
+"""Serving benchmark on the tiny model, one run, three deployments on this machine's cores:
+
+1. aggregated vLLM (one server: encoder + prefill/decode in one process);
+2. EPD through this gateway: vLLM encoder (ec_producer) + vLLM prefill/decode (ec_consumer),
+   EPDConnector over the safetensors transport, the gateway as its own process;
+3. EPD with vLLM's ECExampleConnector: the same two servers and the same gateway (item ids,
+   routing), vLLM's example connector instead of ours (no availability lookup: it has none).
+
+Each gets the same `epd bench serve` workload (default 200 streamed requests, concurrency 8,
+50% image reuse, 16 output tokens). Then the gateway's own overhead: the same non-streamed
+request (an image already encoded) sent directly to the decode instance and through the
+gateway, interleaved, p50 of each.
+
+    flock /tmp/epd-heavy.lock .venv/bin/python benchmarks/serve_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from encoder_service.bench import BenchSpec, format_table, plot, run_bench, write_json  # noqa: E402
+from encoder_service.launcher import VllmServer, start_all  # noqa: E402
+from encoder_service.media import chat_body, content_item_id, sample_image_png  # noqa: E402
+from encoder_service.testmodel import SPECS, build  # noqa: E402
+from encoder_service.up import epd_config  # noqa: E402
+
+MODEL = "tiny-llava"
+PORT = 18590  # 18590-18599
+
+
+def say(msg: str) -> None:
+    print(f"[serve-bench] {msg}", flush=True)
+
+
+def example_config(role: str, storage: Path) -> dict:
+    return {"ec_connector": "ECExampleConnector", "ec_role": role, "ec_buffer_device": "cpu",
+            "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+
+class GatewayProcess:
+    """`epd gateway` as its own process (as deployed), stopped with SIGTERM."""
+
+    def __init__(self, port: int, encoders: list[str], decoders: list[str],
+                 storage: Path | None, log: Path) -> None:
+        cmd = [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(port),
+               "--model", MODEL]
+        cmd += [x for u in encoders for x in ("--encoder", u)]
+        cmd += [x for u in decoders for x in ("--decoder", u)]
+        if storage is not None:
+            cmd += ["--storage-path", str(storage)]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"gateway did not become healthy; log {log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def warm(url: str, n: int = 4) -> None:
+    with httpx.Client(timeout=120) as c:
+        for i in range(n):
+            r = c.post(url + "/v1/chat/completions",
+                       json=chat_body(MODEL, sample_image_png(seed=90_000 + i), "warm up",
+                                      max_tokens=4))
+            r.raise_for_status()
+
+
+def bench(url: str, label: str, a: argparse.Namespace):
+    warm(url)
+    spec = BenchSpec(url=url, model=MODEL, num_requests=a.num_requests,
+                     concurrency=a.concurrency, reuse=a.reuse, max_tokens=a.max_tokens,
+                     label=label)
+    res = asyncio.run(run_bench(spec, progress=True))
+    say(f"{label}: {res.summary['req_per_s']:.2f} req/s, "
+        f"TTFT p50 {res.summary['ttft_ms_p50']:.1f} ms, errors {res.summary['errors']}")
+    return res
+
+
+def gateway_overhead(gw_url: str, dec_url: str, samples: int) -> dict:
+    """p50 of direct-to-decode vs through-the-gateway for the same non-streamed request."""
+    image = sample_image_png(seed=91_000)
+    item = content_item_id(image, MODEL)
+    via_gw = chat_body(MODEL, image, "describe", max_tokens=4)
+    direct = chat_body(MODEL, image, "describe", item_id=item, max_tokens=4,
+                       ec_transfer_params={"epd": {"items": {item: {}}}})
+    times: dict[str, list[float]] = {"direct": [], "gateway": []}
+    with httpx.Client(timeout=60) as c:
+        c.post(gw_url + "/v1/chat/completions", json=via_gw).raise_for_status()  # encode once
+        for i in range(samples + 10):
+            order = (("direct", dec_url, direct), ("gateway", gw_url, via_gw))
+            for name, url, body in (order if i % 2 else order[::-1]):
+                t = time.perf_counter()
+                c.post(url + "/v1/chat/completions", json=body).raise_for_status()
+                if i >= 10:  # first 10 rounds: warm-up
+                    times[name].append(time.perf_counter() - t)
+    d, g = statistics.median(times["direct"]), statistics.median(times["gateway"])
+    paired = statistics.median(b - a for a, b in zip(times["direct"], times["gateway"],
+                                                     strict=True))
+    return {"samples": samples, "direct_p50_ms": d * 1e3, "gateway_p50_ms": g * 1e3,
+            "added_p50_ms": (g - d) * 1e3, "paired_median_added_ms": paired * 1e3}
+
+
+def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
+            a: argparse.Namespace, port: int, overhead: bool):
+    storage = work / f"store-{port}"
+    shutil.rmtree(storage, ignore_errors=True)
+    storage.mkdir(parents=True)
+    enc = VllmServer(f"encoder-{port}", model, port + 1, work,
+                     make_cfg("ec_producer", storage), cpu_core=0)
+    dec = VllmServer(f"decode-{port}", model, port + 2, work,
+                     make_cfg("ec_consumer", storage), cpu_core=1)
+    start_all([enc, dec], progress=say)
+    gw = None
+    try:
+        gw = GatewayProcess(port, [enc.url], [dec.url], storage if availability else None,
+                            work / "logs" / f"gateway-{port}.log")
+        res = bench(gw.url, label, a)
+        ovh = gateway_overhead(gw.url, dec.url, a.overhead_samples) if overhead else None
+        return res, ovh
+    finally:
+        if gw is not None:
+            gw.stop()
+        enc.stop()
+        dec.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--reuse", type=float, default=0.5)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--overhead-samples", type=int, default=200)
+    p.add_argument("--out", type=Path, default=ROOT / ".work" / "bench")
+    a = p.parse_args()
+    work = a.out
+    model = build(ROOT / ".work" / "models" / "tiny-llava", SPECS["tiny"])
+    results = {}
+    say("1/3 aggregated vLLM (one server, all cores)")
+    agg = VllmServer("aggregated", model, PORT, work, None)
+    start_all([agg], progress=say)
+    try:
+        results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a)
+    finally:
+        agg.stop()
+    say("2/3 EPD through the gateway (EPDConnector, safetensors; encoder core 0, decode 1)")
+    results["EPD gateway"], overhead = epd_run(model, work, "EPD gateway", epd_config, True,
+                                               a, PORT + 3, overhead=True)
+    say("3/3 EPD with vLLM's ECExampleConnector (same gateway, same cores)")
+    results["EPD ECExampleConnector"], _ = epd_run(model, work, "EPD ECExampleConnector",
+                                                   example_config, False, a, PORT + 6,
+                                                   overhead=False)
+    summaries = {k: v.summary for k, v in results.items()}
+    print()
+    print(f"{a.num_requests} requests, concurrency {a.concurrency}, {a.reuse:.0%} image reuse, "
+          f"{a.max_tokens} output tokens, tiny LLaVA on CPU")
+    print(format_table(summaries))
+    base = summaries["aggregated vLLM"]["req_per_s"]
+    ex = summaries["EPD ECExampleConnector"]["req_per_s"]
+    print(f"req/s ratios: EPD gateway / aggregated = {summaries['EPD gateway']['req_per_s'] / base:.2f}; "  # noqa: E501
+          f"EPD gateway / ECExampleConnector = {summaries['EPD gateway']['req_per_s'] / ex:.2f}")
+    assert overhead is not None
+    print(f"gateway overhead (non-streamed, cached image, {overhead['samples']} interleaved "
+          f"pairs): direct p50 {overhead['direct_p50_ms']:.2f} ms, via gateway p50 "
+          f"{overhead['gateway_p50_ms']:.2f} ms, added {overhead['added_p50_ms']:.2f} ms "
+          f"(paired median {overhead['paired_median_added_ms']:.2f} ms; target < 2 ms)")
+    write_json(results, work / "serve-bench.json", {"gateway_overhead": overhead})
+    plot(results, work / "serve-bench.png")
+    print(f"wrote {work / 'serve-bench.json'} and {work / 'serve-bench.png'}")
+    print(json.dumps(overhead))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
