@@ -14,6 +14,7 @@ carved up by an allocator. Transfers read from and write into pool memory direct
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 import time
 from collections.abc import Callable
@@ -173,6 +174,17 @@ class PoolBuffer:
             raise ValueError(f"{src.numel()} bytes do not fit a {self.nbytes}-byte buffer")
         self._raw()[:src.numel()].copy_(src)
 
+    def hand_over(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+        """A tensor that owns this block (CPU pools): no copy; the block goes back to the pool
+        when the tensor and every view of it are gone. Do not release() it yourself after."""
+        view = self.as_tensor(dtype, shape)
+        if view.device.type != "cpu":
+            raise TypeError("hand_over() needs a CPU pool; clone() a device view instead")
+        raw = (ctypes.c_uint8 * max(1, view.nbytes)).from_address(view.data_ptr())
+        raw._epd_owner = _Owner(self)  # dies with the last tensor that shares `raw`
+        return torch.frombuffer(raw, dtype=torch.uint8)[:view.nbytes].view(dtype).view(
+            view.shape)
+
     @property
     def released(self) -> bool:
         return self._released
@@ -185,6 +197,19 @@ class PoolBuffer:
 
     def __repr__(self) -> str:
         return f"PoolBuffer(offset={self.offset}, nbytes={self.nbytes})"
+
+
+class _Owner:
+    """Releases a handed-over block when the last tensor sharing it is collected."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self, buf: PoolBuffer) -> None:
+        self.buf = buf
+
+    def __del__(self) -> None:
+        if not self.buf.released:
+            self.buf.release()
 
 
 def _backing(capacity: int, device: str) -> torch.Tensor:

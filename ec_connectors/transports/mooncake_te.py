@@ -9,8 +9,10 @@ never deleted on pull (any number of consumers), LRU-evicted only once unleased 
 when everything is leased a save waits (backpressure) and then fails loudly.
 
 Consumer worker: `get` allocates from its own pool, asks the producer to write, waits with a
-size-scaled deadline, verifies the checksum, and returns an owned tensor (the pool block goes
-back at once, so vLLM's encoder cache never pins pool memory).
+size-scaled deadline, verifies the checksum, and hands the pool block itself over as the
+tensor (no copy; the block returns to the pool when the tensor is dropped, so size the
+consumer pool for vLLM's encoder cache plus pulls in flight; a full pool only delays pulls
+until their deadline, then the item is encoded locally).
 A buffer whose pull timed out may still be written by a frozen producer: it is quarantined
 until that producer answers or disconnects (or `quarantine_ttl_s`), never reused early.
 
@@ -543,6 +545,8 @@ class MooncakeTransport(Transport):
                 return tensor
             if outcome == "too_small":
                 continue  # now we know the size: pull again from the same producer
+            if outcome == "too_big":
+                break
             if outcome in ("evicted", "corrupt", "timeout") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
@@ -558,6 +562,11 @@ class MooncakeTransport(Transport):
                    ) -> tuple[str, torch.Tensor | None, int]:
         """One pull: (outcome, tensor or None, item size if learnt)."""
         buf = None
+        if nbytes > self.pool.capacity:
+            self.events.errors.append(f"{key}: {nbytes} bytes exceed the consumer pool")
+            logger.error("EPD: item %s (%d bytes) is larger than the whole consumer pool "
+                         "(%d bytes): raise memory_pool_bytes", key, nbytes, self.pool.capacity)
+            return "too_big", None, nbytes
         if nbytes > self.config.inline_max_bytes:
             try:
                 buf = self.pool.allocate(nbytes, deadline)
@@ -595,7 +604,9 @@ class MooncakeTransport(Transport):
                 p.buf.release()
 
     def _receive(self, reply: Pulled, p: PendingPull) -> torch.Tensor | None:
-        """An owned, verified tensor from the reply (inline bytes or our pool block)."""
+        """A verified tensor from the reply: inline bytes, or our pool block itself (CPU
+        pool: handed over without a copy, back to the pool when vLLM drops the tensor;
+        device pool: one device-local copy)."""
         info = reply.info
         try:
             dtype, shape = describe(info)
@@ -608,19 +619,26 @@ class MooncakeTransport(Transport):
                 self.events.corrupt += 1
                 return None
             self.pull_stats["inline"] += 1
-            out = torch.frombuffer(bytearray(p.payload), dtype=torch.uint8)
+            raw = torch.frombuffer(bytearray(p.payload), dtype=torch.uint8)
+            data = memoryview(raw.numpy())
         else:
             if p.buf is None or p.buf.nbytes < info.nbytes:
                 self.events.corrupt += 1
                 return None
-            # One copy out of the pool, then verify the copy (what we return is what we checked).
-            out = p.buf.as_tensor(torch.uint8, (p.buf.nbytes,))[:info.nbytes].to(
-                "cpu", copy=True)
-        if self.config.verify_checksum and checksum(memoryview(out.numpy())) != info.checksum:
-            self.events.corrupt += 1
-            logger.warning("EPD: checksum mismatch for %s from %s", info.key, info.location)
-            return None
-        return out.view(dtype).view(shape)
+            raw = p.buf.as_tensor(torch.uint8, (info.nbytes,))
+            data = p.buf.as_bytes()[:info.nbytes] if raw.device.type == "cpu" else None
+        if self.config.verify_checksum:
+            digest = checksum(data if data is not None else memoryview(raw.cpu().numpy()))
+            if digest != info.checksum:
+                self.events.corrupt += 1
+                logger.warning("EPD: checksum mismatch for %s from %s", info.key, info.location)
+                return None
+        if reply.inline:
+            return raw.view(dtype).view(shape)
+        if raw.device.type != "cpu":
+            return raw.clone().view(dtype).view(shape)
+        buf, p.buf = p.buf, None  # ours no more: the tensor owns it
+        return buf.hand_over(dtype, shape)
 
     # -- the rest of the interface ---------------------------------------------------------------
     def exists(self, item_id: str) -> bool:
