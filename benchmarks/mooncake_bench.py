@@ -1,0 +1,196 @@
+"""Producer process -> consumer process through the Mooncake TE transport (TCP), beside this
+machine's limits: a raw TCP socket on loopback and memcpy, in one run. Also the scheduler's
+`has_cache_item` latency with 100,000 indexed items.
+
+    .venv/bin/python benchmarks/mooncake_bench.py [--sizes-mb 8 48 125] [--reps 7]
+        [--slice-sizes default 262144 1048576]
+
+"ours" is one whole `get`: pull request, the producer's transfer-engine write into the
+consumer's registered pool, the reply, xxh3 verification of every byte, and the hand-over of
+the pool block as a tensor (no copy). "no checksum" is the same with verify_checksum off.
+Each slice size runs in fresh processes (MC_TCP_SLICE_SIZE is read at engine start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+
+from ec_connectors.transports.peer_process import PeerClient
+
+HIDDEN = 4096
+MiB = 1 << 20
+
+
+def median_s(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def memcpy_s(nbytes: int, reps: int) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return median_s(times)
+
+
+def _tcp_sink(port_q, nbytes: int, reps: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    buf = memoryview(bytearray(nbytes))
+    for _ in range(reps + 1):
+        got = 0
+        while got < nbytes:
+            got += conn.recv_into(buf[got:], nbytes - got)
+        conn.sendall(b"k")
+    conn.close()
+
+
+def raw_tcp_s(nbytes: int, reps: int) -> float:
+    """One TCP stream on loopback, into a preallocated buffer, acknowledged: the ceiling."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_tcp_sink, args=(q, nbytes, reps), daemon=True)
+    proc.start()
+    sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+    data = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        sock.sendall(data)
+        sock.recv(1)
+        if i:
+            times.append(time.perf_counter() - t0)
+    sock.close()
+    proc.join(10)
+    return median_s(times)
+
+
+def mooncake_s(sizes: list[int], reps: int, slice_size: str, base_port: int,
+               verify: bool) -> dict[int, float]:
+    env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    if slice_size != "default":
+        env["MC_TCP_SLICE_SIZE"] = slice_size
+    cfg = {"transport": "mooncake", "host": "127.0.0.1", "base_port": base_port,
+           "memory_pool_bytes": 512 * MiB, "verify_checksum": verify}
+    log = os.path.join(tempfile.gettempdir(), "epd-mooncake-bench.log")
+    prod = PeerClient(env=env, log_path=log)
+    cons = PeerClient(env=env, log_path=log)
+    try:
+        ep = prod.call({"op": "init", "config": cfg,
+                        "placement": {"is_producer": True, "is_consumer": False}})["endpoint"]
+        cons.call({"op": "init", "config": cfg,
+                   "placement": {"is_producer": False, "is_consumer": True}})
+        out = {}
+        for nbytes in sizes:
+            item = f"bench-{nbytes}"
+            put = prod.call({"op": "put", "id": item, "seed": nbytes % 1000,
+                             "shape": [nbytes // (HIDDEN * 2), HIDDEN], "dtype": "bfloat16"})
+            times = []
+            for i in range(reps + 1):
+                got = cons.call({"op": "get", "id": item, "timeout_s": 30, "location": ep,
+                                 "nbytes": put["nbytes"]})
+                if not got["found"] or got["checksum"] != put["checksum"]:
+                    raise RuntimeError(f"bad transfer of {nbytes} bytes: {got}")
+                if i:  # the first pull opens the engine's connection
+                    times.append(got["get_s"])
+            out[nbytes] = median_s(times)
+        return out
+    finally:
+        prod.close()
+        cons.close()
+
+
+def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
+    """Median ns per `has_cache_item` call on a consumer's and a producer's scheduler side
+    holding `n_items` (index and staging tables filled directly: this measures the lookup)."""
+    from ec_connectors.config import EPDConfig
+    from ec_connectors.control import control_address
+    from ec_connectors.keys import item_key
+    from ec_connectors.transports import make_transport
+    from scheduler_hooks.scheduler import EPDSchedulerSide, Staging, Status
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="epdb-", dir="/tmp") as tmp:
+        cfg = EPDConfig.from_dict({"storage_path": tmp, "control_dir": tmp, "namespace": "b"})
+        ids = [f"sha256:{i:064x}" for i in range(n_items)]
+        for role in ("consumer", "producer"):
+            side = EPDSchedulerSide(cfg, make_transport(cfg), is_producer=role == "producer",
+                                    is_consumer=role == "consumer",
+                                    address=control_address(tmp, role, 0), engine_id=role,
+                                    start_index=False)
+            now = time.monotonic()
+            for item_id in ids:
+                if role == "consumer":
+                    side._staging[item_id] = Staging(Status.READY, now, now + 60)
+                else:
+                    side.index.add(item_key(item_id))
+            probes = ids[::97] + [f"miss-{i}" for i in range(len(ids[::97]))]
+            per_call = []
+            for _ in range(5):
+                for start in range(0, len(probes), 500):
+                    chunk = probes[start:start + 500]
+                    t0 = time.perf_counter_ns()
+                    for item_id in chunk:
+                        side.has_cache_item(item_id)
+                    per_call.append((time.perf_counter_ns() - t0) / len(chunk))
+            out[role] = median_s(per_call)
+            side.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[8, 48, 125])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--slice-sizes", nargs="+", default=["default", "262144", "1048576"])
+    ap.add_argument("--base-port", type=int, default=17500)
+    args = ap.parse_args()
+    sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
+
+    print(f"[bench] memcpy and raw TCP baselines ({args.reps} reps each)...", flush=True)
+    base = {n: (memcpy_s(n, args.reps), raw_tcp_s(n, args.reps)) for n in sizes}
+    runs: dict[str, dict[int, float]] = {}
+    for i, slice_size in enumerate(args.slice_sizes):
+        print(f"[bench] mooncake tcp, slice size {slice_size}...", flush=True)
+        runs[f"slice {slice_size}"] = mooncake_s(sizes, args.reps, slice_size,
+                                                 args.base_port + 10 * i, verify=True)
+    best = min(runs, key=lambda k: sum(runs[k].values()))
+    print(f"[bench] mooncake tcp, {best}, no checksum...", flush=True)
+    unverified = mooncake_s(sizes, args.reps, best.removeprefix("slice "),
+                            args.base_port + 100, verify=False)
+
+    def gbs(n: int, s: float) -> str:
+        return f"{n / s / 1e9:5.2f} GB/s"
+
+    print("\nProducer process -> consumer process (median; GB/s = 1e9 bytes/s)")
+    for n in sizes:
+        mem, tcp = base[n]
+        print(f"\n{n / MiB:.0f} MiB   memcpy {mem * 1e3:7.2f} ms {gbs(n, mem)}   "
+              f"raw TCP {tcp * 1e3:7.2f} ms {gbs(n, tcp)}")
+        for name, res in runs.items():
+            s = res[n]
+            print(f"  ours, {name:<15} {s * 1e3:7.2f} ms {gbs(n, s)}   "
+                  f"{tcp / s:4.2f}x raw TCP   {mem / s:4.2f}x memcpy")
+        s = unverified[n]
+        print(f"  ours, {best}, no checksum {s * 1e3:7.2f} ms {gbs(n, s)}   "
+              f"{tcp / s:4.2f}x raw TCP")
+    print("\nhas_cache_item with 100,000 indexed items (median per call, hits and misses):")
+    for role, ns in has_cache_item_ns().items():
+        print(f"  {role:<9} {ns:7.0f} ns")
+
+
+if __name__ == "__main__":
+    main()
