@@ -134,6 +134,13 @@ def gateway_overhead(gw_url: str, dec_url: str, samples: int) -> dict:
             "added_p50_ms": (g - d) * 1e3, "paired_median_added_ms": paired * 1e3}
 
 
+def format_overhead(o: dict) -> str:
+    return (f"gateway overhead (non-streamed, cached image, {o['samples']} interleaved pairs): "
+            f"direct p50 {o['direct_p50_ms']:.2f} ms, via gateway p50 "
+            f"{o['gateway_p50_ms']:.2f} ms, added {o['added_p50_ms']:.2f} ms (paired median "
+            f"{o['paired_median_added_ms']:.2f} ms; target < 2 ms)")
+
+
 def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
             a: argparse.Namespace, port: int, overhead: bool):
     storage = work / f"store-{port}"
@@ -164,11 +171,19 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--reuse", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--overhead-samples", type=int, default=200)
+    p.add_argument("--overhead-samples", type=int, default=400)
+    p.add_argument("--overhead-only", action="store_true",
+                   help="only the gateway overhead (one EPD deployment, no load runs)")
     p.add_argument("--out", type=Path, default=ROOT / ".work" / "bench")
     a = p.parse_args()
     work = a.out
     model = build(ROOT / ".work" / "models" / "tiny-llava", SPECS["tiny"])
+    if a.overhead_only:
+        a.num_requests = 8
+        _, overhead = epd_run(model, work, "EPD gateway", epd_config, True, a, PORT + 3,
+                              overhead=True)
+        print(format_overhead(overhead))
+        return 0
     results = {}
     say("1/3 aggregated vLLM (one server, all cores)")
     agg = VllmServer("aggregated", model, PORT, work, None)
@@ -194,10 +209,7 @@ def main() -> int:
     print(f"req/s ratios: EPD gateway / aggregated = {summaries['EPD gateway']['req_per_s'] / base:.2f}; "  # noqa: E501
           f"EPD gateway / ECExampleConnector = {summaries['EPD gateway']['req_per_s'] / ex:.2f}")
     assert overhead is not None
-    print(f"gateway overhead (non-streamed, cached image, {overhead['samples']} interleaved "
-          f"pairs): direct p50 {overhead['direct_p50_ms']:.2f} ms, via gateway p50 "
-          f"{overhead['gateway_p50_ms']:.2f} ms, added {overhead['added_p50_ms']:.2f} ms "
-          f"(paired median {overhead['paired_median_added_ms']:.2f} ms; target < 2 ms)")
+    print(format_overhead(overhead))
     write_json(results, work / "serve-bench.json", {"gateway_overhead": overhead})
     plot(results, work / "serve-bench.png")
     print(f"wrote {work / 'serve-bench.json'} and {work / 'serve-bench.png'}")

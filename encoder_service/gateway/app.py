@@ -16,7 +16,6 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable
 from typing import Any
 
 import httpx
@@ -51,13 +50,36 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
-class _ClientGone(Exception):
-    pass
-
-
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class _Watch:
+    """Cancels the handler's task when the client disconnects, until `finish()`.
+
+    One watcher task per request (started after the body was read) covers every await:
+    encoding, waiting for the decode instance, relaying. Cancelling the handler closes the
+    upstream connections on the way out, which aborts the requests there."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.task = asyncio.current_task()
+        self.gone = False
+        self.active = True
+        self.watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        self.watcher.add_done_callback(self._fired)
+
+    def _fired(self, fut: asyncio.Future) -> None:
+        if not self.active or fut.cancelled() or fut.exception() is not None:
+            return
+        self.gone = True
+        if self.task is not None:
+            self.task.cancel()
+
+    def finish(self) -> None:
+        """Call right before the last send: a disconnect after it is a normal close."""
+        self.active = False
+        self.watcher.cancel()
 
 
 class Gateway:
@@ -127,27 +149,13 @@ class Gateway:
         assert self.fetch_client is not None
         return await fetch_media(self.fetch_client, url, self.cfg.media, self.cfg.limits)
 
-    async def _unless_gone(self, receive: Receive, work: Awaitable[Any]) -> Any:
-        """`work`'s result, or _ClientGone (work cancelled) if the client disconnects first."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-            raise _ClientGone
-        return task.result()
-
     # -- endpoints -------------------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         rid = _request_id(request)
         t0 = time.perf_counter()
-        self.metrics.inflight.inc()
+        m = self.metrics
+        m.inflight.inc()
         try:
             try:
                 body = await self._read_json(request)
@@ -156,21 +164,28 @@ class Gateway:
                 await self._error(exc, "chat", rid)(scope, receive, send)
                 return
             t_parse = time.perf_counter() - t0
-            self.metrics.stage.labels("parse").observe(t_parse)
+            m.stage_parse.observe(t_parse)
+            watch = _Watch(receive)
             try:
-                up, info = await self._unless_gone(receive, self._route(prepared, rid))
-            except _ClientGone:
-                self.metrics.disconnects.inc()
-                logger.info("client disconnected rid=%s stage=encode_or_connect; upstream "
-                            "calls cancelled", rid)
-                return
+                up, info = await self._route(prepared, rid)
+                info["parse_ms"] = _ms(t_parse)
+                await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream,
+                                  info, watch)
             except GatewayError as exc:
+                watch.finish()
                 await self._error(exc, "chat", rid)(scope, receive, send)
-                return
-            info["parse_ms"] = _ms(t_parse)
-            await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream, info)
+            except asyncio.CancelledError:
+                if not watch.gone:
+                    raise
+                self._client_gone(rid)
+            finally:
+                watch.finish()
         finally:
-            self.metrics.inflight.dec()
+            m.inflight.dec()
+
+    def _client_gone(self, rid: str) -> None:
+        self.metrics.disconnects.inc()
+        logger.info("client disconnected rid=%s; upstream requests cancelled", rid)
 
     async def _route(self, prepared: Any, rid: str) -> tuple[Upstream, dict[str, Any]]:
         assert self.router is not None and self.decoders is not None
@@ -182,16 +197,16 @@ class Gateway:
                                 "fallback": 0, "enc_retries": 0}
         m = self.metrics
         if hits:
-            m.items.labels("cache_hit").inc(len(hits))
+            m.items_hit.inc(len(hits))
         if todo:
             t = time.perf_counter()
             outcome, errors = await self.router.encode(todo, rid)
-            m.stage.labels("encode").observe(time.perf_counter() - t)
+            m.stage_encode.observe(time.perf_counter() - t)
             info["encode_ms"] = _ms(time.perf_counter() - t)
             hints.update(outcome.hints)
             info.update(encoded=len(outcome.hints), fallback=len(outcome.failed),
                         enc_retries=outcome.retries)
-            m.items.labels("encoded").inc(len(outcome.hints))
+            m.items_encoded.inc(len(outcome.hints))
             if outcome.retries:
                 m.retries.labels("encoder").inc(outcome.retries)
             if errors:
@@ -225,80 +240,72 @@ class Gateway:
         return up
 
     async def _relay(self, up: Upstream, scope: Scope, receive: Receive, send: Send, rid: str,
-                     t0: float, endpoint: str, stream: bool, info: dict[str, Any]) -> None:
-        """Pass the upstream answer through; closing `up` on every path (a client disconnect
-        closes the upstream connection, which aborts the request there)."""
+                     t0: float, endpoint: str, stream: bool, info: dict[str, Any],
+                     watch: _Watch) -> None:
+        """Pass the upstream answer through, closing `up` on every path (cancelled by `watch`
+        on a client disconnect: the upstream connection is closed, vLLM aborts the request)."""
         headers = [(b"x-request-id", rid.encode())]
         ctype = up.content_type
         if ctype:
             headers.append((b"content-type", ctype.encode()))
         first: float | None = None
         status = up.status_code
-        gone = False
+        m = self.metrics
         try:
             if not stream:
                 try:
-                    data = await asyncio.wait_for(self._unless_gone(receive, up.read()),
-                                                  self.cfg.timeouts.decode_s)
+                    data = await asyncio.wait_for(up.read(), self.cfg.timeouts.decode_s)
                 except asyncio.TimeoutError:
                     raise GatewayError(504, "the prefill/decode instance did not answer "
                                        "in time", "decode_timeout") from None
                 except UpstreamError as exc:
-                    self.metrics.upstream_errors.labels("decode").inc()
+                    m.upstream_errors.labels("decode").inc()
                     raise GatewayError(502, f"the prefill/decode instance {up.url} broke off "
                                        f"its answer ({exc})", "decode_broke") from None
                 first = time.perf_counter()
                 headers.append((b"content-length", str(len(data)).encode()))
+                watch.finish()
                 await send({"type": "http.response.start", "status": status,
                             "headers": headers})
                 await send({"type": "http.response.body", "body": data})
             else:
                 await send({"type": "http.response.start", "status": status,
                             "headers": headers})
-
-                async def pump() -> None:
-                    nonlocal first
+                try:
                     async for chunk in up.chunks():
                         if first is None:
                             first = time.perf_counter()
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": True})
+                    watch.finish()
                     await send({"type": "http.response.body", "body": b""})
-
-                await self._unless_gone(receive, pump())
-        except _ClientGone:
-            gone = True
+                except UpstreamError as exc:
+                    watch.finish()
+                    m.upstream_errors.labels("decode").inc()
+                    logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid,
+                                   up.url, exc)
+                    status = 502
+                    err = {"error": {"message": "the prefill/decode instance broke off the "
+                                     f"stream ({exc})", "type": "upstream_error", "code": 502}}
+                    await send({"type": "http.response.body",  # tell, not a silent cut
+                                "body": f"data: {json.dumps(err)}\n\n".encode()})
         except OSError:  # the ASGI server reports a vanished client this way
-            gone = True
-        except GatewayError as exc:
-            await self._error(exc, endpoint, rid)(scope, receive, send)
+            watch.finish()
+            self._client_gone(rid)
             return
-        except UpstreamError as exc:
-            self.metrics.upstream_errors.labels("decode").inc()
-            logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid, up.url, exc)
-            status = 502
-            err = {"error": {"message": f"the prefill/decode instance broke off the stream "
-                                        f"({exc})", "type": "upstream_error", "code": 502}}
-            with contextlib.suppress(OSError):  # tell the client instead of a silent cut
-                await send({"type": "http.response.body",
-                            "body": f"data: {json.dumps(err)}\n\n".encode()})
         finally:
             await up.release()
-        m = self.metrics
         total = time.perf_counter() - t0
-        if gone:
-            m.disconnects.inc()
-            logger.info("client disconnected rid=%s decoder=%s; upstream request aborted",
-                        rid, up.url)
-            return
         if first is not None:
-            m.stage.labels("first_token").observe(first - up.sent_at)
-        m.stage.labels("total").observe(total)
+            m.stage_first_token.observe(first - up.sent_at)
+        m.stage_total.observe(total)
         m.requests.labels(endpoint, str(status)).inc()
-        logger.info("request rid=%s endpoint=%s status=%d stream=%s decoder=%s dec_retries=%d "
-                    "%s first_token_ms=%s total_ms=%s", rid, endpoint, status, stream, up.url,
-                    up.retries, " ".join(f"{k}={v}" for k, v in info.items()),
-                    _ms(None if first is None else first - up.sent_at), _ms(total))
+        if logger.isEnabledFor(logging.INFO):
+            logger.info("request rid=%s endpoint=%s status=%d stream=%s decoder=%s "
+                        "dec_retries=%d %s first_token_ms=%s total_ms=%s", rid, endpoint,
+                        status, stream, up.url, up.retries,
+                        " ".join(f"{k}={v}" for k, v in info.items()),
+                        _ms(None if first is None else first - up.sent_at), _ms(total))
 
     async def completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
@@ -314,15 +321,23 @@ class Gateway:
                                    f"serves {self.cfg.model!r}", "unknown_model")
             body.pop("ec_transfer_params", None)
             payload = json.dumps(body, separators=(",", ":")).encode()
-            up = await self._unless_gone(receive, self._open("/v1/completions", payload, rid))
-        except _ClientGone:
-            self.metrics.disconnects.inc()
-            return
         except GatewayError as exc:
             await self._error(exc, "completions", rid)(scope, receive, send)
             return
-        await self._relay(up, scope, receive, send, rid, t0, "completions",
-                          body.get("stream") is True, {})
+        watch = _Watch(receive)
+        try:
+            up = await self._open("/v1/completions", payload, rid)
+            await self._relay(up, scope, receive, send, rid, t0, "completions",
+                              body.get("stream") is True, {}, watch)
+        except GatewayError as exc:
+            watch.finish()
+            await self._error(exc, "completions", rid)(scope, receive, send)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            self._client_gone(rid)
+        finally:
+            watch.finish()
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = _request_id(Request(scope, receive))
@@ -331,8 +346,12 @@ class Gateway:
         except GatewayError as exc:
             await self._error(exc, "models", rid)(scope, receive, send)
             return
-        await self._relay(up, scope, receive, send, rid, time.perf_counter(), "models",
-                          False, {})
+        watch = _Watch(receive)
+        try:
+            await self._relay(up, scope, receive, send, rid, time.perf_counter(), "models",
+                              False, {}, watch)
+        finally:
+            watch.finish()
 
     async def health(self, request: Request) -> JSONResponse:
         """200 when at least one prefill/decode instance is healthy (encoders are optional:
@@ -371,8 +390,25 @@ class _Endpoint:
         await self.fn(scope, receive, send)
 
 
-def create_app(cfg: GatewayConfig) -> Starlette:
-    """The gateway app; `app.state.gateway` is the Gateway (metrics, router, pools)."""
+class GatewayApp:
+    """The ASGI app: the chat endpoint is dispatched straight to the handler (it sits on every
+    request's path); everything else, lifespan included, goes through Starlette."""
+
+    def __init__(self, gw: Gateway, app: Starlette) -> None:
+        self.gateway = gw
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"] == "/v1/chat/completions"
+                and scope["method"] == "POST"):
+            await self.gateway.chat(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+
+def create_app(cfg: GatewayConfig) -> GatewayApp:
+    """The gateway app; `app.gateway` is the Gateway (metrics, router, pools)."""
     gw = Gateway(cfg)
 
     @contextlib.asynccontextmanager
@@ -392,4 +428,4 @@ def create_app(cfg: GatewayConfig) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.gateway = gw
-    return app
+    return GatewayApp(gw, app)

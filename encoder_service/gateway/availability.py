@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Protocol
 
 from ec_connectors.keys import item_key, namespace_key
-from ec_connectors.transports.safetensors_fs import SUFFIX
 from encoder_service.gateway.config import GatewayConfig
+
+SUFFIX = ".safetensors"  # ec_connectors.transports.safetensors_fs.SUFFIX (that module needs torch)
 
 
 class Availability(Protocol):

@@ -35,5 +35,12 @@ class GatewayMetrics:
         self.disconnects = Counter("epd_gateway_client_disconnects",
                                    "Client disconnects that aborted upstream requests",
                                    registry=r)
+        # children bound once: labels() is a dict lookup under a lock on every call
+        self.stage_parse = self.stage.labels("parse")
+        self.stage_encode = self.stage.labels("encode")
+        self.stage_first_token = self.stage.labels("first_token")
+        self.stage_total = self.stage.labels("total")
+        self.items_hit = self.items.labels("cache_hit")
+        self.items_encoded = self.items.labels("encoded")
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)

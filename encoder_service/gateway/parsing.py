@@ -64,6 +64,26 @@ def _split_data_url(url: str) -> tuple[str, str]:
     return head[5:-7].lower(), payload
 
 
+class _Recent:
+    """A bounded set of content ids whose bytes already passed validation (same bytes, same
+    verdict: a repeated image skips the decode check)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self.ids: dict[str, None] = {}
+
+    def __contains__(self, item_id: str) -> bool:
+        return item_id in self.ids
+
+    def add(self, item_id: str) -> None:
+        self.ids[item_id] = None
+        if len(self.ids) > self.size:
+            del self.ids[next(iter(self.ids))]
+
+
+_validated = _Recent()
+
+
 def check_image(data: bytes, cfg: GatewayConfig) -> None:
     """Raise 400 unless `data` is a decodable image within the pixel limit."""
     try:
@@ -161,9 +181,11 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
                                    f"{cfg.limits.max_media_bytes} bytes", "media_too_large")
             if not data:
                 raise GatewayError(400, f"{ptype} is empty", "bad_part")
-            if modality == "image":
-                check_image(data, cfg)
             item_id = content_item_id(data, cfg.namespace)
+            verdict = f"{cfg.limits.max_image_pixels}:{item_id}"
+            if modality == "image" and verdict not in _validated:
+                check_image(data, cfg)
+                _validated.add(verdict)
             part["uuid"] = item_id
             if item_id not in items:
                 items[item_id] = MediaItem(item_id, modality, len(data), part)
