@@ -14,6 +14,7 @@ import argparse
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -124,6 +125,17 @@ class Deployment:
         except GatewayConfigError as exc:
             raise UpError(str(exc)) from None
 
+    def check_ports(self) -> None:
+        """Fail fast (before minutes of vLLM start-up) when a port is taken."""
+        ports = [self.cfg.base_port, *(s.port for s in self.servers)]
+        for port in ports:
+            with socket.socket() as sock:
+                try:
+                    sock.bind((self.cfg.host, port))
+                except OSError as exc:
+                    raise UpError(f"port {port} on {self.cfg.host} is not free ({exc}); pick "
+                                  "another base_port") from None
+
     def start(self, progress=print) -> None:
         from encoder_service.gateway.server import GatewayThread
 
@@ -171,6 +183,7 @@ def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
         model = (build(work_dir / "models" / "tiny-llava", SPECS["tiny"])
                  if cfg.model == "tiny" else Path(cfg.model))
         dep.plan(model)
+        dep.check_ports()
         say(f"starting {cfg.encoders} encoder(s) and {cfg.decoders} prefill/decode "
             f"instance(s) of {cfg.served_name} (EPDConnector over {cfg.transport})")
         dep.start(progress=say)
@@ -190,7 +203,7 @@ def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
     except _Shutdown as exc:
         say(f"{exc} received")
         return 0
-    except (ServerFailed, UpError, GatewayConfigError) as exc:
+    except (ServerFailed, UpError, GatewayConfigError, RuntimeError) as exc:
         say(f"ERROR: {exc}")
         return 1
     finally:

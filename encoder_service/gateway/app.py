@@ -37,13 +37,13 @@ from encoder_service.gateway.urls import fetch_media
 from scheduler_hooks.params import PARAMS_KEY
 
 logger = logging.getLogger("epd.gateway")
-_RID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def _request_id(request: Request) -> str:
     """The client's x-request-id when it is short and safe, else a fresh one."""
     rid = request.headers.get("x-request-id", "")
-    return rid if _RID.match(rid) else uuid.uuid4().hex
+    return rid if _RID.fullmatch(rid) else uuid.uuid4().hex
 
 
 def _ms(seconds: float | None) -> str:
