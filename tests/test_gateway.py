@@ -374,3 +374,19 @@ def test_b64_helper_rejects_padding_garbage():
     assert _b64(base64.b64encode(b"abc").decode(), "x") == b"abc"
     with pytest.raises(GatewayError):
         _b64("YWJj\x00", "x")
+
+
+def test_text_only_chat_goes_straight_to_a_decoder(gw, stubs):
+    enc, dec = stubs
+    calls = len(enc.calls)
+    r = post(gw, {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200 and r.json()["seen"] == []
+    assert len(enc.calls) == calls and "ec_transfer_params" not in dec.calls[-1]
+
+
+def test_completions_checks_the_model_before_any_upstream_call(gw, stubs):
+    enc, dec = stubs
+    before = (len(enc.calls), len(dec.calls))
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
+    assert (len(enc.calls), len(dec.calls)) == before

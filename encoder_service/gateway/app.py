@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -162,6 +162,9 @@ class Gateway:
                 prepared = await prepare_chat(body, self.cfg, self._fetch)
             except GatewayError as exc:
                 await self._error(exc, "chat", rid)(scope, receive, send)
+                return
+            except ClientDisconnect:  # gone while uploading: nothing was sent upstream
+                self._client_gone(rid)
                 return
             t_parse = time.perf_counter() - t0
             m.stage_parse.observe(t_parse)
@@ -323,6 +326,9 @@ class Gateway:
             payload = json.dumps(body, separators=(",", ":")).encode()
         except GatewayError as exc:
             await self._error(exc, "completions", rid)(scope, receive, send)
+            return
+        except ClientDisconnect:
+            self._client_gone(rid)
             return
         watch = _Watch(receive)
         try:
