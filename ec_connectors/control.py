@@ -52,13 +52,14 @@ class ControlEndpoint:
         name: str,
         decode: Callable[[bytes], Any] = messages.decode,
         on_disconnect: Callable[[], None] | None = None,
+        context: zmq.Context | None = None,
     ) -> None:
         self.address = address
         self.bind = bind
         self._on_message = on_message
         self._decode = decode
         self._on_disconnect = on_disconnect
-        self._ctx = zmq.Context.instance()
+        self._ctx = context or zmq.Context.instance()
         self._outbox: deque[tuple[bytes | None, list[bytes | memoryview]]] = deque()
         self._bell_r, self._bell_w = os.pipe()
         os.set_blocking(self._bell_r, False)

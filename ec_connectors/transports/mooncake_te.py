@@ -231,12 +231,13 @@ class ProducerStore:
 class Announcer:
     """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
 
-    def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float):
+    def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float,
+                 context: zmq.Context):
         self.endpoint = endpoint
         self._store = store
         self._interval_s = interval_s
         self._queue: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
-        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock = context.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
         self._sock.bind(bind)
@@ -288,7 +289,7 @@ class PeerLink:
     """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
     flight to it and the buffers it may still write into."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context) -> None:
         host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
         self._ids = itertools.count(1)
@@ -299,7 +300,7 @@ class PeerLink:
         self.channel = ControlEndpoint(f"tcp://{host}:{port}", bind=False,
                                        on_message=self._on_message, name=f"epd-peer-{port}",
                                        decode=messages.decode_peer,
-                                       on_disconnect=self._on_disconnect)
+                                       on_disconnect=self._on_disconnect, context=context)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float
              ) -> PendingPull:
@@ -391,6 +392,7 @@ class MooncakeTransport(Transport):
         self.placement = placement
         self.host = resolve_host(config.host)
         self.engine = _start_engine(config, self.host)
+        self._zmq = zmq.Context()  # ours alone, so close() can terminate it
         self.session = f"{self.host}:{self.engine.get_rpc_port()}"
         self.pool = MemoryPool(config.memory_pool_bytes, config.memory_pool_device,
                                register=self._register)
@@ -427,9 +429,9 @@ class MooncakeTransport(Transport):
         try:
             self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
                                           on_message=self._on_pull, name="epd-peer-server",
-                                          decode=messages.decode_peer)
+                                          decode=messages.decode_peer, context=self._zmq)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
-                                       self.store, c.announce_interval_s)
+                                       self.store, c.announce_interval_s, self._zmq)
         except (RuntimeError, zmq.ZMQError) as exc:
             raise TransferEngineUnavailable(
                 f"cannot listen on {self.host}:{ports[0]}/{ports[1]} ({exc}); another process "
@@ -519,7 +521,7 @@ class MooncakeTransport(Transport):
                 link.close()
                 link = None
             if link is None:
-                link = self._links[endpoint] = PeerLink(endpoint)
+                link = self._links[endpoint] = PeerLink(endpoint, self._zmq)
             return link
 
     def _sources(self, location: str) -> list[str]:
@@ -679,6 +681,7 @@ class MooncakeTransport(Transport):
         with contextlib.suppress(Exception):
             self.engine.unregister_memory(self.pool.base_addr)
         self.engine = None
+        self._zmq.destroy(linger=0)  # sockets are closed by now; never waits
 
 
 class MooncakeCatalog(Transport):
@@ -702,7 +705,8 @@ class MooncakeCatalog(Transport):
                 port = port_for(config.base_port, PURPOSE_SERVE, config.stage_offset,
                                 placement.dp_rank, placement.world_size, r)
                 targets.append(f"{host}:{port}")
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._zmq = zmq.Context()
+        self._sock = self._zmq.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         for endpoint in dict.fromkeys(targets):
@@ -798,3 +802,4 @@ class MooncakeCatalog(Transport):
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._zmq.destroy(linger=0)
