@@ -5,6 +5,7 @@ machine's limits: a raw TCP socket on loopback and memcpy, in one run. Also the 
     .venv/bin/python benchmarks/mooncake_bench.py [--sizes-mb 8 48 125] [--reps 7]
         [--slice-sizes default 262144 1048576]
 
+"bare engine" is one `transfer_sync_write` with nothing around it (the engine's ceiling).
 "ours" is one whole `get`: pull request, the producer's transfer-engine write into the
 consumer's registered pool, the reply, xxh3 verification of every byte, and the hand-over of
 the pool block as a tensor (no copy). "no checksum" is the same with verify_checksum off.
@@ -76,6 +77,49 @@ def raw_tcp_s(nbytes: int, reps: int) -> float:
     sock.close()
     proc.join(10)
     return median_s(times)
+
+
+def _te_sink(q, nbytes: int) -> None:
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    engine.register_memory(buf.data_ptr(), nbytes)
+    q.put((engine.get_rpc_port(), buf.data_ptr()))
+    time.sleep(600)
+
+
+def engine_only_s(sizes: list[int], reps: int) -> dict[int, float]:
+    """Bare `transfer_sync_write` between two processes: the engine's own TCP ceiling."""
+    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    from mooncake.engine import TransferEngine
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    sink = ctx.Process(target=_te_sink, args=(q, max(sizes)), daemon=True)
+    sink.start()
+    try:
+        port, dst = q.get(timeout=60)
+        engine = TransferEngine()
+        engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        src = torch.randint(0, 256, (max(sizes),), dtype=torch.uint8)
+        engine.register_memory(src.data_ptr(), src.numel())
+        out = {}
+        for n in sizes:
+            times = []
+            for i in range(reps + 1):
+                t0 = time.perf_counter()
+                rc = engine.transfer_sync_write(f"127.0.0.1:{port}", src.data_ptr(), dst, n)
+                if rc != 0:
+                    raise RuntimeError(f"transfer_sync_write returned {rc}")
+                if i:
+                    times.append(time.perf_counter() - t0)
+            out[n] = median_s(times)
+        return out
+    finally:
+        sink.kill()
 
 
 def mooncake_s(sizes: list[int], reps: int, slice_size: str, base_port: int,
@@ -162,6 +206,8 @@ def main() -> None:
 
     print(f"[bench] memcpy and raw TCP baselines ({args.reps} reps each)...", flush=True)
     base = {n: (memcpy_s(n, args.reps), raw_tcp_s(n, args.reps)) for n in sizes}
+    print("[bench] bare transfer engine write (the engine's TCP ceiling)...", flush=True)
+    engine = engine_only_s(sizes, args.reps)
     runs: dict[str, dict[int, float]] = {}
     for i, slice_size in enumerate(args.slice_sizes):
         print(f"[bench] mooncake tcp, slice size {slice_size}...", flush=True)
@@ -180,13 +226,16 @@ def main() -> None:
         mem, tcp = base[n]
         print(f"\n{n / MiB:.0f} MiB   memcpy {mem * 1e3:7.2f} ms {gbs(n, mem)}   "
               f"raw TCP {tcp * 1e3:7.2f} ms {gbs(n, tcp)}")
+        e = engine[n]
+        print(f"  bare engine write        {e * 1e3:7.2f} ms {gbs(n, e)}   "
+              f"{tcp / e:4.2f}x raw TCP")
         for name, res in runs.items():
             s = res[n]
             print(f"  ours, {name:<15} {s * 1e3:7.2f} ms {gbs(n, s)}   "
                   f"{tcp / s:4.2f}x raw TCP   {mem / s:4.2f}x memcpy")
         s = unverified[n]
         print(f"  ours, {best}, no checksum {s * 1e3:7.2f} ms {gbs(n, s)}   "
-              f"{tcp / s:4.2f}x raw TCP")
+              f"{tcp / s:4.2f}x raw TCP   {e / s:4.2f}x bare engine")
     print("\nhas_cache_item with 100,000 indexed items (median per call, hits and misses):")
     for role, ns in has_cache_item_ns().items():
         print(f"  {role:<9} {ns:7.0f} ns")
