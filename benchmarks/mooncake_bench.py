@@ -123,12 +123,13 @@ def engine_only_s(sizes: list[int], reps: int) -> dict[int, float]:
 
 
 def mooncake_s(sizes: list[int], reps: int, slice_size: str, base_port: int,
-               verify: bool) -> dict[int, float]:
+               verify: bool, pool_device: str = "cpu") -> dict[int, float]:
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     if slice_size != "default":
         env["MC_TCP_SLICE_SIZE"] = slice_size
     cfg = {"transport": "mooncake", "host": "127.0.0.1", "base_port": base_port,
-           "memory_pool_bytes": 512 * MiB, "verify_checksum": verify}
+           "memory_pool_bytes": 512 * MiB, "verify_checksum": verify,
+           "memory_pool_device": pool_device}
     log = os.path.join(tempfile.gettempdir(), "epd-mooncake-bench.log")
     prod = PeerClient(env=env, log_path=log)
     cons = PeerClient(env=env, log_path=log)
@@ -201,6 +202,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--slice-sizes", nargs="+", default=["default", "262144", "1048576"])
     ap.add_argument("--base-port", type=int, default=17500)
+    ap.add_argument("--pool-device", choices=["cpu", "cuda"], default="cpu",
+                    help="registered pools on the GPU (GPUDirect where the NIC allows)")
     args = ap.parse_args()
     sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
 
@@ -212,16 +215,18 @@ def main() -> None:
     for i, slice_size in enumerate(args.slice_sizes):
         print(f"[bench] mooncake tcp, slice size {slice_size}...", flush=True)
         runs[f"slice {slice_size}"] = mooncake_s(sizes, args.reps, slice_size,
-                                                 args.base_port + 10 * i, verify=True)
+                                                 args.base_port + 10 * i, verify=True,
+                                                 pool_device=args.pool_device)
     best = min(runs, key=lambda k: sum(runs[k].values()))
     print(f"[bench] mooncake tcp, {best}, no checksum...", flush=True)
     unverified = mooncake_s(sizes, args.reps, best.removeprefix("slice "),
-                            args.base_port + 100, verify=False)
+                            args.base_port + 100, verify=False, pool_device=args.pool_device)
 
     def gbs(n: int, s: float) -> str:
         return f"{n / s / 1e9:5.2f} GB/s"
 
-    print("\nProducer process -> consumer process (median; GB/s = 1e9 bytes/s)")
+    print(f"\nProducer process -> consumer process, pools on {args.pool_device} "
+          "(median; GB/s = 1e9 bytes/s)")
     for n in sizes:
         mem, tcp = base[n]
         print(f"\n{n / MiB:.0f} MiB   memcpy {mem * 1e3:7.2f} ms {gbs(n, mem)}   "

@@ -143,3 +143,21 @@ def test_concurrent_alloc_free_stays_consistent():
     assert not errors
     assert pool.used_bytes == 0
     pool.allocator.check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pool_views_stay_on_the_device():
+    pool = MemoryPool(8 << 20, device="cuda")
+    assert pool.storage.is_cuda
+    buf = pool.allocate(4096 * 2, deadline=time.monotonic() + 1)
+    src = torch.randn(4096, dtype=torch.float32).to(torch.bfloat16)
+    buf.write(src)  # host -> device, one copy
+    view = buf.as_tensor(torch.bfloat16, (64, 64))
+    assert view.is_cuda and view.data_ptr() == pool.base_addr + buf.offset
+    assert torch.equal(view.cpu().reshape(-1), src)
+    with pytest.raises(TypeError):
+        buf.as_bytes()
+    with pytest.raises(TypeError):
+        buf.hand_over(torch.bfloat16, (64, 64))
+    buf.release()
+    assert pool.used_bytes == 0

@@ -210,12 +210,19 @@ def test_full_queue_answers_429_with_retry_after(model, tmp_path):
                     if await gauge("epd_pool_worker_outstanding_tokens") > 0:
                         break
                     await asyncio.sleep(0.01)
-                # one forms the next batch (waiting for the worker), one fills the queue
-                queued = [req(1), req(2)]
-                for _ in range(200):
-                    if await gauge("epd_pool_queue_depth") == 1:
-                        break
-                    await asyncio.sleep(0.01)
+                async def settle(admitted, depth):
+                    for _ in range(500):
+                        if (await gauge('epd_pool_features{state="encoding"}') == admitted
+                                and await gauge("epd_pool_queue_depth") == depth):
+                            return
+                        await asyncio.sleep(0.01)
+
+                # one forms the next batch (admitted, then taken off the queue by the batch
+                # loop, which waits for the worker); then one fills the queue
+                queued = [req(1)]
+                await settle(admitted=2, depth=0)
+                queued.append(req(2))
+                await settle(admitted=3, depth=1)
                 refused = await req(3)
                 return refused, await running, await asyncio.gather(*queued)
 

@@ -415,7 +415,10 @@ class MooncakeTransport(Transport):
     def _register(self, addr: int, size: int) -> None:
         location = "cpu:0" if self.config.memory_pool_device == "cpu" else \
             f"cuda:{torch.cuda.current_device()}"
-        rc = self.engine.register_memory(addr, size, location)
+        try:
+            rc = self.engine.register_memory(addr, size, location)
+        except TypeError:  # wheels before 0.3.13 take no location (they detect it)
+            rc = self.engine.register_memory(addr, size)
         if rc != 0:
             raise TransferEngineUnavailable(f"register_memory of the {size}-byte pool failed "
                                             f"with {rc}")

@@ -67,8 +67,8 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         if out is None:
             return {"found": False, "get_s": elapsed}
         return {"found": True, "get_s": elapsed, "shape": list(out.shape),
-                "dtype": str(out.dtype).removeprefix("torch."),
-                "checksum": checksum(tensor_bytes(out))}
+                "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
+                "checksum": checksum(tensor_bytes(out.cpu()))}
     if op == "health":
         return {"health": transport.health(), "events": transport.events.counters()}
     raise ValueError(f"unknown op {op!r}")
