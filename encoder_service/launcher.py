@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ class VllmServer:
     cpu_core: int | None = None
     served_name: str = "tiny-llava"
     extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of vllm_env()
     proc: subprocess.Popen | None = None
 
     @property
@@ -75,7 +77,8 @@ class VllmServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT,
-                env=vllm_env(self.work_dir, self.cpu_core), start_new_session=True,
+                env={**vllm_env(self.work_dir, self.cpu_core), **self.env},
+                start_new_session=True,
             )
         return self
 
@@ -120,6 +123,35 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class PoolServer(VllmServer):
+    """One `epd encoder` (batching encoder pool) process, managed like a VllmServer.
+    `pool_config` holds PoolConfig keys (model, port and host are set here)."""
+
+    pool_config: dict = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.work_dir / f"{self.name}.json"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "encoder_service.pool.server", "--config",
+               str(self.config_path)]
+        if self.cpu_core is not None and shutil.which("taskset"):
+            cmd = ["taskset", "-c", str(self.cpu_core), *cmd]
+        return cmd
+
+    def start(self) -> PoolServer:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(json.dumps({
+            "served_model_name": self.served_name, **self.pool_config,
+            "model": str(self.model), "host": "127.0.0.1", "port": self.port}))
+        if self.cpu_core is not None:  # pinned to one core: one torch thread
+            self.env = {"OMP_NUM_THREADS": "1", **self.env}
+        super().start()
+        return self
 
 
 def start_all(servers: list[VllmServer], timeout_s: float = 420.0,

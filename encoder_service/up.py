@@ -1,8 +1,12 @@
 """`epd up`: a whole local EPD deployment from one config file with embedded defaults.
 
-Starts the encoder(s) (vLLM ec_producer) and prefill/decode instance(s) (vLLM ec_consumer)
-with EPDConnector over the safetensors transport, waits for health with progress output,
-then serves the gateway in-process and prints the endpoint. Ctrl-C or SIGTERM stops
+Starts the encoder(s) (vLLM ec_producer, or `epd encoder` batching pools with
+`encoder_backend = "pool"`) and prefill/decode instance(s) (vLLM ec_consumer) with
+EPDConnector over the safetensors transport (a shared directory) or the Mooncake Transfer
+Engine (`transport = "mooncake"`: P2P, no master; each encoder serves its items on its own
+side channel `127.0.0.1:mooncake_base_port + 10 * i`, every decode instance pulls from all of
+them, the gateway's availability follows their announcements). Waits for health with
+progress output, then serves the gateway in-process and prints the endpoint. Ctrl-C or SIGTERM stops
 everything: the gateway, then every vLLM server's whole process group (SIGTERM, then SIGKILL
 after a grace period), so no process is left behind. (A SIGKILL of `epd up` itself cannot be
 handled; the vLLM servers then keep running in their own sessions.)
@@ -24,10 +28,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ec_connectors.config import ConfigError, EPDConfig
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError, read_config_file
-from encoder_service.launcher import ServerFailed, VllmServer, start_all
+from encoder_service.launcher import PoolServer, ServerFailed, VllmServer, start_all
 
 DEFAULT_BASE_PORT = 18100
+DEFAULT_MOONCAKE_BASE_PORT = 15500  # EPDConfig.base_port's default
+MOONCAKE_PORT_STRIDE = 10  # side-channel ports per encoder (rank offsets stay below it)
+MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)
 
 
 class UpConfig(BaseModel):
@@ -41,8 +49,15 @@ class UpConfig(BaseModel):
     decoders: int = Field(1, ge=1, le=16)
     base_port: int = Field(DEFAULT_BASE_PORT, ge=1024, le=65000)
     host: str = "127.0.0.1"
-    transport: Literal["safetensors"] = "safetensors"
+    transport: Literal["safetensors", "mooncake"] = "safetensors"
     storage_path: str | None = Field(None, description="default: <work dir>/up/ec-cache")
+    mooncake_base_port: int = Field(DEFAULT_MOONCAKE_BASE_PORT, ge=1024, le=60000,
+                                    description="encoder i's side channel: this + 10 * i; "
+                                    "its announcements: that + 1000")
+    encoder_backend: Literal["vllm", "pool"] = Field(
+        "vllm", description="encoders are vLLM ec_producers, or `epd encoder` pools")
+    pool: dict[str, Any] = Field(default_factory=dict,
+                                 description="more PoolConfig keys for each `epd encoder`")
     connector_extra: dict[str, Any] = Field(default_factory=dict,
                                             description="more ec_connector_extra_config keys")
     cpu_cores: list[int] | None = Field(None, description="one core per vLLM server, in "
@@ -74,6 +89,27 @@ def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) ->
     return {"ec_connector": "EPDConnector", "ec_role": role, "ec_buffer_device": "cpu",
             "ec_connector_extra_config": {"transport": "safetensors",
                                           "storage_path": str(storage), **(extra or {})}}
+
+
+def mooncake_endpoint(cfg: UpConfig, i: int) -> str:
+    """Encoder i's side channel (`host:port`): its rank 0 serves items there."""
+    return f"127.0.0.1:{cfg.mooncake_base_port + MOONCAKE_PORT_STRIDE * i}"
+
+
+def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
+    """ec_connector_extra_config keys for encoder i (role ec_producer) or a decode instance.
+    Mooncake on one node: 127.0.0.1 (with MC_TCP_BIND_ADDRESS), a base port per encoder,
+    every decode instance subscribed to every encoder; `connector_extra` may override the
+    rest (protocol, memory_pool_bytes, ...), not the wiring."""
+    if cfg.transport != "mooncake":
+        return dict(cfg.connector_extra)
+    wiring: dict[str, Any] = {"transport": "mooncake", "host": "127.0.0.1"}
+    if role == "ec_producer":
+        wiring["base_port"] = cfg.mooncake_base_port + MOONCAKE_PORT_STRIDE * i
+    else:
+        wiring["producers"] = [mooncake_endpoint(cfg, j) for j in range(cfg.encoders)]
+    return {"protocol": "tcp", "memory_pool_bytes": MOONCAKE_POOL_BYTES,
+            **cfg.connector_extra, **wiring}
 
 
 @dataclass
@@ -108,33 +144,64 @@ class Deployment:
         if cores and len(cores) < n:
             raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers")
         port = cfg.base_port + 1
+        env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} if cfg.transport == "mooncake" else {}
         for i in range(n):
-            role = "ec_producer" if i < cfg.encoders else "ec_consumer"
-            name = f"encoder-{i}" if i < cfg.encoders else f"decode-{i - cfg.encoders}"
             core = cores[i] if cores else i % ncpu
-            s = VllmServer(name, model, port + i, logs,
-                           epd_config(role, storage, cfg.connector_extra), cpu_core=core,
-                           served_name=cfg.served_name, extra_args=list(cfg.vllm_args))
+            if i < cfg.encoders:
+                extra = connector_extra(cfg, "ec_producer", i)
+                if cfg.encoder_backend == "pool":
+                    self.encoders.append(PoolServer(
+                        f"encoder-{i}", model, port + i, logs, cpu_core=core,
+                        served_name=cfg.served_name, env=dict(env), pool_config={
+                            **cfg.pool, "transport": {"storage_path": str(storage), **extra}}))
+                    continue
+                role, name = "ec_producer", f"encoder-{i}"
+            else:
+                extra = connector_extra(cfg, "ec_consumer")
+                role, name = "ec_consumer", f"decode-{i - cfg.encoders}"
+            s = VllmServer(name, model, port + i, logs, epd_config(role, storage, extra),
+                           cpu_core=core, served_name=cfg.served_name,
+                           extra_args=list(cfg.vllm_args), env=dict(env))
             (self.encoders if i < cfg.encoders else self.decoders).append(s)
+        for extra in ({"storage_path": str(storage), **connector_extra(cfg, "ec_producer")},
+                      connector_extra(cfg, "ec_consumer")):
+            try:  # fail now, not after minutes of vLLM start-up
+                EPDConfig.from_dict({"transport": "safetensors", **extra})
+            except ConfigError as exc:
+                raise UpError(f"connector_extra: {exc}") from None
+        if cfg.transport == "mooncake":
+            availability = {"kind": "mooncake", "producers": self.mooncake_producers}
+        else:
+            availability = {"kind": "safetensors", "storage_path": str(storage)}
         try:
             self.gateway_cfg = GatewayConfig.build({
                 **cfg.gateway, "host": cfg.host, "port": cfg.base_port,
                 "model": cfg.served_name, "encoders": [s.url for s in self.encoders],
-                "decoders": [s.url for s in self.decoders],
-                "availability": {"kind": "safetensors", "storage_path": str(storage)}})
+                "encoder_backend": cfg.encoder_backend,
+                "decoders": [s.url for s in self.decoders], "availability": availability})
         except GatewayConfigError as exc:
             raise UpError(str(exc)) from None
 
+    @property
+    def mooncake_producers(self) -> list[str]:
+        return [mooncake_endpoint(self.cfg, i) for i in range(self.cfg.encoders)]
+
     def check_ports(self) -> None:
         """Fail fast (before minutes of vLLM start-up) when a port is taken."""
-        ports = [self.cfg.base_port, *(s.port for s in self.servers)]
-        for port in ports:
+        ports = [(self.cfg.host, self.cfg.base_port, "base_port"),
+                 *(("127.0.0.1", s.port, "base_port") for s in self.servers)]
+        if self.cfg.transport == "mooncake":
+            for endpoint in self.mooncake_producers:
+                port = int(endpoint.rsplit(":", 1)[1])
+                ports += [("127.0.0.1", port, "mooncake_base_port"),
+                          ("127.0.0.1", port + 1000, "mooncake_base_port")]
+        for host, port, key in ports:
             with socket.socket() as sock:
                 try:
-                    sock.bind((self.cfg.host, port))
+                    sock.bind((host, port))
                 except OSError as exc:
-                    raise UpError(f"port {port} on {self.cfg.host} is not free ({exc}); pick "
-                                  "another base_port") from None
+                    raise UpError(f"port {port} on {host} is not free ({exc}); pick "
+                                  f"another {key}") from None
 
     def start(self, progress=print) -> None:
         from encoder_service.gateway.server import GatewayThread
@@ -184,7 +251,8 @@ def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
                  if cfg.model == "tiny" else Path(cfg.model))
         dep.plan(model)
         dep.check_ports()
-        say(f"starting {cfg.encoders} encoder(s) and {cfg.decoders} prefill/decode "
+        kind = "epd encoder pool" if cfg.encoder_backend == "pool" else "vLLM"
+        say(f"starting {cfg.encoders} encoder(s) ({kind}) and {cfg.decoders} prefill/decode "
             f"instance(s) of {cfg.served_name} (EPDConnector over {cfg.transport})")
         dep.start(progress=say)
         say(f"ready: OpenAI-compatible endpoint {dep.url}/v1 (model {cfg.served_name!r}); "
@@ -217,19 +285,23 @@ def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="epd up", description="start a local EPD deployment: "
-                                "vLLM encoder(s) + prefill/decode instance(s) + gateway")
+                                "encoder(s) + vLLM prefill/decode instance(s) + gateway")
     p.add_argument("--config", type=Path, help="deployment config (.json or .toml); "
                    "every key has a default")
     p.add_argument("--base-port", type=int, help=f"gateway port (default {DEFAULT_BASE_PORT});"
                    " vLLM servers take the next ports")
     p.add_argument("--encoders", type=int)
     p.add_argument("--decoders", type=int)
+    p.add_argument("--transport", choices=["safetensors", "mooncake"])
+    p.add_argument("--encoder-backend", choices=["vllm", "pool"])
     p.add_argument("--demo", action="store_true",
                    help="send a real image request through the gateway, print it, stop")
     p.add_argument("--prompt", default="describe the image")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
-                                   ("decoders", args.decoders)) if v is not None}
+                                   ("decoders", args.decoders), ("transport", args.transport),
+                                   ("encoder_backend", args.encoder_backend))
+                 if v is not None}
     try:
         cfg = load_up_config(args.config, overrides)
     except (UpError, GatewayConfigError) as exc:

@@ -29,7 +29,12 @@ from starlette.types import Receive, Scope, Send
 from encoder_service.gateway.availability import make_availability
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
-from encoder_service.gateway.encoders import EncoderRouter, VllmEncoderClient
+from encoder_service.gateway.encoders import (
+    EncodeOutcome,
+    EncoderRouter,
+    PoolEncoderClient,
+    VllmEncoderClient,
+)
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.parsing import prepare_chat
@@ -93,6 +98,7 @@ class Gateway:
         self.fetch_client: httpx.AsyncClient | None = None
         self.router: EncoderRouter | None = None
         self.decoders: DecodePool | None = None
+        self._background: set[asyncio.Task] = set()  # releases in flight (strong refs)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -101,21 +107,36 @@ class Gateway:
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
             connect=t.connect_s, read=t.decode_s, write=t.decode_s, pool=t.connect_s))
         self.fetch_client = httpx.AsyncClient(trust_env=False)
-        self.router = EncoderRouter(
-            [VllmEncoderClient(u, self.cfg.model, self.client, t.encoder_s)
-             for u in self.cfg.encoders], cooldown_s=self.cfg.cooldown_s)
+        if self.cfg.encoder_backend == "pool":
+            clients: list[Any] = [PoolEncoderClient(u, self.client, t.encoder_s)
+                                  for u in self.cfg.encoders]
+        else:
+            clients = [VllmEncoderClient(u, self.cfg.model, self.client, t.encoder_s)
+                       for u in self.cfg.encoders]
+        self.router = EncoderRouter(clients, cooldown_s=self.cfg.cooldown_s)
         self.decoders = DecodePool(self.cfg)
         await self.decoders.start()
-        logger.info("gateway ready model=%s encoders=%s decoders=%s availability=%s",
-                    self.cfg.model, self.cfg.encoders, self.cfg.decoders,
-                    self.availability.name)
+        logger.info("gateway ready model=%s encoders=%s (%s) decoders=%s availability=%s",
+                    self.cfg.model, self.cfg.encoders, self.cfg.encoder_backend,
+                    self.cfg.decoders, self.availability.name)
 
     async def shutdown(self) -> None:
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=self.cfg.timeouts.connect_s)
         if self.decoders is not None:
             await self.decoders.close()
         for c in (self.client, self.fetch_client):
             if c is not None:
                 await c.aclose()
+        self.availability.close()
+
+    def _release(self, outcome: EncodeOutcome | None) -> None:
+        """Tell the encoders holding `outcome`'s items that the decode side is done with
+        them (in the background; once per outcome)."""
+        if outcome is not None and outcome.holders:
+            task = asyncio.ensure_future(outcome.release())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # -- helpers ---------------------------------------------------------------------------
     def _error(self, exc: GatewayError, endpoint: str, rid: str) -> JSONResponse:
@@ -169,11 +190,16 @@ class Gateway:
             t_parse = time.perf_counter() - t0
             m.stage_parse.observe(t_parse)
             watch = _Watch(receive)
+            held: list[EncodeOutcome] = []  # encoded items to release after the first token
+
+            def release() -> None:
+                self._release(held[0] if held else None)  # once: no-op when released
+
             try:
-                up, info = await self._route(prepared, rid)
+                up, info = await self._route(prepared, rid, held)
                 info["parse_ms"] = _ms(t_parse)
                 await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream,
-                                  info, watch)
+                                  info, watch, on_first=release)
             except GatewayError as exc:
                 watch.finish()
                 await self._error(exc, "chat", rid)(scope, receive, send)
@@ -183,6 +209,7 @@ class Gateway:
                 self._client_gone(rid)
             finally:
                 watch.finish()
+                release()
         finally:
             m.inflight.dec()
 
@@ -190,12 +217,15 @@ class Gateway:
         self.metrics.disconnects.inc()
         logger.info("client disconnected rid=%s; upstream requests cancelled", rid)
 
-    async def _route(self, prepared: Any, rid: str) -> tuple[Upstream, dict[str, Any]]:
+    async def _route(self, prepared: Any, rid: str, held: list[EncodeOutcome]
+                     ) -> tuple[Upstream, dict[str, Any]]:
+        """Encode what is missing (the outcome is appended to `held`), then open the decode
+        request."""
         assert self.router is not None and self.decoders is not None
         ids = [it.item_id for it in prepared.items]
         hits = self.availability.available(ids) if ids else set()
         todo = [it for it in prepared.items if it.item_id not in hits]
-        hints: dict[str, Any] = {i: {} for i in hits}
+        hints: dict[str, Any] = {i: self.availability.hint(i) for i in hits}
         info: dict[str, Any] = {"items": len(ids), "hits": len(hits), "encoded": 0,
                                 "fallback": 0, "enc_retries": 0}
         m = self.metrics
@@ -204,6 +234,7 @@ class Gateway:
         if todo:
             t = time.perf_counter()
             outcome, errors = await self.router.encode(todo, rid)
+            held.append(outcome)
             m.stage_encode.observe(time.perf_counter() - t)
             info["encode_ms"] = _ms(time.perf_counter() - t)
             hints.update(outcome.hints)
@@ -244,9 +275,10 @@ class Gateway:
 
     async def _relay(self, up: Upstream, scope: Scope, receive: Receive, send: Send, rid: str,
                      t0: float, endpoint: str, stream: bool, info: dict[str, Any],
-                     watch: _Watch) -> None:
+                     watch: _Watch, on_first: Any = None) -> None:
         """Pass the upstream answer through, closing `up` on every path (cancelled by `watch`
-        on a client disconnect: the upstream connection is closed, vLLM aborts the request)."""
+        on a client disconnect: the upstream connection is closed, vLLM aborts the request).
+        `on_first()` runs once the first answer bytes are in (the decode has prefilled)."""
         headers = [(b"x-request-id", rid.encode())]
         ctype = up.content_type
         if ctype:
@@ -266,6 +298,8 @@ class Gateway:
                     raise GatewayError(502, f"the prefill/decode instance {up.url} broke off "
                                        f"its answer ({exc})", "decode_broke") from None
                 first = time.perf_counter()
+                if on_first is not None:
+                    on_first()
                 headers.append((b"content-length", str(len(data)).encode()))
                 watch.finish()
                 await send({"type": "http.response.start", "status": status,
@@ -278,6 +312,8 @@ class Gateway:
                     async for chunk in up.chunks():
                         if first is None:
                             first = time.perf_counter()
+                            if on_first is not None:
+                                on_first()
                         await send({"type": "http.response.body", "body": chunk,
                                     "more_body": True})
                     watch.finish()

@@ -1,11 +1,14 @@
 """Which items are already encoded somewhere, so the gateway can skip encoding them.
 
-Interface: `available(item_ids) -> set of ids that a decode instance can load now`. It must
-be cheap (called per request on the event loop). Implementations:
+Interface: `available(item_ids) -> set of ids that a decode instance can load now`, and
+`hint(item_id) -> dict` (the item's entry in the forwarded `ec_transfer_params`, e.g. where
+it lives). Both must be cheap (called per request on the event loop); `close()` at shutdown.
+Implementations:
 - `SafetensorsAvailability`: the shared directory of the safetensors transport (one stat
   per item, paths built only through `ec_connectors.keys.item_key`);
+- `MooncakeAvailability`: a `MooncakeCatalog` subscribed to the Mooncake TE producers'
+  announcements (a dict lookup per item; the hint names the producer holding it);
 - `NoAvailability`: nothing is ever known (every item is encoded).
-The Mooncake transports plug in here with their own lookups.
 A false positive (item evicted after the check) costs a decode-side wait of at most the
 connector's `load_timeout_s`, then a local encode: slower, never wrong.
 """
@@ -15,9 +18,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from ec_connectors.keys import item_key, namespace_key
+from ec_connectors.keys import item_key, namespace_key, safe_key
 from encoder_service.gateway.config import GatewayConfig
 
 SUFFIX = ".safetensors"  # ec_connectors.transports.safetensors_fs.SUFFIX (that module needs torch)
@@ -28,6 +31,10 @@ class Availability(Protocol):
 
     def available(self, item_ids: Iterable[str]) -> set[str]: ...
 
+    def hint(self, item_id: str) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
 
 class NoAvailability:
     name = "none"
@@ -35,8 +42,14 @@ class NoAvailability:
     def available(self, item_ids: Iterable[str]) -> set[str]:
         return set()
 
+    def hint(self, item_id: str) -> dict[str, Any]:
+        return {}
 
-class SafetensorsAvailability:
+    def close(self) -> None:
+        pass
+
+
+class SafetensorsAvailability(NoAvailability):
     name = "safetensors"
 
     def __init__(self, storage_path: str | os.PathLike, namespace: str) -> None:
@@ -49,13 +62,44 @@ class SafetensorsAvailability:
         return {i for i in item_ids if os.path.exists(self.path_for(i))}
 
 
-def make_availability(cfg: GatewayConfig) -> Availability:
-    a = cfg.availability
-    if a.kind == "safetensors":
-        if not a.storage_path:
-            from encoder_service.gateway.config import GatewayConfigError
+class MooncakeAvailability(NoAvailability):
+    """Items the Mooncake TE producers announced (and have not evicted). The catalog lives
+    on its own thread (ZMQ SUB); a lookup is one dict read. Mooncake keys carry no namespace:
+    the gateway's item ids are already namespaced by model (content hash)."""
 
-            raise GatewayConfigError("availability.storage_path is required for "
-                                     "availability.kind = 'safetensors'")
+    name = "mooncake"
+
+    def __init__(self, producers: list[str], announce_interval_s: float | None = None) -> None:
+        from ec_connectors.config import EPDConfig
+        from ec_connectors.transports.base import Placement
+        from ec_connectors.transports.mooncake_te import MooncakeCatalog  # imports torch
+
+        extra: dict[str, Any] = {"transport": "mooncake", "producers": list(producers)}
+        if announce_interval_s is not None:
+            extra["announce_interval_s"] = announce_interval_s
+        self.catalog = MooncakeCatalog(EPDConfig.from_dict(extra),
+                                       Placement(role="scheduler", is_producer=False))
+
+    def _find(self, item_id: str) -> tuple[str, int] | None:
+        key = safe_key(item_id)
+        return None if key is None else self.catalog.locate(key)
+
+    def available(self, item_ids: Iterable[str]) -> set[str]:
+        return {i for i in item_ids if self._find(i) is not None}
+
+    def hint(self, item_id: str) -> dict[str, Any]:
+        found = self._find(item_id)
+        return {} if found is None else {"location": found[0], "nbytes": found[1]}
+
+    def close(self) -> None:
+        self.catalog.close()
+
+
+def make_availability(cfg: GatewayConfig) -> Availability:
+    a = cfg.availability  # required keys per kind are checked by AvailabilityConfig
+    if a.kind == "safetensors":
+        assert a.storage_path
         return SafetensorsAvailability(a.storage_path, cfg.namespace)
+    if a.kind == "mooncake":
+        return MooncakeAvailability(a.producers)
     return NoAvailability()

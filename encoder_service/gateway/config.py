@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MiB = 1 << 20
 
@@ -79,11 +87,32 @@ class AvailabilityConfig(_Strict):
     """Where the gateway looks up items that are already encoded (so they skip encoding).
 
     `safetensors`: the shared directory of the safetensors transport (same `storage_path`
-    and `namespace` as the vLLM servers' EPDConnector). `none`: always encode."""
+    and `namespace` as the vLLM servers' EPDConnector). `mooncake`: the announcements of the
+    Mooncake TE producers in `producers` (their side channels, `host:port`, as in the
+    consumers' `producers`). `none`: always encode."""
 
-    kind: Literal["safetensors", "none"] = "none"
+    kind: Literal["safetensors", "mooncake", "none"] = "none"
     storage_path: str | None = None
     namespace: str | None = None
+    producers: list[str] = Field(default_factory=list, max_length=256)
+
+    @field_validator("producers")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        from ec_connectors.net import parse_endpoint
+
+        for endpoint in v:
+            parse_endpoint(endpoint)  # ValueError names the bad one
+        return v
+
+    @model_validator(mode="after")
+    def _needs(self) -> AvailabilityConfig:
+        if self.kind == "safetensors" and not self.storage_path:
+            raise ValueError("storage_path is required for kind 'safetensors'")
+        if self.kind == "mooncake" and not self.producers:
+            raise ValueError("producers (host:port side channels) are required for kind "
+                             "'mooncake'")
+        return self
 
 
 class GatewayConfig(_Strict):
@@ -94,10 +123,13 @@ class GatewayConfig(_Strict):
     model: str = Field("tiny-llava", min_length=1,
                        description="served model name; namespace of content-derived item ids")
     encoders: list[str] = Field(default_factory=list,
-                                description="vLLM ec_producer base URLs; empty = decode "
-                                            "instances encode locally")
+                                description="encoder base URLs (vLLM ec_producers or "
+                                            "`epd encoder` pools, see encoder_backend); "
+                                            "empty = decode instances encode locally")
     decoders: list[str] = Field(min_length=1, description="vLLM ec_consumer base URLs")
-    encoder_transport: Literal["vllm"] = "vllm"
+    encoder_backend: Literal["vllm", "pool"] = Field(
+        "vllm", validation_alias=AliasChoices("encoder_backend", "encoder_transport"),
+        description="what `encoders` are: vLLM ec_producers, or `epd encoder` pools")
     cooldown_s: float = Field(5.0, ge=0,
                                       description="try an encoder or decode instance last for "
                                                   "this long after it failed")

@@ -2,8 +2,11 @@
 
 `EncoderClient.encode(items, request_id)` makes the items' embeddings available to decode
 instances and returns `{item_id: info}` to forward as `ec_transfer_params`; it raises
-EncoderFailed on any error or deadline. `VllmEncoderClient` talks to a vLLM ec_producer over
-HTTP; the encoder pool and Mooncake transports plug in as further clients.
+EncoderFailed on any error or deadline; items it leaves out of the answer failed alone (bad
+media for that encoder) and go raw. A client may also have `release(item_ids)`: called once
+the decode instance is done with the items (first token, or the request's end).
+`VllmEncoderClient` talks to a vLLM ec_producer over HTTP; `PoolEncoderClient` to the
+batching encoder pool (`epd encoder`: `/v1/encode`, `/v1/release`).
 
 `EncoderRouter.encode` groups a request's items per encoder (one call per encoder,
 least-loaded first), retries a failed group once on another encoder, and reports the items
@@ -13,6 +16,7 @@ that still failed: the caller sends those as raw media (local encode on the deco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Sequence
@@ -33,6 +37,12 @@ class EncoderClient(Protocol):
     name: str
 
     async def encode(self, items: Sequence[MediaItem], request_id: str) -> dict[str, Any]: ...
+
+
+class Releasing(Protocol):
+    """An EncoderClient that holds items until told the decode side has them."""
+
+    async def release(self, item_ids: Sequence[str]) -> None: ...
 
 
 class VllmEncoderClient:
@@ -70,12 +80,69 @@ class VllmEncoderClient:
         return {it.item_id: made.get(it.item_id, {}) for it in items}
 
 
+class PoolEncoderClient:
+    """The batching encoder pool (`epd encoder`): `POST /v1/encode` with all of a group's
+    images (one request; the pool batches across requests). Items the pool reports as
+    failed are left out of the answer (the caller sends them raw); so are modalities the pool
+    does not serve. `release()` tells the pool the decode side has prefilled the items."""
+
+    modalities = ("image",)
+
+    def __init__(self, url: str, client: httpx.AsyncClient, timeout_s: float) -> None:
+        self.name = url
+        self.url = url
+        self.client = client
+        self.timeout_s = timeout_s
+
+    async def encode(self, items: Sequence[MediaItem], request_id: str) -> dict[str, Any]:
+        todo = [it for it in items if it.modality in self.modalities]
+        if not todo:
+            return {}
+        body = {"items": [{"id": it.item_id, "modality": it.modality,
+                           "data": it.part[f"{it.modality}_url"]["url"]} for it in todo],
+                "timeout_s": self.timeout_s, "on_failure": "text_only"}
+        try:
+            r = await asyncio.wait_for(
+                self.client.post(self.url + "/v1/encode", json=body,
+                                 headers={"x-request-id": request_id}), self.timeout_s + 1.0)
+        except asyncio.TimeoutError:
+            raise EncoderFailed(f"{self.name}: no answer within {self.timeout_s} s") from None
+        except httpx.HTTPError as exc:
+            raise EncoderFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
+        if r.status_code != 200:
+            raise EncoderFailed(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
+        try:
+            answer = r.json()
+            made = dict((answer["ec_transfer_params"][PARAMS_KEY] or {}).get("items") or {})
+            status = {k: v.get("status") for k, v in answer["items"].items()}
+        except (ValueError, KeyError, AttributeError, TypeError):
+            raise EncoderFailed(f"{self.name}: unreadable answer") from None
+        return {it.item_id: made[it.item_id] for it in todo
+                if status.get(it.item_id) == "ok" and isinstance(made.get(it.item_id), dict)}
+
+    async def release(self, item_ids: Sequence[str]) -> None:
+        """Best effort: a lost release only leaves the feature to the pool's LRU eviction."""
+        with contextlib.suppress(asyncio.TimeoutError, httpx.HTTPError):
+            await asyncio.wait_for(self.client.post(self.url + "/v1/release",
+                                                    json={"item_ids": list(item_ids)}),
+                                   self.timeout_s)
+
+
 @dataclass
 class EncodeOutcome:
     hints: dict[str, Any] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
     retries: int = 0
     calls: int = 0
+    # (client, item ids it encoded) for clients that want `release` once the decode is done
+    holders: list[tuple[Any, list[str]]] = field(default_factory=list)
+
+    async def release(self) -> None:
+        """Tell every holding encoder the decode side is done (once; never raises)."""
+        holders, self.holders = self.holders, []
+        if holders:
+            await asyncio.gather(*(c.release(ids) for c, ids in holders),
+                                 return_exceptions=True)
 
 
 class EncoderRouter:
@@ -119,11 +186,19 @@ class EncoderRouter:
             assert client is not None
             outcome.calls += 1
             try:
-                outcome.hints.update(await self._call(client, items,
-                                                      f"{request_id}-enc{attempt}"))
-                return
+                made = await self._call(client, items, f"{request_id}-enc{attempt}")
             except EncoderFailed as exc:
                 errors.append(str(exc))
+            else:
+                done = [it.item_id for it in items if it.item_id in made]
+                outcome.hints.update((i, made[i]) for i in done)
+                if len(done) < len(items):  # failed alone (bad for this encoder): raw
+                    missing = [it.item_id for it in items if it.item_id not in made]
+                    outcome.failed.extend(missing)
+                    errors.append(f"{client.name}: {len(missing)} item(s) not encoded")
+                if done and hasattr(client, "release"):
+                    outcome.holders.append((client, done))
+                return
             others = self.candidates(exclude=tried)
             if attempt == 0 and others:
                 outcome.retries += 1
