@@ -143,11 +143,15 @@ class PoolServer(VllmServer):
             cmd = ["taskset", "-c", str(self.cpu_core), *cmd]
         return cmd
 
-    def start(self) -> PoolServer:
+    def write_config(self) -> Path:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(json.dumps({
             "served_model_name": self.served_name, **self.pool_config,
             "model": str(self.model), "host": "127.0.0.1", "port": self.port}))
+        return self.config_path
+
+    def start(self) -> PoolServer:
+        self.write_config()
         if self.cpu_core is not None:  # pinned to one core: one torch thread
             self.env = {"OMP_NUM_THREADS": "1", **self.env}
         super().start()

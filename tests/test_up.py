@@ -60,3 +60,64 @@ def test_a_taken_port_fails_fast_with_no_server_started():
     assert r.returncode == 1
     assert "port 18517" in r.stdout and "not free" in r.stdout
     assert "starting encoder" not in r.stdout
+
+
+def test_plan_mooncake_wires_a_side_channel_per_encoder_and_all_to_every_decoder(tmp_path):
+    dep = Deployment(UpConfig(encoders=2, decoders=2, base_port=18630, transport="mooncake",
+                              mooncake_base_port=16670, cpu_cores=[0, 1, 0, 1],
+                              connector_extra={"memory_pool_bytes": 64 << 20,
+                                               "base_port": 1234, "host": "10.0.0.1"}),
+                     tmp_path)
+    dep.plan(tmp_path / "model")
+    extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
+    assert [e["transport"] for e in extra] == ["mooncake"] * 4
+    assert [e["host"] for e in extra] == ["127.0.0.1"] * 4  # wiring wins over connector_extra
+    assert [e["memory_pool_bytes"] for e in extra] == [64 << 20] * 4  # the rest is the user's
+    assert [e["base_port"] for e in extra[:2]] == [16670, 16680]
+    producers = ["127.0.0.1:16670", "127.0.0.1:16680"]
+    assert [e["producers"] for e in extra[2:]] == [producers, producers]
+    assert all(s.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} for s in dep.servers)
+    g = dep.gateway_cfg
+    assert g.availability.kind == "mooncake" and g.availability.producers == producers
+    assert g.encoder_backend == "vllm"
+    # safetensors (the default) sets no mooncake env or keys
+    dep = Deployment(UpConfig(base_port=18630), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert all(s.env == {} for s in dep.servers)
+    assert dep.servers[1].ec_config["ec_connector_extra_config"]["transport"] == "safetensors"
+    with pytest.raises(UpError, match="memory_pool_bytez"):
+        Deployment(UpConfig(transport="mooncake", connector_extra={"memory_pool_bytez": 1}),
+                   tmp_path).plan(tmp_path / "model")
+
+
+def test_plan_pool_backend_starts_epd_encoder_processes(tmp_path):
+    from encoder_service.launcher import PoolServer
+
+    dep = Deployment(UpConfig(encoders=1, decoders=1, base_port=18630, transport="mooncake",
+                              mooncake_base_port=16670, encoder_backend="pool",
+                              pool={"max_batch_size": 4}), tmp_path)
+    dep.plan(tmp_path / "model")
+    (enc,) = dep.encoders
+    assert isinstance(enc, PoolServer) and enc.port == 18631
+    assert enc.pool_config["max_batch_size"] == 4
+    assert enc.pool_config["transport"]["base_port"] == 16670
+    assert enc.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    cmd = enc.command()
+    assert cmd[cmd.index("-m") + 1] == "encoder_service.pool.server"
+    assert dep.gateway_cfg.encoder_backend == "pool"
+    from encoder_service.pool.config import PoolConfig
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    pc = PoolConfig.from_dict(json.loads(enc.write_config().read_text()))  # what it is given
+    assert pc.transport_config().transport == "mooncake" and pc.namespace == "tiny-llava"
+
+
+def test_a_taken_mooncake_port_fails_fast(tmp_path):
+    dep = Deployment(UpConfig(base_port=18630, transport="mooncake", mooncake_base_port=16675),
+                     tmp_path)
+    dep.plan(tmp_path / "model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 17675))  # encoder 0's announcement port
+        with pytest.raises(UpError, match="17675.*mooncake_base_port"):
+            dep.check_ports()
