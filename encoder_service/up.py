@@ -197,6 +197,9 @@ class Deployment:
                           ("127.0.0.1", port + 1000, "mooncake_base_port")]
         for host, port, key in ports:
             with socket.socket() as sock:
+                # as the servers themselves bind (uvicorn, ZMQ): TIME_WAIT leftovers of a
+                # previous run are no conflict, a listener is
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     sock.bind((host, port))
                 except OSError as exc:
