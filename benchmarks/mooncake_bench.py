@@ -123,13 +123,14 @@ def engine_only_s(sizes: list[int], reps: int) -> dict[int, float]:
 
 
 def mooncake_s(sizes: list[int], reps: int, slice_size: str, base_port: int,
-               verify: bool, pool_device: str = "cpu") -> dict[int, float]:
+               verify: bool, pool_device: str = "cpu", chunk_bytes: int = 8 * MiB
+               ) -> dict[int, float]:
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     if slice_size != "default":
         env["MC_TCP_SLICE_SIZE"] = slice_size
     cfg = {"transport": "mooncake", "host": "127.0.0.1", "base_port": base_port,
            "memory_pool_bytes": 512 * MiB, "verify_checksum": verify,
-           "memory_pool_device": pool_device}
+           "memory_pool_device": pool_device, "transfer_chunk_bytes": chunk_bytes}
     log = os.path.join(tempfile.gettempdir(), "epd-mooncake-bench.log")
     prod = PeerClient(env=env, log_path=log)
     cons = PeerClient(env=env, log_path=log)
@@ -200,7 +201,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[8, 48, 125])
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--slice-sizes", nargs="+", default=["default", "262144", "1048576"])
+    ap.add_argument("--slice-sizes", nargs="+", default=["default"],
+                    help="MC_TCP_SLICE_SIZE values (no effect seen on loopback TCP)")
+    ap.add_argument("--chunk-mib", type=float, nargs="+", default=[0, 4, 8, 16],
+                    help="transfer_chunk_bytes values: 0 = one write, verify after")
     ap.add_argument("--base-port", type=int, default=17500)
     ap.add_argument("--pool-device", choices=["cpu", "cuda"], default="cpu",
                     help="registered pools on the GPU (GPUDirect where the NIC allows)")
@@ -212,15 +216,18 @@ def main() -> None:
     print("[bench] bare transfer engine write (the engine's TCP ceiling)...", flush=True)
     engine = engine_only_s(sizes, args.reps)
     runs: dict[str, dict[int, float]] = {}
-    for i, slice_size in enumerate(args.slice_sizes):
-        print(f"[bench] mooncake tcp, slice size {slice_size}...", flush=True)
-        runs[f"slice {slice_size}"] = mooncake_s(sizes, args.reps, slice_size,
-                                                 args.base_port + 10 * i, verify=True,
-                                                 pool_device=args.pool_device)
-    best = min(runs, key=lambda k: sum(runs[k].values()))
+    combos = [(sl, int(c * MiB)) for sl in args.slice_sizes for c in args.chunk_mib]
+    for i, (slice_size, chunk) in enumerate(combos):
+        name = f"slice {slice_size}, chunk {chunk / MiB:g} MiB"
+        print(f"[bench] mooncake tcp, {name}...", flush=True)
+        runs[name] = (mooncake_s(sizes, args.reps, slice_size, args.base_port + 10 * i,
+                                 verify=True, pool_device=args.pool_device, chunk_bytes=chunk),
+                      (slice_size, chunk))
+    best = min(runs, key=lambda k: sum(runs[k][0].values()))
     print(f"[bench] mooncake tcp, {best}, no checksum...", flush=True)
-    unverified = mooncake_s(sizes, args.reps, best.removeprefix("slice "),
-                            args.base_port + 100, verify=False, pool_device=args.pool_device)
+    slice_size, chunk = runs[best][1]
+    unverified = mooncake_s(sizes, args.reps, slice_size, args.base_port + 500, verify=False,
+                            pool_device=args.pool_device, chunk_bytes=chunk)
 
     def gbs(n: int, s: float) -> str:
         return f"{n / s / 1e9:5.2f} GB/s"
@@ -234,9 +241,9 @@ def main() -> None:
         e = engine[n]
         print(f"  bare engine write        {e * 1e3:7.2f} ms {gbs(n, e)}   "
               f"{tcp / e:4.2f}x raw TCP")
-        for name, res in runs.items():
+        for name, (res, _) in runs.items():
             s = res[n]
-            print(f"  ours, {name:<15} {s * 1e3:7.2f} ms {gbs(n, s)}   "
+            print(f"  ours, {name:<28} {s * 1e3:7.2f} ms {gbs(n, s)}   "
                   f"{tcp / s:4.2f}x raw TCP   {mem / s:4.2f}x memcpy")
         s = unverified[n]
         print(f"  ours, {best}, no checksum {s * 1e3:7.2f} ms {gbs(n, s)}   "

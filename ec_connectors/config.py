@@ -57,6 +57,9 @@ class EPDConfig(BaseModel):
     # backpressure). Consumer: room for pulls in flight.
     memory_pool_bytes: int = Field(default=2 * GiB, ge=1 * MiB)
     inline_max_bytes: int = Field(default=256 * KiB, ge=0, le=16 * MiB)
+    # Large items are written in chunks of this size, each announced as it lands, so the
+    # consumer verifies chunk k while chunk k+1 is on the wire (0: one write, verify after).
+    transfer_chunk_bytes: int = Field(default=8 * MiB, ge=0)
     lease_ttl_s: float = Field(default=60.0, gt=0)  # promised items are never evicted sooner
     announce_interval_s: float = Field(default=2.0, gt=0, le=60)
     # Size-scaled pull timeout: base + nbytes / rate, capped by the load deadline.

@@ -120,6 +120,14 @@ class PullFailed(msgspec.Struct, tag=True):
     info: ItemInfo | None = None
 
 
+class Progress(msgspec.Struct, tag=True):
+    """producer -> consumer: the first `done` bytes of pull `pull_id` have landed and will not
+    change (the consumer verifies them while the rest is still in flight)."""
+
+    pull_id: int
+    done: int
+
+
 class Announce(msgspec.Struct, tag=True):
     """producer -> subscribers: items stored at `endpoint`."""
 
@@ -144,7 +152,7 @@ class Snapshot(msgspec.Struct, tag=True):
     interval_s: float
 
 
-PeerMessage = Pull | Pulled | PullFailed | Announce | Evicted | Snapshot
+PeerMessage = Pull | Pulled | PullFailed | Progress | Announce | Evicted | Snapshot
 
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
 

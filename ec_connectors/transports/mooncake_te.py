@@ -31,12 +31,13 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
 import torch
+import xxhash
 import zmq
 
 from ec_connectors import messages
@@ -49,6 +50,7 @@ from ec_connectors.messages import (
     Evicted,
     ItemInfo,
     PeerMessage,
+    Progress,
     Pull,
     Pulled,
     PullFailed,
@@ -279,10 +281,19 @@ class Announcer:
 @dataclass
 class PendingPull:
     buf: PoolBuffer | None
-    done: threading.Event = field(default_factory=threading.Event)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    finished: bool = False
+    progress: int = 0  # bytes known to have landed (Progress messages)
     reply: PeerMessage | None = None
     payload: bytes | None = None
     error: str = ""
+
+    def finish(self, reply: PeerMessage | None = None, payload: bytes | None = None,
+               error: str = "") -> None:
+        with self.cond:
+            self.reply, self.payload, self.error = reply, payload, error or self.error
+            self.finished = True
+            self.cond.notify_all()
 
 
 class PeerLink:
@@ -302,8 +313,10 @@ class PeerLink:
                                        decode=messages.decode_peer,
                                        on_disconnect=self._on_disconnect, context=context)
 
-    def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float
-             ) -> PendingPull:
+    def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
+             on_progress: Callable[[int], None] | None = None) -> PendingPull:
+        """Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
+        this thread) as chunks land. The returned pull is finished either way."""
         pull_id = next(self._ids)
         pending = PendingPull(buf)
         with self._lock:
@@ -311,20 +324,41 @@ class PeerLink:
         self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
                                dst_addr=buf.addr if buf else 0,
                                capacity=buf.nbytes if buf else 0))
-        if not pending.done.wait(max(0.0, timeout_s)):
-            with self._lock:
-                if self._pending.pop(pull_id, None) is not None:
-                    pending.error = f"no answer from producer {self.endpoint} in {timeout_s:.2f} s"
-                    if buf is not None and self.channel.connected:
-                        # It may still write into buf: hold it until it answers or dies.
-                        self._quarantine[pull_id] = (buf, time.monotonic())
-                        pending.buf = None
-                    pending.done.set()
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        seen = 0
+        while True:
+            with pending.cond:
+                pending.cond.wait_for(lambda s=seen: pending.finished or pending.progress > s,
+                                      max(0.0, deadline - time.monotonic()))
+                finished, progress = pending.finished, pending.progress
+            if progress > seen and on_progress is not None and not finished:
+                on_progress(progress)
+            seen = progress
+            if finished:
+                return pending
+            if time.monotonic() >= deadline:
+                break
+        with self._lock:
+            if self._pending.pop(pull_id, None) is not None:
+                if buf is not None and self.channel.connected:
+                    # It may still write into buf: hold it until it answers or dies.
+                    self._quarantine[pull_id] = (buf, time.monotonic())
+                    pending.buf = None
+                pending.finish(error=f"no answer from producer {self.endpoint} in "
+                                     f"{timeout_s:.2f} s")
         return pending
 
     def _on_message(self, msg: PeerMessage, _peer: bytes | None, payload: list[bytes]) -> None:
         pull_id = getattr(msg, "pull_id", None)
         if pull_id is None:
+            return
+        if isinstance(msg, Progress):
+            with self._lock:
+                pending = self._pending.get(pull_id)
+            if pending is not None:
+                with pending.cond:
+                    pending.progress = max(pending.progress, msg.done)
+                    pending.cond.notify_all()
             return
         with self._lock:
             pending = self._pending.pop(pull_id, None)
@@ -334,9 +368,7 @@ class PeerLink:
                         self.endpoint, pull_id)
             late[0].release()
         elif pending is not None:
-            pending.reply = msg
-            pending.payload = payload[0] if payload else None
-            pending.done.set()
+            pending.finish(msg, payload[0] if payload else None)
 
     def _on_disconnect(self) -> None:
         """The producer's process is gone: nothing can write into our buffers any more."""
@@ -345,8 +377,7 @@ class PeerLink:
             quarantined, self._quarantine = self._quarantine, {}
             self.broken = True
         for p in pending.values():
-            p.error = f"producer {self.endpoint} disconnected"
-            p.done.set()
+            p.finish(error=f"producer {self.endpoint} disconnected")
         for buf, _ in quarantined.values():
             buf.release()
         logger.warning("EPD: lost the connection to producer %s (%d pulls in flight)",
@@ -371,11 +402,33 @@ class PeerLink:
             quarantined, self._quarantine = self._quarantine, {}
             pending, self._pending = self._pending, {}
         for p in pending.values():
-            p.error = "closed"
-            p.done.set()
+            p.finish(error="closed")
         for buf, _ in quarantined.values():
             with contextlib.suppress(Exception):
                 buf.release()
+
+
+class _StreamVerifier:
+    """xxh3 over a pool block's bytes in order, as chunks land (same digest as one-shot).
+    Device pools hash a host copy of each chunk."""
+
+    def __init__(self, buf: PoolBuffer) -> None:
+        self._raw = buf.as_tensor(torch.uint8, (buf.nbytes,))
+        self._host = buf.as_bytes() if self._raw.device.type == "cpu" else None
+        self._hasher = xxhash.xxh3_64()
+        self.hashed = 0
+
+    def advance(self, upto: int) -> None:
+        upto = min(upto, self._raw.numel())
+        if upto > self.hashed:
+            if self._host is not None:
+                self._hasher.update(self._host[self.hashed:upto])
+            else:
+                self._hasher.update(memoryview(self._raw[self.hashed:upto].cpu().numpy()))
+            self.hashed = upto
+
+    def hexdigest(self) -> str:
+        return self._hasher.hexdigest()
 
 
 # --- the transport ----------------------------------------------------------------------------
@@ -505,13 +558,18 @@ class MooncakeTransport(Transport):
                 self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
                                              error=f"needs {info.nbytes} bytes"))
                 return
-            rc = self.engine.transfer_sync_write(msg.session, held.buf.addr, msg.dst_addr,
-                                                 info.nbytes)
-            if rc != 0:
-                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="transfer",
-                                             error=f"transfer_sync_write to {msg.session} "
-                                                   f"returned {rc}"))
-                return
+            chunk = self.config.transfer_chunk_bytes or info.nbytes
+            for start in range(0, info.nbytes, chunk):
+                n = min(chunk, info.nbytes - start)
+                rc = self.engine.transfer_sync_write(msg.session, held.buf.addr + start,
+                                                     msg.dst_addr + start, n)
+                if rc != 0:
+                    self._reply(peer, PullFailed(pull_id=msg.pull_id, code="transfer",
+                                                 error=f"transfer_sync_write to {msg.session} "
+                                                       f"returned {rc}"))
+                    return
+                if start + n < info.nbytes:  # the consumer verifies it while the rest flies
+                    self._reply(peer, Progress(pull_id=msg.pull_id, done=start + n))
             self._reply(peer, Pulled(pull_id=msg.pull_id, info=info))
         finally:
             self.store.unpin(held)
@@ -584,11 +642,14 @@ class MooncakeTransport(Transport):
         scaled = self.config.transfer_timeout_base_s + nbytes / self.config.min_transfer_bytes_per_s
         timeout = min(deadline - time.monotonic(), scaled)
         self.pull_stats["pulls"] += 1
-        p = link.pull(key, self.session, buf, timeout)
+        verifier = _StreamVerifier(buf) if self.config.verify_checksum and buf is not None \
+            else None
+        p = link.pull(key, self.session, buf, timeout,
+                      on_progress=verifier.advance if verifier else None)
         try:
             reply = p.reply
             if isinstance(reply, Pulled):
-                return "ok", self._receive(reply, p), nbytes
+                return "ok", self._receive(reply, p, verifier), nbytes
             if isinstance(reply, PullFailed):
                 if reply.code == "too_small" and reply.info is not None:
                     return "too_small", None, reply.info.nbytes
@@ -608,7 +669,8 @@ class MooncakeTransport(Transport):
             if p.buf is not None:  # not quarantined: ours to free
                 p.buf.release()
 
-    def _receive(self, reply: Pulled, p: PendingPull) -> torch.Tensor | None:
+    def _receive(self, reply: Pulled, p: PendingPull, verifier: _StreamVerifier | None = None
+                 ) -> torch.Tensor | None:
         """A verified tensor from the reply: inline bytes, or our pool block itself (CPU
         pool: handed over without a copy, back to the pool when vLLM drops the tensor;
         device pool: one device-local copy)."""
@@ -633,7 +695,11 @@ class MooncakeTransport(Transport):
             raw = p.buf.as_tensor(torch.uint8, (info.nbytes,))
             data = p.buf.as_bytes()[:info.nbytes] if raw.device.type == "cpu" else None
         if self.config.verify_checksum:
-            digest = checksum(data if data is not None else memoryview(raw.cpu().numpy()))
+            if verifier is not None and not reply.inline:
+                verifier.advance(info.nbytes)  # the chunks that landed are hashed already
+                digest = verifier.hexdigest()
+            else:
+                digest = checksum(data if data is not None else memoryview(raw.cpu().numpy()))
             if digest != info.checksum:
                 self.events.corrupt += 1
                 logger.warning("EPD: checksum mismatch for %s from %s", info.key, info.location)
