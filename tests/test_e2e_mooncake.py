@@ -5,7 +5,6 @@ prefill/decode consumer that pulls embeddings from the producer's registered poo
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import httpx
@@ -16,7 +15,7 @@ from encoder_service.launcher import VllmServer, start_all
 from encoder_service.testmodel import SPECS, build
 
 from .conftest import WORK
-from .test_e2e_vllm import ask, case, encode, tokens, wait_metric
+from .test_e2e_vllm import ask, ask_before_encoding, case, encode, tokens, wait_metric
 from .test_e2e_vllm import metric as cons_metric
 
 pytest.importorskip("mooncake.engine")
@@ -79,17 +78,7 @@ def test_deferred_request_without_location_finds_item_by_announcement(cluster):
     c = cluster
     image, item_id, reference = case(c, seed=502)
     loads = cons_metric(c, "loads_total")
-    result: dict = {}
-    promised = {"epd": {"items": [item_id]}}
-    t = threading.Thread(target=lambda: result.update(ask(c, c["cons"], image, item_id,
-                                                          promised)))
-    t.start()
-    time.sleep(1.5)
-    assert t.is_alive(), "consumer answered before the item existed"
-    encode(c, image, item_id)
-    t.join(timeout=60)
-    assert not t.is_alive()
-    assert tokens(result) == reference
+    assert tokens(ask_before_encoding(c, image, item_id, wait_s=1.5)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
 
 

@@ -97,22 +97,28 @@ def test_consumer_output_equals_aggregated_and_uses_producer_embedding(cluster):
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1  # really loaded, once
 
 
+def ask_before_encoding(c, image, item_id, wait_s: float = 2.0) -> dict:
+    """Send the consumer a request that names the item (ids only) before the producer has
+    made it, check it is still waiting after `wait_s`, then encode; the consumer's answer."""
+    result: dict = {}
+    promised = {"epd": {"items": [item_id]}}
+    t = threading.Thread(target=lambda: result.update(ask(c, c["cons"], image, item_id, promised)))
+    t.start()
+    time.sleep(wait_s)
+    assert t.is_alive(), "consumer answered before the item existed"
+    encode(c, image, item_id)
+    t.join(timeout=60)
+    assert not t.is_alive()
+    return result
+
+
 def test_single_deferred_request_with_no_other_traffic(cluster):
     """The consumer gets the request before the producer has made the item: it must defer
     (zero-token steps on vLLM's V1 runner) and still load it when it lands."""
     c = cluster
     image, item_id, reference = case(c, seed=202)
     loads = metric(c, "loads_total")
-    result: dict = {}
-    promised = {"epd": {"items": [item_id]}}
-    t = threading.Thread(target=lambda: result.update(ask(c, c["cons"], image, item_id, promised)))
-    t.start()
-    time.sleep(2.0)
-    assert t.is_alive(), "consumer answered before the item existed"
-    encode(c, image, item_id)
-    t.join(timeout=60)
-    assert not t.is_alive()
-    assert tokens(result) == reference
+    assert tokens(ask_before_encoding(c, image, item_id)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
 
 
