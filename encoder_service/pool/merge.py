@@ -211,7 +211,8 @@ def merge_loop(token_ids: Sequence[int] | torch.Tensor, items: Sequence[ItemRef]
             for r in range(item.num_tokens):
                 rows.append(features[item.item_id][r].to(embed_weight.dtype))
     if out is None:
-        out = torch.empty(len(rows), embed_weight.shape[1], dtype=embed_weight.dtype)
+        out = torch.empty(len(rows), embed_weight.shape[1], dtype=embed_weight.dtype,
+                          device=embed_weight.device)
     for i, row in enumerate(rows):
         out[i] = row
     return out
