@@ -100,6 +100,7 @@ class Pull(msgspec.Struct, tag=True):
     session: str
     dst_addr: int
     capacity: int
+    namespace: str = ""  # the model the item must belong to ("" = do not check)
 
 
 class Pulled(msgspec.Struct, tag=True):
@@ -112,7 +113,7 @@ class Pulled(msgspec.Struct, tag=True):
 
 class PullFailed(msgspec.Struct, tag=True):
     """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
-    transfer | bad_request."""
+    transfer | bad_request | namespace (the item belongs to another model)."""
 
     pull_id: int
     code: str
@@ -133,6 +134,7 @@ class Announce(msgspec.Struct, tag=True):
 
     endpoint: str
     items: list[ItemInfo]
+    namespace: str = ""
 
 
 class Evicted(msgspec.Struct, tag=True):
@@ -140,6 +142,7 @@ class Evicted(msgspec.Struct, tag=True):
 
     endpoint: str
     keys: list[str]
+    namespace: str = ""
 
 
 class Snapshot(msgspec.Struct, tag=True):
@@ -150,6 +153,7 @@ class Snapshot(msgspec.Struct, tag=True):
     keys: list[str]
     nbytes: list[int]
     interval_s: float
+    namespace: str = ""
 
 
 PeerMessage = Pull | Pulled | PullFailed | Progress | Announce | Evicted | Snapshot

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ec_connectors.keys import MAX_ID_BYTES
+from ec_connectors.keys import MAX_ID_BYTES, item_key
+from ec_connectors.messages import ItemInfo
 from ec_connectors.net import parse_endpoint
 
 PARAMS_KEY = "epd"
@@ -33,6 +34,18 @@ def producer_params(
     if endpoint:
         body["endpoint"] = endpoint
     return {PARAMS_KEY: body}
+
+
+def item_entry(item_id: str, num_embeds: int, info: ItemInfo | None,
+               with_location: bool = False) -> dict[str, Any]:
+    """One item of `producer_params`: what a consumer needs to find and check it."""
+    entry: dict[str, Any] = {"num_embeds": num_embeds, "key": item_key(item_id)}
+    if info is not None:
+        entry.update(shape=list(info.shape), dtype=info.dtype, nbytes=info.nbytes,
+                     checksum=info.checksum)
+        if with_location and info.location:  # peer transports: who serves it
+            entry["location"] = info.location
+    return entry
 
 
 def hinted_items(params: Any) -> set[str]:

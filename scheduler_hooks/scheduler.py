@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
-from ec_connectors.keys import item_key, safe_key
+from ec_connectors.keys import safe_key
 from ec_connectors.log import get_logger
 from ec_connectors.messages import (
     ControlMessage,
@@ -37,7 +37,13 @@ from ec_connectors.messages import (
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
 from scheduler_hooks.index import AvailabilityIndex
-from scheduler_hooks.params import BadParams, Source, item_sources, producer_params
+from scheduler_hooks.params import (
+    BadParams,
+    Source,
+    item_entry,
+    item_sources,
+    producer_params,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -327,14 +333,8 @@ class EPDSchedulerSide:
         described: dict[str, dict[str, Any]] = {}
         endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
         for item_id, num_embeds in items.items():
-            entry: dict[str, Any] = {"num_embeds": num_embeds, "key": item_key(item_id)}
-            info = self._saved.get(item_id)
-            if info is not None:
-                entry.update(shape=list(info.shape), dtype=info.dtype, nbytes=info.nbytes,
-                             checksum=info.checksum)
-                if endpoint:  # peer transports: this worker serves it
-                    entry["location"] = info.location
-            described[item_id] = entry
+            described[item_id] = item_entry(item_id, num_embeds, self._saved.get(item_id),
+                                            with_location=bool(endpoint))
         return producer_params(self.transport.name, self.config.namespace or "",
                                self.engine_id, described, endpoint=endpoint)
 

@@ -16,7 +16,7 @@ import zmq
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports import Placement
 from ec_connectors.transports.base import checksum, tensor_bytes
-from ec_connectors.transports.mooncake_te import MooncakeCatalog
+from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
 from ec_connectors.transports.peer_process import PeerClient, seeded_tensor
 
 from .conftest import WORK
@@ -130,6 +130,22 @@ def test_small_items_ride_inline_and_unknown_items_miss_by_the_deadline(peers):
     assert h["unknown"] >= 1 and h["pool_used_bytes"] == 0
 
 
+def test_items_of_another_model_are_refused(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, namespace="model-a"))
+    other = peers.start(CONSUMER, **mc_config(base, namespace="model-b"))
+    same = peers.start(CONSUMER, **mc_config(base, namespace="model-a"))
+    endpoint = prod.info["endpoint"]
+    put = prod.call({"op": "put", "id": "shared-uuid", "seed": 8, "shape": [1024, 1024],
+                     "dtype": "bfloat16"})
+    t0 = time.monotonic()
+    refused = other.call({"op": "get", "id": "shared-uuid", "timeout_s": 5,
+                          "location": endpoint})
+    assert not refused["found"] and time.monotonic() - t0 < 2  # refused at once, not retried
+    got = same.call({"op": "get", "id": "shared-uuid", "timeout_s": 5, "location": endpoint})
+    assert got["found"] and got["checksum"] == put["checksum"]
+
+
 def test_consumer_finds_items_through_configured_producers(peers):
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base))
@@ -144,7 +160,9 @@ def test_catalog_learns_items_from_announcements_and_forgets_a_dead_producer(pee
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base, announce_interval_s=0.3))
     cfg = EPDConfig.from_dict(mc_config(base, producers=[f"127.0.0.1:{base}"],
-                                        announce_interval_s=0.3))
+                                        announce_interval_s=0.3, namespace="default"))
+    foreign = MooncakeCatalog(cfg.model_copy(update={"namespace": "another-model"}),
+                              Placement(role="scheduler", is_producer=False))
     catalog = MooncakeCatalog(cfg, Placement(role="scheduler", is_producer=False))
     try:
         put = prod.call({"op": "put", "id": "a1", "seed": 3, "shape": [300, 1024],
@@ -155,10 +173,12 @@ def test_catalog_learns_items_from_announcements_and_forgets_a_dead_producer(pee
         assert wait_for(lambda: catalog.locate(key) is not None, timeout=5)
         assert catalog.locate(key) == (f"127.0.0.1:{base}", put["nbytes"])
         assert key in set(catalog.list_keys())
+        assert foreign.locate(key) is None and not list(foreign.list_keys())
         os.killpg(prod.proc.pid, signal.SIGKILL)
         assert wait_for(lambda: catalog.locate(key) is None, timeout=5)
     finally:
         catalog.close()
+        foreign.close()
 
 
 def test_producer_pool_budget_leases_eviction_and_backpressure(peers):

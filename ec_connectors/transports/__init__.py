@@ -18,11 +18,13 @@ def make_transport(config: EPDConfig, placement: Placement | None = None) -> Tra
             fsync=config.fsync, verify_checksum=config.verify_checksum,
         )
     if config.transport == "mooncake":
-        from ec_connectors.transports import mooncake_te
-
         if placement.role == "scheduler":
-            return mooncake_te.MooncakeCatalog(config, placement)
-        return mooncake_te.MooncakeTransport(config, placement)
+            from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
+
+            return MooncakeCatalog(config, placement)
+        from ec_connectors.transports.mooncake_te import MooncakeTransport
+
+        return MooncakeTransport(config, placement)
     raise ValueError(f"unknown transport {config.transport!r}")
 
 

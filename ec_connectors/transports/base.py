@@ -7,15 +7,20 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
 
 from ec_connectors.messages import ItemInfo
 
+if TYPE_CHECKING:  # torch is imported where tensors are touched: catalogs stay torch-free
+    import torch
+
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """Zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    import torch
+
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")
 
@@ -29,6 +34,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
+    import torch
+
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")

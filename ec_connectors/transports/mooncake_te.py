@@ -16,8 +16,8 @@ until their deadline, then the item is encoded locally).
 A buffer whose pull timed out may still be written by a frozen producer: it is quarantined
 until that producer answers or disconnects (or `quarantine_ttl_s`), never reused early.
 
-Scheduler process: `MooncakeCatalog` subscribes to producers' announcements and answers
-`list_keys` / `locate` from memory (the availability index's source).
+Scheduler process: `mooncake_catalog.MooncakeCatalog` subscribes to producers'
+announcements and answers `list_keys` / `locate` from memory (the availability index).
 
 Routing, retries across tiers and request lifecycle live above (worker.py, scheduler_hooks/).
 """
@@ -59,7 +59,6 @@ from ec_connectors.messages import (
 from ec_connectors.net import (
     PURPOSE_ANNOUNCE,
     PURPOSE_SERVE,
-    announce_endpoint,
     parse_endpoint,
     port_for,
     resolve_host,
@@ -234,8 +233,9 @@ class Announcer:
     """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
 
     def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float,
-                 context: zmq.Context):
+                 context: zmq.Context, namespace: str):
         self.endpoint = endpoint
+        self.namespace = namespace
         self._store = store
         self._interval_s = interval_s
         self._queue: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
@@ -247,11 +247,11 @@ class Announcer:
         self._thread.start()
 
     def stored(self, info: ItemInfo) -> None:
-        self._queue.put(Announce(endpoint=self.endpoint, items=[info]))
+        self._queue.put(Announce(endpoint=self.endpoint, items=[info], namespace=self.namespace))
 
     def evicted(self, keys: list[str]) -> None:
         if keys:
-            self._queue.put(Evicted(endpoint=self.endpoint, keys=keys))
+            self._queue.put(Evicted(endpoint=self.endpoint, keys=keys, namespace=self.namespace))
 
     def _run(self) -> None:
         next_snapshot = 0.0
@@ -262,7 +262,7 @@ class Announcer:
                 except queue.Empty:
                     keys, sizes = self._store.catalog()
                     msg = Snapshot(endpoint=self.endpoint, keys=keys, nbytes=sizes,
-                                   interval_s=self._interval_s)
+                                   interval_s=self._interval_s, namespace=self.namespace)
                     next_snapshot = time.monotonic() + self._interval_s
                 if msg is None:
                     return
@@ -314,7 +314,8 @@ class PeerLink:
                                        on_disconnect=self._on_disconnect, context=context)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
-             on_progress: Callable[[int], None] | None = None) -> PendingPull:
+             on_progress: Callable[[int], None] | None = None, namespace: str = ""
+             ) -> PendingPull:
         """Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
         this thread) as chunks land. The returned pull is finished either way."""
         pull_id = next(self._ids)
@@ -323,7 +324,7 @@ class PeerLink:
             self._pending[pull_id] = pending
         self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
                                dst_addr=buf.addr if buf else 0,
-                               capacity=buf.nbytes if buf else 0))
+                               capacity=buf.nbytes if buf else 0, namespace=namespace))
         deadline = time.monotonic() + max(0.0, timeout_s)
         seen = 0
         while True:
@@ -444,6 +445,7 @@ class MooncakeTransport(Transport):
         self.config = config
         self.placement = placement
         self.host = resolve_host(config.host)
+        self.namespace = config.namespace or "default"  # one model per producer process
         self.engine = _start_engine(config, self.host)
         self._zmq = zmq.Context()  # ours alone, so close() can terminate it
         self.session = f"{self.host}:{self.engine.get_rpc_port()}"
@@ -487,7 +489,8 @@ class MooncakeTransport(Transport):
                                           on_message=self._on_pull, name="epd-peer-server",
                                           decode=messages.decode_peer, context=self._zmq)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
-                                       self.store, c.announce_interval_s, self._zmq)
+                                       self.store, c.announce_interval_s, self._zmq,
+                                       self.namespace)
         except (RuntimeError, zmq.ZMQError) as exc:
             raise TransferEngineUnavailable(
                 f"cannot listen on {self.host}:{ports[0]}/{ports[1]} ({exc}); another process "
@@ -542,6 +545,11 @@ class MooncakeTransport(Transport):
 
     def _serve_pull(self, msg: Pull, peer: bytes) -> None:
         assert self.store is not None
+        if msg.namespace and msg.namespace != self.namespace:
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="namespace",
+                                         error=f"{self.endpoint} serves model namespace "
+                                               f"{self.namespace!r}, not {msg.namespace!r}"))
+            return
         held = self.store.pin(msg.key)
         if held is None:
             code = "evicted" if msg.key in self.store.recently_evicted else "unknown"
@@ -610,7 +618,7 @@ class MooncakeTransport(Transport):
                 continue  # now we know the size: pull again from the same producer
             if outcome == "too_big":
                 break
-            if outcome in ("evicted", "corrupt", "timeout") and len(sources) == 1:
+            if outcome in ("evicted", "corrupt", "timeout", "namespace") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
             if outcome in ("unknown", "disconnected", "transfer") and i % len(sources) == 0:
@@ -645,7 +653,8 @@ class MooncakeTransport(Transport):
         verifier = _StreamVerifier(buf) if self.config.verify_checksum and buf is not None \
             else None
         p = link.pull(key, self.session, buf, timeout,
-                      on_progress=verifier.advance if verifier else None)
+                      on_progress=verifier.advance if verifier else None,
+                      namespace=self.namespace)
         try:
             reply = p.reply
             if isinstance(reply, Pulled):
@@ -751,124 +760,3 @@ class MooncakeTransport(Transport):
             self.engine.unregister_memory(self.pool.base_addr)
         self.engine = None
         self._zmq.destroy(linger=0)  # sockets are closed by now; never waits
-
-
-class MooncakeCatalog(Transport):
-    """Scheduler-role view of the mooncake transport: which items producers hold, and where.
-    Fed by producers' announcements (ZMQ SUB); producers whose snapshots stop are forgotten."""
-
-    name = "mooncake"
-
-    def __init__(self, config: EPDConfig, placement: Placement) -> None:
-        super().__init__()
-        self.config = config
-        self._where: dict[str, tuple[str, int]] = {}  # key -> (endpoint, nbytes)
-        self._by_producer: dict[str, set[str]] = {}
-        self._last_seen: dict[str, tuple[float, float]] = {}  # endpoint -> (time, interval)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        targets = list(config.producers)
-        if placement.is_producer:  # our own workers, so has_cache_item knows what we hold
-            host = resolve_host(config.host)
-            for r in range(placement.world_size):
-                port = port_for(config.base_port, PURPOSE_SERVE, config.stage_offset,
-                                placement.dp_rank, placement.world_size, r)
-                targets.append(f"{host}:{port}")
-        self._zmq = zmq.Context()
-        self._sock = self._zmq.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        for endpoint in dict.fromkeys(targets):
-            self._sock.connect(f"tcp://{announce_endpoint(endpoint)}")
-        self.bad_frames = 0
-        self._thread = threading.Thread(target=self._run, name="epd-catalog", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if self._sock.poll(250):
-                    while True:
-                        try:
-                            data = self._sock.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            self._apply(messages.decode_peer(data))
-                        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-                            self.bad_frames += 1
-                            logger.warning("EPD catalog: dropped a malformed announcement: %s",
-                                           exc)
-                self._expire()
-        finally:
-            self._sock.close()
-
-    def _apply(self, msg: PeerMessage) -> None:
-        if not isinstance(msg, Announce | Evicted | Snapshot):
-            return
-        endpoint = msg.endpoint
-        parse_endpoint(endpoint)
-        with self._lock:
-            mine = self._by_producer.setdefault(endpoint, set())
-            if isinstance(msg, Announce):
-                for info in msg.items:
-                    self._where[info.key] = (endpoint, info.nbytes)
-                    mine.add(info.key)
-                interval = self._last_seen.get(endpoint, (0.0, self.config.announce_interval_s))[1]
-            elif isinstance(msg, Evicted):
-                for key in msg.keys:
-                    mine.discard(key)
-                    if self._where.get(key, ("",))[0] == endpoint:
-                        del self._where[key]
-                interval = self._last_seen.get(endpoint, (0.0, self.config.announce_interval_s))[1]
-            else:
-                fresh = set(msg.keys)
-                for key in mine - fresh:
-                    if self._where.get(key, ("",))[0] == endpoint:
-                        del self._where[key]
-                for key, n in zip(msg.keys, msg.nbytes, strict=False):
-                    self._where[key] = (endpoint, n)
-                self._by_producer[endpoint] = fresh
-                interval = msg.interval_s
-            self._last_seen[endpoint] = (time.monotonic(), interval)
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            dead = [e for e, (ts, iv) in self._last_seen.items() if now - ts > 3 * iv + 1.0]
-            for endpoint in dead:
-                for key in self._by_producer.pop(endpoint, ()):
-                    if self._where.get(key, ("",))[0] == endpoint:
-                        del self._where[key]
-                del self._last_seen[endpoint]
-                logger.warning("EPD catalog: producer %s went silent; forgetting its items",
-                               endpoint)
-
-    def locate(self, key: str) -> tuple[str, int] | None:
-        return self._where.get(key)
-
-    def list_keys(self) -> Iterable[str]:
-        with self._lock:
-            return list(self._where)
-
-    def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
-        raise RuntimeError("the scheduler process does not store items")
-
-    def get(self, item_id: str, deadline: float, location: str = "",
-            nbytes: int = 0) -> torch.Tensor | None:
-        raise RuntimeError("the scheduler process does not load items")
-
-    def exists(self, item_id: str) -> bool:
-        return item_key(item_id) in self._where
-
-    def delete(self, item_id: str) -> bool:
-        return False
-
-    def health(self) -> dict[str, object]:
-        return {"transport": self.name, "ok": True, "producers": sorted(self._last_seen),
-                "items": len(self._where)}
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._zmq.destroy(linger=0)

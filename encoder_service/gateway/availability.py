@@ -64,15 +64,15 @@ class SafetensorsAvailability(NoAvailability):
 
 class MooncakeAvailability(NoAvailability):
     """Items the Mooncake TE producers announced (and have not evicted). The catalog lives
-    on its own thread (ZMQ SUB); a lookup is one dict read. Mooncake keys carry no namespace:
-    the gateway's item ids are already namespaced by model (content hash)."""
+    on its own thread (ZMQ SUB); a lookup is one dict read. The gateway's item ids are already
+    namespaced by model (content hash); producers also refuse pulls from another model."""
 
     name = "mooncake"
 
     def __init__(self, producers: list[str], announce_interval_s: float | None = None) -> None:
         from ec_connectors.config import EPDConfig
         from ec_connectors.transports.base import Placement
-        from ec_connectors.transports.mooncake_te import MooncakeCatalog  # imports torch
+        from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
 
         extra: dict[str, Any] = {"transport": "mooncake", "producers": list(producers)}
         if announce_interval_s is not None:

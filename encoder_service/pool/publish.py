@@ -13,7 +13,7 @@ import torch
 from ec_connectors.config import EPDConfig
 from ec_connectors.messages import ItemInfo
 from ec_connectors.transports import make_transport
-from scheduler_hooks.params import producer_params
+from scheduler_hooks.params import item_entry, producer_params
 
 MAX_REMEMBERED = 65536
 
@@ -52,12 +52,11 @@ class Publisher:
     def params(self, infos: dict[str, ItemInfo]) -> dict[str, Any]:
         """`ec_transfer_params` for a request whose items are `infos` (same shape a vLLM
         producer with EPDConnector returns)."""
-        items = {
-            item_id: {"num_embeds": info.shape[0], "key": info.key, "shape": list(info.shape),
-                      "dtype": info.dtype, "nbytes": info.nbytes, "checksum": info.checksum}
-            for item_id, info in infos.items()
-        }
-        return producer_params(self.transport.name, self.namespace, self.engine_id, items)
+        endpoint = self.transport.endpoint  # peer transports: consumers pull from here
+        items = {item_id: item_entry(item_id, info.shape[0], info, with_location=bool(endpoint))
+                 for item_id, info in infos.items()}
+        return producer_params(self.transport.name, self.namespace, self.engine_id, items,
+                               endpoint=endpoint)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
