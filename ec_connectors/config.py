@@ -6,7 +6,9 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ec_connectors.net import EndpointList
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,7 +53,7 @@ class EPDConfig(BaseModel):
     stage_offset: int = Field(default=0, ge=0, le=999)
     # Producer side channels ("host:port") a consumer subscribes to and pulls from when a
     # request carries no location; with a list, params may only name these producers.
-    producers: list[str] = Field(default_factory=list, max_length=256)
+    producers: EndpointList = Field(default_factory=list)
     memory_pool_device: Literal["cpu", "cuda"] = "cpu"
     # Producer: the byte budget of held items (LRU eviction of unleased items, then
     # backpressure). Consumer: room for pulls in flight.
@@ -84,15 +86,6 @@ class EPDConfig(BaseModel):
 
     # Directory of the scheduler<->worker control sockets (unix domain sockets).
     control_dir: str = Field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "epd-ctl"))
-
-    @field_validator("producers")
-    @classmethod
-    def _check_producers(cls, value: list[str]) -> list[str]:
-        from ec_connectors.net import parse_endpoint
-
-        for endpoint in value:
-            parse_endpoint(endpoint)  # raises ValueError with the reason
-        return value
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any] | None) -> EPDConfig:

@@ -6,6 +6,9 @@ import contextlib
 import ipaddress
 import re
 import socket
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
 
 PURPOSE_SERVE = 0  # side channel: pull requests and replies (ZMQ ROUTER on the producer)
 PURPOSE_ANNOUNCE = 1000  # announcements of stored items (ZMQ PUB on the producer)
@@ -67,3 +70,13 @@ def announce_endpoint(serve_endpoint: str) -> str:
     """A producer's announcement address from its side-channel address."""
     host, port = parse_endpoint(serve_endpoint)
     return f"{host}:{port + PURPOSE_ANNOUNCE - PURPOSE_SERVE}"
+
+
+def _check_endpoints(value: list[str]) -> list[str]:
+    for endpoint in value:
+        parse_endpoint(endpoint)  # ValueError names the bad one
+    return value
+
+
+# A config field holding `host:port` endpoints (producers), validated in one place.
+EndpointList = Annotated[list[str], AfterValidator(_check_endpoints), Field(max_length=256)]

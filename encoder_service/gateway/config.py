@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from ec_connectors.net import EndpointList
+
 MiB = 1 << 20
 
 
@@ -94,16 +96,7 @@ class AvailabilityConfig(_Strict):
     kind: Literal["safetensors", "mooncake", "none"] = "none"
     storage_path: str | None = None
     namespace: str | None = None
-    producers: list[str] = Field(default_factory=list, max_length=256)
-
-    @field_validator("producers")
-    @classmethod
-    def _endpoints(cls, v: list[str]) -> list[str]:
-        from ec_connectors.net import parse_endpoint
-
-        for endpoint in v:
-            parse_endpoint(endpoint)  # ValueError names the bad one
-        return v
+    producers: EndpointList = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _needs(self) -> AvailabilityConfig:
