@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import threading
 import time
 
@@ -26,19 +25,14 @@ from encoder_service.gateway.server import GatewayThread
 from encoder_service.launcher import metric_value
 from encoder_service.media import chat_body, content_item_id, data_url, sample_image_png
 
+from .helpers import free_port as _free_port
+
 MODEL = "tiny-llava"
 PORTS = iter(range(18500, 18540))
 
 
 def free_port() -> int:
-    for p in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 18500-18539")
+    return _free_port(PORTS)
 
 
 class Stub:

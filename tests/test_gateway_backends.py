@@ -5,7 +5,6 @@ recording stand-in for `epd encoder`). Real HTTP (uvicorn + httpx) as in test_ga
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -30,6 +29,7 @@ from encoder_service.gateway.server import GatewayThread
 from encoder_service.launcher import metric_value
 from encoder_service.media import chat_body, content_item_id, sample_image_png
 
+from .helpers import free_port as _free_port
 from .helpers import wait_for
 
 MODEL = "tiny-llava"
@@ -38,14 +38,7 @@ PRODUCER = "127.0.0.1:16690"  # fake producer's side channel; announcements on 1
 
 
 def free_port() -> int:
-    for p in PORTS:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-                return p
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 18600-18629")
+    return _free_port(PORTS)
 
 
 class Server:

@@ -16,6 +16,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -195,23 +196,35 @@ class Gateway:
             def release() -> None:
                 self._release(held[0] if held else None)  # once: no-op when released
 
-            try:
+            async def answer() -> None:
                 up, info = await self._route(prepared, rid, held)
                 info["parse_ms"] = _ms(t_parse)
                 await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream,
                                   info, watch, on_first=release)
-            except GatewayError as exc:
-                watch.finish()
-                await self._error(exc, "chat", rid)(scope, receive, send)
-            except asyncio.CancelledError:
-                if not watch.gone:
-                    raise
-                self._client_gone(rid)
+
+            try:
+                await self._guarded(answer, watch, "chat", rid, scope, receive, send)
             finally:
-                watch.finish()
                 release()
         finally:
             m.inflight.dec()
+
+    async def _guarded(self, answer: Callable[[], Awaitable[None]], watch: _Watch,
+                       endpoint: str, rid: str, scope: Scope, receive: Receive,
+                       send: Send) -> None:
+        """Run an upstream answer: a GatewayError becomes its HTTP error, a client that went
+        away is counted (the upstream call was cancelled with it), the watch always ends."""
+        try:
+            await answer()
+        except GatewayError as exc:
+            watch.finish()
+            await self._error(exc, endpoint, rid)(scope, receive, send)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            self._client_gone(rid)
+        finally:
+            watch.finish()
 
     def _client_gone(self, rid: str) -> None:
         self.metrics.disconnects.inc()
@@ -367,19 +380,13 @@ class Gateway:
             self._client_gone(rid)
             return
         watch = _Watch(receive)
-        try:
+
+        async def answer() -> None:
             up = await self._open("/v1/completions", payload, rid)
             await self._relay(up, scope, receive, send, rid, t0, "completions",
                               body.get("stream") is True, {}, watch)
-        except GatewayError as exc:
-            watch.finish()
-            await self._error(exc, "completions", rid)(scope, receive, send)
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise
-            self._client_gone(rid)
-        finally:
-            watch.finish()
+
+        await self._guarded(answer, watch, "completions", rid, scope, receive, send)
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         rid = _request_id(Request(scope, receive))

@@ -45,6 +45,21 @@ class Releasing(Protocol):
     async def release(self, item_ids: Sequence[str]) -> None: ...
 
 
+async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                request_id: str, timeout_s: float, answer_s: float) -> httpx.Response:
+    """POST with a deadline; every failure (timeout, connection, non-200) is EncoderFailed."""
+    try:
+        r = await asyncio.wait_for(
+            client.post(url, json=body, headers={"x-request-id": request_id}), answer_s)
+    except asyncio.TimeoutError:
+        raise EncoderFailed(f"{name}: no answer within {timeout_s} s") from None
+    except httpx.HTTPError as exc:
+        raise EncoderFailed(f"{name}: {type(exc).__name__}: {exc}") from None
+    if r.status_code != 200:
+        raise EncoderFailed(f"{name}: HTTP {r.status_code}: {r.text[:200]}")
+    return r
+
+
 class VllmEncoderClient:
     """A vLLM server with an ec_producer EPDConnector (or any EC producer). One chat request
     carries all of a group's items; max_tokens=1 (an encoder-only producer makes none)."""
@@ -61,16 +76,8 @@ class VllmEncoderClient:
         content = [*(it.part for it in items), {"type": "text", "text": "."}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": 1, "temperature": 0.0}
-        try:
-            r = await asyncio.wait_for(
-                self.client.post(self.url, json=body, headers={"x-request-id": request_id}),
-                self.timeout_s)
-        except asyncio.TimeoutError:
-            raise EncoderFailed(f"{self.name}: no answer within {self.timeout_s} s") from None
-        except httpx.HTTPError as exc:
-            raise EncoderFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        if r.status_code != 200:
-            raise EncoderFailed(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
+        r = await _post(self.name, self.client, self.url, body, request_id, self.timeout_s,
+                        self.timeout_s)
         try:
             params = r.json().get("ec_transfer_params") or {}
             made = dict((params.get(PARAMS_KEY) or {}).get("items") or {})
@@ -101,16 +108,9 @@ class PoolEncoderClient:
         body = {"items": [{"id": it.item_id, "modality": it.modality,
                            "data": it.part[f"{it.modality}_url"]["url"]} for it in todo],
                 "timeout_s": self.timeout_s, "on_failure": "text_only"}
-        try:
-            r = await asyncio.wait_for(
-                self.client.post(self.url + "/v1/encode", json=body,
-                                 headers={"x-request-id": request_id}), self.timeout_s + 1.0)
-        except asyncio.TimeoutError:
-            raise EncoderFailed(f"{self.name}: no answer within {self.timeout_s} s") from None
-        except httpx.HTTPError as exc:
-            raise EncoderFailed(f"{self.name}: {type(exc).__name__}: {exc}") from None
-        if r.status_code != 200:
-            raise EncoderFailed(f"{self.name}: HTTP {r.status_code}: {r.text[:200]}")
+        # the pool enforces timeout_s per item itself; the extra second is for the reply
+        r = await _post(self.name, self.client, self.url + "/v1/encode", body, request_id,
+                        self.timeout_s, self.timeout_s + 1.0)
         try:
             answer = r.json()
             made = dict((answer["ec_transfer_params"][PARAMS_KEY] or {}).get("items") or {})
