@@ -85,9 +85,13 @@ class ControlEndpoint:
         with contextlib.suppress(BlockingIOError):  # a full pipe: the loop is awake anyway
             os.write(self._bell_w, b"\0")
 
-    def _open(self) -> zmq.Socket:
+    def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         sock = self._ctx.socket(zmq.ROUTER if self.bind else zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # The monitor must exist before connect(): on loopback the connection can be up
+        # before a later monitor attaches, and a missed CONNECTED hides every disconnect.
+        monitor = (sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                   if self._on_disconnect is not None else None)
         if self.bind:
             path = self.address.removeprefix("ipc://")
             if self.address.startswith("ipc://") and os.path.exists(path):
@@ -95,13 +99,11 @@ class ControlEndpoint:
             sock.bind(self.address)
         else:
             sock.connect(self.address)
-        return sock
+        return sock, monitor
 
     def _run(self) -> None:
         try:
-            sock = self._open()
-            monitor = (sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                       if self._on_disconnect is not None else None)
+            sock, monitor = self._open()
         except BaseException as exc:  # surfaced to the constructor
             self._error = exc
             self._ready.set()
