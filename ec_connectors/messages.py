@@ -36,6 +36,13 @@ class Prefetch(msgspec.Struct, tag=True):
     nbytes: int = 0
 
 
+class Renew(msgspec.Struct, tag=True):
+    """scheduler -> workers (producer): vLLM skipped encoding this item because it is stored;
+    a consumer is being promised it again, so keep it (renew its lease / LRU recency)."""
+
+    item_id: str
+
+
 class Drop(msgspec.Struct, tag=True):
     """scheduler -> workers: forget a staged item (request gone, or another rank failed)."""
 
@@ -70,7 +77,7 @@ class WorkerStats(msgspec.Struct, tag=True):
     data: dict[str, dict[str, float | list[float]]]
 
 
-ControlMessage = Hello | Prefetch | Drop | Staged | Saved | WorkerStats
+ControlMessage = Hello | Prefetch | Renew | Drop | Staged | Saved | WorkerStats
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)

@@ -26,6 +26,7 @@ from ec_connectors.messages import (
     Drop,
     Hello,
     Prefetch,
+    Renew,
     Saved,
     Staged,
     WorkerStats,
@@ -124,6 +125,8 @@ class EPDWorker:
     def _on_control(self, msg: ControlMessage, _peer: bytes | None, _payload: list) -> None:
         if isinstance(msg, Prefetch):
             self._loaders.submit(self._prefetch, msg)
+        elif isinstance(msg, Renew):
+            self._loaders.submit(self.transport.renew, msg.item_id)  # may touch storage
         elif isinstance(msg, Drop):
             self._unstage(msg.item_id)
 

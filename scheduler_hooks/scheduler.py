@@ -30,6 +30,7 @@ from ec_connectors.messages import (
     Hello,
     ItemInfo,
     Prefetch,
+    Renew,
     Saved,
     Staged,
     WorkerStats,
@@ -95,6 +96,7 @@ class EPDSchedulerSide:
         self._workers: dict[int, bytes] = {}
         self._staging: dict[str, Staging] = {}
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
+        self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
         self._req_items: dict[str, dict[str, int]] = {}
         self._req_placed: dict[str, set[str]] = {}
@@ -190,6 +192,10 @@ class EPDSchedulerSide:
         key = safe_key(identifier)  # producer: already stored -> do not encode it again
         if key is not None and key in self.index:
             self.stats.inc("skipped_saves")
+            if identifier not in self._renewed:  # promised again: workers keep it
+                self._renewed.add(identifier)
+                for peer in list(self._workers.values()):
+                    self.channel.send(Renew(item_id=identifier), to=peer)
             return True
         return False
 
@@ -284,6 +290,7 @@ class EPDSchedulerSide:
     def build_connector_meta(self) -> dict[str, int]:
         place, self._to_place = self._to_place, {}
         self._said_yes.clear()
+        self._renewed.clear()
         self._sweep()
         return place
 

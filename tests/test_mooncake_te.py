@@ -199,16 +199,22 @@ def test_producer_pool_budget_leases_eviction_and_backpressure(peers):
     for seed, item in ((1, "e1"), (2, "e2")):
         got = cons.call({"op": "get", "id": item, "timeout_s": 5, "location": endpoint})
         assert got["checksum"] == expected(seed, shape)
-    time.sleep(1.6)  # leases lapse: the LRU item (e1) may now make room
+    time.sleep(1.0)
+    # e1 is promised again (the same id saved again renews its lease, stores nothing)
+    prod.call({"op": "put", "id": "e1", "seed": 1, "shape": shape, "dtype": "bfloat16"})
+    assert cons.call({"op": "get", "id": "e2", "timeout_s": 5, "location": endpoint})["found"]
+    time.sleep(0.6)  # e2 is now the most recently used, but only e1 holds a lease:
+    # the lease, not recency, decides: e2 makes room
     prod.call({"op": "put", "id": "e3", "seed": 3, "shape": shape, "dtype": "bfloat16"})
     ph = prod.call({"op": "health"})
     assert ph["health"]["held_items"] == 2 and ph["events"]["evictions"] == 1
     t0 = time.monotonic()
-    gone = cons.call({"op": "get", "id": "e1", "timeout_s": 5, "location": endpoint})
+    gone = cons.call({"op": "get", "id": "e2", "timeout_s": 5, "location": endpoint})
     assert not gone["found"] and time.monotonic() - t0 < 2  # evicted: fails fast
     assert health(cons)["evicted"] == 1
-    got = cons.call({"op": "get", "id": "e3", "timeout_s": 5, "location": endpoint})
-    assert got["checksum"] == expected(3, shape)
+    for seed, item in ((1, "e1"), (3, "e3")):
+        got = cons.call({"op": "get", "id": item, "timeout_s": 5, "location": endpoint})
+        assert got["checksum"] == expected(seed, shape)
 
 
 def test_consumer_pool_exhaustion_fails_the_pull_in_time(peers):

@@ -4,6 +4,7 @@ by a small stand-in: this tests the logic around vLLM, the e2e tests prove it in
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,10 +204,16 @@ def test_token_count_mismatch_is_not_placed(pair_factory):
     assert not cons.sched.has_cache_item("img")
 
 
-def test_producer_skips_items_already_stored(pair_factory):
+def test_producer_skips_items_already_stored_and_renews_them(pair_factory):
     prod = pair_factory("producer")
     produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    path = prod.worker.transport.path_for("img")
+    wait_until(path.exists)
+    old = time.time() - 3600
+    os.utime(path, (old, old))  # as if stored an hour ago: first in line for LRU eviction
     wait_until(lambda: prod.sched.has_cache_item("img"))
+    # vLLM skips the encode (no save), but the item is promised again: it is young again.
+    wait_until(lambda: path.stat().st_mtime > old + 3000)
 
 
 def test_staging_budget_is_enforced(pair_factory):

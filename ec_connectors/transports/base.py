@@ -112,6 +112,10 @@ class Transport(ABC):
         """Where peers reach this instance ("" for transports without peers)."""
         return ""
 
+    def renew(self, item_id: str) -> None:
+        """A consumer is being promised this stored item again: keep it (no-op by default)."""
+        return None
+
     def reap(self) -> None:
         """Periodic housekeeping (worker loader threads call it); no-op by default."""
         return None

@@ -721,6 +721,10 @@ class MooncakeTransport(Transport):
         return buf.hand_over(dtype, shape)
 
     # -- the rest of the interface ---------------------------------------------------------------
+    def renew(self, item_id: str) -> None:
+        if self.store is not None:
+            self.store.renew(item_key(item_id))
+
     def exists(self, item_id: str) -> bool:
         return self.store is not None and self.store.get(item_key(item_id)) is not None
 
