@@ -512,8 +512,8 @@ class MooncakeTransport(Transport):
         data = tensor_bytes(host_view)
         deadline = time.monotonic() + self.config.save_queue_timeout_s
         buf, evicted = self.store.reserve(len(data), deadline)
-        try:
-            buf.write(tensor)
+        try:  # from the host copy made for the checksum when the pool is on the host too
+            buf.write(host_view if self.pool.device == "cpu" else tensor)
         except BaseException:
             buf.release()
             raise

@@ -169,7 +169,7 @@ class LlavaEncoder:
             hidden = self._post_layernorm(hidden)
         embeds = self.projector(hidden)
         # one private buffer per item: a view would pin the whole batch in memory
-        return [e.to("cpu").clone() for e in embeds]
+        return [e.to("cpu", copy=True) for e in embeds]  # exactly one copy, CPU or GPU
 
 
 ENCODERS: dict[str, Callable[..., MediaEncoder]] = {
