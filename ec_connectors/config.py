@@ -6,9 +6,9 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ec_connectors.net import EndpointList
+from ec_connectors.net import Endpoint, EndpointList
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -26,12 +26,18 @@ def default_storage_path() -> str:
     return os.path.join(tempfile.gettempdir(), "epd-ec-cache")
 
 
+TransportName = Literal["safetensors", "mooncake", "mooncake_store"]
+
+
 class EPDConfig(BaseModel):
     """Settings of EPDConnector. Unknown keys are errors, not silently ignored."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    transport: Literal["safetensors", "mooncake"] = "safetensors"
+    # One transport, or tiers tried in order on load and all written on save, e.g.
+    # ["mooncake", "mooncake_store", "safetensors"]: the producer's pool first, then the
+    # store (items another instance made), then the shared directory; a local encode last.
+    transport: TransportName | list[TransportName] = "safetensors"
     # Items from different models must never mix: keys live under this namespace.
     # Default: the served model name.
     namespace: str | None = None
@@ -73,6 +79,26 @@ class EPDConfig(BaseModel):
     # until the producer answers or disconnects, at most this long.
     quarantine_ttl_s: float = Field(default=300.0, gt=0)
 
+    # --- mooncake_store transport (Mooncake Store: a master plus segments of its clients) ---
+    store_master: Endpoint = "127.0.0.1:50051"  # the master's RPC address (host:port)
+    # The master's HTTP metadata server; default http://<master host>:8080/metadata.
+    store_metadata: str | None = None
+    # Memory this instance contributes to the store (0: contribute none, only use it).
+    store_segment_bytes: int = Field(default=512 * MiB, ge=0)
+    # Registered buffer for zero-copy puts/gets (a loaded item keeps its block until vLLM
+    # drops it: size it like memory_pool_bytes).
+    store_buffer_bytes: int = Field(default=1 * GiB, ge=1 * MiB)
+    # Embedding dtype in store keys (default: the model's dtype), with model and item id.
+    embedding_dtype: str | None = None
+    store_retries: int = Field(default=3, ge=0, le=20)  # transient errors, with backoff
+    store_retry_backoff_s: float = Field(default=0.02, gt=0, le=5)
+    store_setup_timeout_s: float = Field(default=15.0, gt=0)
+    # The master is checked this often; a dead one is reported and its tier skipped.
+    store_health_interval_s: float = Field(default=1.0, gt=0, le=60)
+    # Scheduler: how long a request may wait for "is it in the store?" before encoding.
+    store_probe_timeout_s: float = Field(default=0.5, gt=0, le=30)
+    store_probe_ttl_s: float = Field(default=2.0, gt=0, le=600)
+
     # --- producer side ---
     max_pending_saves: int = Field(default=16, ge=1)
     save_queue_timeout_s: float = Field(default=10.0, gt=0)
@@ -86,6 +112,23 @@ class EPDConfig(BaseModel):
 
     # Directory of the scheduler<->worker control sockets (unix domain sockets).
     control_dir: str = Field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "epd-ctl"))
+
+    @field_validator("transport")
+    @classmethod
+    def _tiers_unique(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
+            raise ValueError("transport tiers must be a non-empty list without repeats")
+        return value
+
+    @property
+    def tiers(self) -> list[str]:
+        """The transports in load order (one element for a single transport)."""
+        return [self.transport] if isinstance(self.transport, str) else list(self.transport)
+
+    @property
+    def store_metadata_url(self) -> str:
+        host = self.store_master.rsplit(":", 1)[0]
+        return self.store_metadata or f"http://{host}:8080/metadata"
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any] | None) -> EPDConfig:
@@ -105,10 +148,13 @@ class EPDConfig(BaseModel):
     def from_vllm_config(cls, vllm_config: VllmConfig) -> EPDConfig:
         ec = vllm_config.ec_transfer_config
         cfg = cls.from_dict(dict(ec.ec_connector_extra_config or {}) if ec else {})
+        model = vllm_config.model_config
+        update: dict[str, str] = {}
         if cfg.namespace is None:
-            model = vllm_config.model_config
             name = (model.served_model_name or model.model) if model else "default"
             if isinstance(name, list | tuple):
                 name = name[0]
-            cfg = cfg.model_copy(update={"namespace": str(name)})
-        return cfg
+            update["namespace"] = str(name)
+        if cfg.embedding_dtype is None and model is not None:
+            update["embedding_dtype"] = str(model.dtype).removeprefix("torch.")
+        return cfg.model_copy(update=update) if update else cfg

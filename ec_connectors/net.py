@@ -78,5 +78,11 @@ def _check_endpoints(value: list[str]) -> list[str]:
     return value
 
 
+def _check_endpoint(value: str) -> str:
+    parse_endpoint(value)
+    return value
+
+
 # A config field holding `host:port` endpoints (producers), validated in one place.
 EndpointList = Annotated[list[str], AfterValidator(_check_endpoints), Field(max_length=256)]
+Endpoint = Annotated[str, AfterValidator(_check_endpoint)]

@@ -150,15 +150,16 @@ class PoolBuffer:
             raise PoolCorruption(f"use of released buffer at offset {self.offset}")
         return self._pool.storage[self.offset:self.offset + self.nbytes]
 
-    def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
-        """The block's leading bytes as a tensor of `dtype` and `shape` (no copy; valid
+    def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
+                  offset: int = 0) -> torch.Tensor:
+        """The block's bytes from `offset` as a tensor of `dtype` and `shape` (no copy; valid
         until release)."""
         shape = tuple(int(d) for d in shape)
         need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if need > self.nbytes:
-            raise ValueError(f"{shape} of {dtype} needs {need} bytes; the buffer has "
-                             f"{self.nbytes}")
-        return self._raw()[:need].view(dtype).view(shape)
+        if offset < 0 or offset + need > self.nbytes:
+            raise ValueError(f"{shape} of {dtype} at offset {offset} needs {offset + need} "
+                             f"bytes; the buffer has {self.nbytes}")
+        return self._raw()[offset:offset + need].view(dtype).view(shape)
 
     def as_bytes(self) -> memoryview:
         """The block as a byte view (CPU pools only; no copy; valid until release)."""
@@ -167,17 +168,20 @@ class PoolBuffer:
             raise TypeError("as_bytes() needs a CPU pool; use as_tensor() on a device pool")
         return memoryview(raw.numpy()).cast("B")
 
-    def write(self, tensor: torch.Tensor) -> None:
-        """Copy `tensor`'s bytes into the block (one copy; device to host handled by torch)."""
+    def write(self, tensor: torch.Tensor, offset: int = 0) -> None:
+        """Copy `tensor`'s bytes into the block from `offset` (one copy; device to host
+        handled by torch)."""
         src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        if src.numel() > self.nbytes:
-            raise ValueError(f"{src.numel()} bytes do not fit a {self.nbytes}-byte buffer")
-        self._raw()[:src.numel()].copy_(src)
+        if offset < 0 or offset + src.numel() > self.nbytes:
+            raise ValueError(f"{src.numel()} bytes at offset {offset} do not fit a "
+                             f"{self.nbytes}-byte buffer")
+        self._raw()[offset:offset + src.numel()].copy_(src)
 
-    def hand_over(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    def hand_over(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
+                  offset: int = 0) -> torch.Tensor:
         """A tensor that owns this block (CPU pools): no copy; the block goes back to the pool
         when the tensor and every view of it are gone. Do not release() it yourself after."""
-        view = self.as_tensor(dtype, shape)
+        view = self.as_tensor(dtype, shape, offset)
         if view.device.type != "cpu":
             raise TypeError("hand_over() needs a CPU pool; clone() a device view instead")
         raw = (ctypes.c_uint8 * max(1, view.nbytes)).from_address(view.data_ptr())

@@ -30,9 +30,19 @@ COUNTERS = {
     "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
     "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
 }
+TIERS = ("mooncake", "mooncake_store", "safetensors")  # transport tiers (config.transport)
+for _tier in TIERS:
+    COUNTERS.update({
+        f"tier_{_tier}_hits": f"Loads the {_tier} tier delivered",
+        f"tier_{_tier}_misses": f"Loads the {_tier} tier was asked for and did not have",
+        f"tier_{_tier}_bytes": f"Bytes the {_tier} tier delivered",
+        f"tier_{_tier}_skipped": f"Loads that skipped the {_tier} tier because it was down",
+        f"tier_{_tier}_put_failures": f"Saves the {_tier} tier did not take",
+    })
 LATENCIES = {
     "save_s": "Seconds to write one embedding",
     "load_s": "Seconds from prefetch to staged, per item",
+    **{f"tier_{t}_get_s": f"Seconds the {t} tier took to deliver one item" for t in TIERS},
 }
 
 

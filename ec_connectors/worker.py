@@ -56,6 +56,7 @@ class EPDWorker:
         self.rank = rank
         self.device = device
         self.stats = StatsRecorder()
+        transport.stats_sink = self.stats  # per-tier counters and latencies (tiered)
         self._lock = threading.Lock()
         self._staged: dict[str, tuple[torch.Tensor, float]] = {}
         self._staged_bytes = 0

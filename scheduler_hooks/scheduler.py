@@ -189,8 +189,7 @@ class EPDSchedulerSide:
                 self._said_yes.add(identifier)
                 return True
             return False
-        key = safe_key(identifier)  # producer: already stored -> do not encode it again
-        if key is not None and key in self.index:
+        if self._stored(identifier):  # producer: already stored -> do not encode it again
             self.stats.inc("skipped_saves")
             if identifier not in self._renewed:  # promised again: workers keep it
                 self._renewed.add(identifier)
@@ -212,8 +211,20 @@ class EPDSchedulerSide:
             self._req_hints[req_id] = hints
         return hints
 
+    def _stored(self, item_id: str) -> bool | None:
+        """Producer: is the item stored already (index, or a store probe; None = asking)?"""
+        key = safe_key(item_id)
+        if key is None:
+            return False
+        return True if key in self.index else self.transport.probe(item_id)
+
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if not self.is_consumer:
+            # Producer: wait (bounded by store_probe_timeout_s) for a store's answer, so
+            # has_cache_item can say "already stored" for what another instance encoded.
+            if any([self._stored(f.identifier) is None for f in request.mm_features]):
+                self.stats.inc("deferrals")
+                return False
             return True
         req_id = request.request_id
         hints = self._hints(request)
@@ -233,7 +244,13 @@ class EPDSchedulerSide:
                 st = None
             if st is None:
                 key = safe_key(item_id)
-                if key is None or not (item_id in hints or key in self.index):
+                known = key is not None and (item_id in hints or key in self.index)
+                if key is not None and not known:
+                    known = self.transport.probe(item_id)  # stores that cannot list
+                    if known is None:  # asked in the background: wait a step or two
+                        ready = False
+                        continue
+                if not known:
                     logger.debug("EPD: request %s item %r is not in the transport; vLLM "
                                  "encodes it locally", req_id, item_id)
                     continue

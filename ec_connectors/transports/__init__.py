@@ -1,23 +1,24 @@
-"""Transports: one small interface (base.Transport), several small backends."""
+"""Transports: one small interface (base.Transport), several small backends, and tiers
+(tiered.TieredTransport) that put several of them behind one."""
 
 from __future__ import annotations
 
 from ec_connectors.config import EPDConfig
+from ec_connectors.log import get_logger
 from ec_connectors.transports.base import Placement, Transport
 
+logger = get_logger(__name__)
 
-def make_transport(config: EPDConfig, placement: Placement | None = None) -> Transport:
-    """The transport `config` names, for a process at `placement` (default: a worker that
-    both produces and consumes, e.g. a standalone encoder or a test)."""
-    placement = placement or Placement()
-    if config.transport == "safetensors":
+
+def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
+    if name == "safetensors":
         from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 
         return SafetensorsTransport(
             config.storage_path, config.namespace or "default", config.max_storage_bytes,
             fsync=config.fsync, verify_checksum=config.verify_checksum,
         )
-    if config.transport == "mooncake":
+    if name == "mooncake":
         if placement.role == "scheduler":
             from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
 
@@ -25,7 +26,33 @@ def make_transport(config: EPDConfig, placement: Placement | None = None) -> Tra
         from ec_connectors.transports.mooncake_te import MooncakeTransport
 
         return MooncakeTransport(config, placement)
-    raise ValueError(f"unknown transport {config.transport!r}")
+    if name == "mooncake_store":
+        from ec_connectors.transports.mooncake_store import MooncakeStoreTransport
+
+        return MooncakeStoreTransport(config, placement)
+    raise ValueError(f"unknown transport {name!r}")
+
+
+def make_transport(config: EPDConfig, placement: Placement | None = None) -> Transport:
+    """The transport `config` names, for a process at `placement` (default: a worker that
+    both produces and consumes, e.g. a standalone encoder or a test). With several tiers,
+    a tier that cannot start (e.g. no store master) is left out with an error in the log;
+    the deployment runs on the others. A single transport that cannot start raises."""
+    placement = placement or Placement()
+    names = config.tiers
+    if len(names) == 1:
+        return _make_one(names[0], config, placement)
+    from ec_connectors.transports.tiered import TieredTransport
+
+    tiers: list[Transport] = []
+    for name in names:
+        try:
+            tiers.append(_make_one(name, config, placement))
+        except (RuntimeError, OSError) as exc:
+            logger.error("EPD: tier %s is disabled for this process: %s", name, exc)
+    if not tiers:
+        raise RuntimeError(f"none of the transport tiers {names} could start; see the log")
+    return TieredTransport(tiers)
 
 
 __all__ = ["Placement", "Transport", "make_transport"]

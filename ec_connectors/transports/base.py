@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -40,6 +40,22 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
+
+
+def describe(info: ItemInfo) -> tuple[torch.dtype, tuple[int, ...]]:
+    """dtype and shape of an item, checked against its byte size (untrusted metadata)."""
+    import torch
+
+    dtype = dtype_from_name(info.dtype)
+    shape = tuple(int(d) for d in info.shape)
+    numel = 1
+    for d in shape:
+        if d < 0:
+            raise ValueError(f"negative dimension in {shape}")
+        numel *= d
+    if numel * torch.empty((), dtype=dtype).element_size() != info.nbytes:
+        raise ValueError(f"shape {shape} of {info.dtype} is not {info.nbytes} bytes")
+    return dtype, shape
 
 
 @dataclass(frozen=True)
@@ -76,6 +92,8 @@ class Transport(ABC):
     """Moves whole embeddings keyed by item id. Blocking calls: run them off the hot path."""
 
     name: str = "base"
+    # Where per-tier counters and latencies go (the worker's StatsRecorder: inc/observe).
+    stats_sink: Any = None
 
     def __init__(self) -> None:
         self.events = TransportEvents()
@@ -86,9 +104,11 @@ class Transport(ABC):
 
     @abstractmethod
     def get(self, item_id: str, deadline: float, location: str = "",
-            nbytes: int = 0) -> torch.Tensor | None:
+            nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
         """The verified item, waiting for it until `deadline` (time.monotonic()); None = miss.
-        `location`/`nbytes`: where it lives and its size, when known (peer transports)."""
+        `location`/`nbytes`: where it lives and its size, when known (peer transports).
+        `wait=False`: an item not stored right now is a miss at once (tiered lookups ask
+        every tier before waiting on any); a transfer under way still has until `deadline`."""
 
     @abstractmethod
     def exists(self, item_id: str) -> bool:
@@ -101,6 +121,17 @@ class Transport(ABC):
     @abstractmethod
     def delete(self, item_id: str) -> bool:
         """Remove an item; True when something was removed."""
+
+    def probe(self, item_id: str) -> bool | None:
+        """Scheduler hot path, never blocks: is the item stored where `list_keys` cannot see
+        (a store without listing)? True/False, or None while an asynchronous check is under
+        way (the caller defers and asks again next step). Default: False."""
+        return False
+
+    @property
+    def available(self) -> bool:
+        """False while the medium is known to be down (tiered lookups skip it)."""
+        return True
 
     def locate(self, key: str) -> tuple[str, int] | None:
         """Scheduler process: (location, nbytes) of a stored item, from memory; None if

@@ -140,7 +140,7 @@ class MooncakeCatalog(Transport):
         raise RuntimeError("the scheduler process does not store items")
 
     def get(self, item_id: str, deadline: float, location: str = "",
-            nbytes: int = 0) -> torch.Tensor | None:
+            nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
         raise RuntimeError("the scheduler process does not load items")
 
     def exists(self, item_id: str) -> bool:

@@ -68,7 +68,7 @@ from ec_connectors.transports.base import (
     Placement,
     Transport,
     checksum,
-    dtype_from_name,
+    describe,
     dtype_name,
     tensor_bytes,
 )
@@ -101,20 +101,6 @@ def _start_engine(config: EPDConfig, host: str):
             f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {config.protocol!r}, "
             f"{device!r}) failed with {rc}; check host/protocol/device_name")
     return engine
-
-
-def describe(info: ItemInfo) -> tuple[torch.dtype, tuple[int, ...]]:
-    """dtype and shape of an item, checked against its byte size (untrusted metadata)."""
-    dtype = dtype_from_name(info.dtype)
-    shape = tuple(int(d) for d in info.shape)
-    numel = 1
-    for d in shape:
-        if d < 0:
-            raise ValueError(f"negative dimension in {shape}")
-        numel *= d
-    if numel * torch.empty((), dtype=dtype).element_size() != info.nbytes:
-        raise ValueError(f"shape {shape} of {info.dtype} is not {info.nbytes} bytes")
-    return dtype, shape
 
 
 # --- producer -------------------------------------------------------------------------------
@@ -599,7 +585,7 @@ class MooncakeTransport(Transport):
         return list(self.config.producers)
 
     def get(self, item_id: str, deadline: float, location: str = "",
-            nbytes: int = 0) -> torch.Tensor | None:
+            nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
         key = item_key(item_id)
         sources = self._sources(location)
         if not sources:
@@ -621,6 +607,8 @@ class MooncakeTransport(Transport):
             if outcome in ("evicted", "corrupt", "timeout", "namespace") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
+            if not wait and outcome == "unknown" and i >= len(sources):
+                break  # asked every producer once: not stored anywhere right now
             if outcome in ("unknown", "disconnected", "transfer") and i % len(sources) == 0:
                 # Maybe still in the producer's save queue, or it restarts: retry until the
                 # deadline, backing off.

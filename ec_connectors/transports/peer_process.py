@@ -5,6 +5,8 @@
      "placement": {"is_producer": true, "is_consumer": false}}
     {"op": "put", "id": "img-1", "seed": 1, "shape": [4096, 4096], "dtype": "bfloat16"}
     {"op": "get", "id": "img-1", "timeout_s": 5, "location": "127.0.0.1:15500"}
+    {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
+    {"op": "tamper", "id": "img-1"}         (mooncake_store: flip one stored payload byte)
     {"op": "health"}
     {"op": "quit"}
 
@@ -69,9 +71,33 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"found": True, "get_s": elapsed, "shape": list(out.shape),
                 "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
                 "checksum": checksum(tensor_bytes(out.cpu()))}
+    if op == "probe":
+        deadline = time.monotonic() + cmd.get("timeout_s", 5.0)
+        while (found := transport.probe(cmd["id"])) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return {"found": found, "exists": transport.exists(cmd["id"])}
+    if op == "tamper":
+        return {"tampered": _tamper(transport, cmd["id"])}
     if op == "health":
         return {"health": transport.health(), "events": transport.events.counters()}
     raise ValueError(f"unknown op {op!r}")
+
+
+def _tamper(transport: Transport, item_id: str) -> bool:
+    """Flip the last byte of a stored store object (what a bad disk or a bug would do)."""
+    store = transport.client.store  # type: ignore[attr-defined]
+    key = transport.key(item_id)  # type: ignore[attr-defined]
+    size = store.get_size(key)
+    if size <= 0:
+        return False
+    buf = transport.pool.allocate(size, time.monotonic() + 5)  # type: ignore[attr-defined]
+    try:
+        if store.get_into(key, buf.addr, size) != size:
+            return False
+        buf.as_bytes()[size - 1] ^= 0xFF
+        return store.upsert_from(key, buf.addr, size) == 0
+    finally:
+        buf.release()
 
 
 class PeerClient:

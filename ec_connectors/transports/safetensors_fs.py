@@ -134,14 +134,14 @@ class SafetensorsTransport(Transport):
 
     # -- read ----------------------------------------------------------------------------
     def get(self, item_id: str, deadline: float, location: str = "",
-            nbytes: int = 0) -> torch.Tensor | None:
+            nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
         path = self.path_for(item_id)
         delay = 0.001
         while True:
             try:
                 return self._read(path, item_id)
             except FileNotFoundError:
-                if time.monotonic() + delay > deadline:
+                if not wait or time.monotonic() + delay > deadline:
                     self.events.missing += 1
                     return None
                 time.sleep(delay)  # the producer may still be writing it

@@ -1,0 +1,156 @@
+"""Tiers: several transports behind one, e.g. `"transport": ["mooncake", "mooncake_store",
+"safetensors"]`: the producer's pool (TE pull) first, the store (items any instance made)
+next, the shared directory last; when every tier misses, vLLM encodes locally.
+
+Save: every tier is written (a failed tier is logged and counted; the save fails only when
+every tier failed). Load: each tier is asked once without waiting for absent items, in order;
+a tier that is down (dead master) is skipped; then the round repeats with backoff until the
+deadline (a producer's save may still be under way). Each tier's hits, misses, bytes and hit
+latency go to the connector stats (`tier_<name>_*`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ec_connectors.log import get_logger
+from ec_connectors.messages import ItemInfo
+from ec_connectors.transports.base import Transport, TransportEvents
+
+if TYPE_CHECKING:
+    import torch
+
+logger = get_logger(__name__)
+
+_BACKOFF_S = (0.005, 0.2)
+
+
+class TieredTransport(Transport):
+    name = "tiered"
+
+    def __init__(self, tiers: list[Transport]) -> None:
+        if not tiers:
+            raise ValueError("TieredTransport needs at least one tier")
+        self.tiers = tiers
+        self.own = TransportEvents()
+        self.totals: dict[str, float] = {}  # tier_<name>_<what>: for health() and benchmarks
+
+    @property
+    def events(self) -> TransportEvents:  # type: ignore[override]
+        """The tiers' events summed (the worker folds these into connector counters)."""
+        merged = TransportEvents()
+        for source in (self.own, *(t.events for t in self.tiers)):
+            for name, value in source.counters().items():
+                setattr(merged, name, getattr(merged, name) + value)
+        return merged
+
+    def _count(self, tier: Transport, what: str, value: float = 1) -> None:
+        name = f"tier_{tier.name}_{what}"
+        self.totals[name] = self.totals.get(name, 0) + value
+        if self.stats_sink is not None:
+            self.stats_sink.inc(name, value)
+
+    # -- save --------------------------------------------------------------------------------
+    def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
+        infos: list[ItemInfo] = []
+        errors: list[str] = []
+        for tier in self.tiers:
+            if not tier.available:
+                self._count(tier, "put_failures")
+                errors.append(f"{tier.name}: unavailable")
+                continue
+            try:
+                infos.append(tier.put(item_id, tensor))
+            except Exception as exc:
+                self._count(tier, "put_failures")
+                errors.append(f"{tier.name}: {exc}")
+                logger.warning("EPD: tier %s did not store item %r: %s", tier.name, item_id,
+                               exc)
+        if not infos:
+            raise RuntimeError(f"no tier stored item {item_id!r}: {'; '.join(errors)}")
+        # The first tier's description (a peer tier's carries its location).
+        return infos[0]
+
+    # -- load --------------------------------------------------------------------------------
+    def get(self, item_id: str, deadline: float, location: str = "",
+            nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
+        backoff = _BACKOFF_S[0]
+        tried: set[str] = set()
+        while True:
+            for tier in self.tiers:
+                if not tier.available:
+                    if tier.name not in tried:
+                        self._count(tier, "skipped")
+                        tried.add(tier.name)
+                    continue
+                t0 = time.perf_counter()
+                tensor = tier.get(item_id, deadline, location, nbytes, wait=False)
+                if tensor is not None:
+                    self._count(tier, "hits")
+                    self._count(tier, "bytes", tensor.nbytes)
+                    if self.stats_sink is not None:
+                        self.stats_sink.observe(f"tier_{tier.name}_get_s",
+                                                time.perf_counter() - t0)
+                    return tensor
+                if tier.name not in tried:
+                    self._count(tier, "misses")
+                    tried.add(tier.name)
+            if not wait or time.monotonic() + backoff > deadline:
+                self.own.missing += 1
+                return None
+            time.sleep(backoff)  # a producer's save may still be under way
+            backoff = min(backoff * 2, _BACKOFF_S[1])
+
+    # -- everything else: every tier -----------------------------------------------------------
+    def probe(self, item_id: str) -> bool | None:
+        answers = [t.probe(item_id) for t in self.tiers if t.available]
+        if any(answers):
+            return True
+        return None if None in answers else False
+
+    def exists(self, item_id: str) -> bool:
+        return any(t.exists(item_id) for t in self.tiers if t.available)
+
+    def list_keys(self) -> Iterable[str]:
+        return itertools.chain.from_iterable(t.list_keys() for t in self.tiers)
+
+    def delete(self, item_id: str) -> bool:
+        return any([t.delete(item_id) for t in self.tiers])
+
+    def locate(self, key: str) -> tuple[str, int] | None:
+        for tier in self.tiers:
+            found = tier.locate(key)
+            if found is not None:
+                return found
+        return None
+
+    @property
+    def endpoint(self) -> str:
+        return next((t.endpoint for t in self.tiers if t.endpoint), "")
+
+    @property
+    def available(self) -> bool:
+        return any(t.available for t in self.tiers)
+
+    def renew(self, item_id: str) -> None:
+        for tier in self.tiers:
+            tier.renew(item_id)
+
+    def reap(self) -> None:
+        for tier in self.tiers:
+            tier.reap()
+
+    def health(self) -> dict[str, object]:
+        tiers = [t.health() for t in self.tiers]
+        return {"transport": self.name, "ok": any(bool(h.get("ok")) for h in tiers),
+                "tiers": tiers, "counters": dict(self.totals)}
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as exc:  # close the others regardless
+                logger.warning("EPD: closing tier %s: %s", tier.name, exc)
