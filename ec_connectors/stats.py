@@ -27,6 +27,8 @@ COUNTERS = {
     "timeouts": "Items that missed their load deadline",
     "pull_timeouts": "Pulls a producer did not answer in time (frozen or overloaded peer)",
     "peer_disconnects": "Pulls cut short because the producer's process went away",
+    "transport_down": "Times a transport was found down (e.g. a dead store master); "
+                      "its tier is skipped until it answers",
     "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
     "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
 }

@@ -82,6 +82,7 @@ class TransportEvents:
     missing: int = 0
     pull_timeouts: int = 0
     peer_disconnects: int = 0
+    transport_down: int = 0
     errors: list[str] = field(default_factory=list)
 
     def counters(self) -> dict[str, int]:

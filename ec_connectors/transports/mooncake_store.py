@@ -106,8 +106,10 @@ class StoreClient:
     """One `MooncakeDistributedStore` client: bounded setup, calls with deadlines and retries,
     and a monitor that knows whether the master is alive."""
 
-    def __init__(self, config: EPDConfig, segment_bytes: int, name: str) -> None:
+    def __init__(self, config: EPDConfig, segment_bytes: int, name: str,
+                 on_down: Callable[[], None] | None = None) -> None:
         self.config = config
+        self._on_down = on_down
         self.name = name
         self.master = config.store_master
         self._store = None
@@ -190,6 +192,8 @@ class StoreClient:
                 self._down_since = time.monotonic()
                 self._last_error = why
         if was and not ok:
+            if self._on_down is not None:
+                self._on_down()
             logger.error("EPD: Mooncake Store master %s is down (%s); its tier is skipped "
                          "until it answers again", self.master, why)
         elif ok and not was:
@@ -367,7 +371,8 @@ class MooncakeStoreTransport(Transport):
         self._ns_key = namespace_key(self.namespace)
         scheduler = placement.role == "scheduler"
         self.client = StoreClient(config, 0 if scheduler else config.store_segment_bytes,
-                                  name="epd-store-sched" if scheduler else "epd-store")
+                                  name="epd-store-sched" if scheduler else "epd-store",
+                                  on_down=self._count_down)
         self.pool = None
         self._probes = ProbeCache(self.client, config.store_probe_timeout_s,
                                   config.store_probe_ttl_s)
@@ -377,6 +382,9 @@ class MooncakeStoreTransport(Transport):
             # CPU memory: the store's TCP/RDMA path reads and writes it directly.
             self.pool = MemoryPool(config.store_buffer_bytes, "cpu")
             self.client.on_connect(self._register)
+
+    def _count_down(self) -> None:
+        self.events.transport_down += 1
 
     def _register(self) -> None:
         rc = self.client.store.register_buffer(self.pool.base_addr, self.pool.capacity)
