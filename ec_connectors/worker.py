@@ -32,7 +32,7 @@ from ec_connectors.messages import (
     WorkerStats,
 )
 from ec_connectors.stats import COUNTERS, StatsRecorder
-from ec_connectors.transports.base import Transport
+from ec_connectors.transports.base import Transport, Want
 
 logger = get_logger(__name__)
 
@@ -63,6 +63,8 @@ class EPDWorker:
         self._saves_done: set[str] = set()
         self._loads_done: set[str] = set()
         self._events_seen: dict[str, int] = {}
+        self._wanted: list[Prefetch] = []  # prefetches not yet picked up by a loader
+        self._drain_queued = False
         self._save_slots = threading.BoundedSemaphore(config.max_pending_saves)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-writer")
         self._loaders = ThreadPoolExecutor(config.load_threads, thread_name_prefix="epd-loader")
@@ -125,33 +127,56 @@ class EPDWorker:
     # -- consumer --------------------------------------------------------------------------
     def _on_control(self, msg: ControlMessage, _peer: bytes | None, _payload: list) -> None:
         if isinstance(msg, Prefetch):
-            self._loaders.submit(self._prefetch, msg)
+            if not self.transport.batches_loads:  # one loader thread per item, in parallel
+                self._loaders.submit(self._prefetch, [msg])
+                return
+            # Prefetches that arrive together (one request's items) are loaded together:
+            # transports with a batch call (the store's batch_get_into) move them in one go.
+            with self._lock:
+                self._wanted.append(msg)
+                if self._drain_queued:
+                    return
+                self._drain_queued = True
+            self._loaders.submit(self._drain_prefetches)
         elif isinstance(msg, Renew):
             self._loaders.submit(self.transport.renew, msg.item_id)  # may touch storage
         elif isinstance(msg, Drop):
             self._unstage(msg.item_id)
 
-    def _prefetch(self, msg: Prefetch) -> None:
-        item_id = msg.item_id
-        self._reap()
+    def _drain_prefetches(self) -> None:
         with self._lock:
-            staged = self._staged.get(item_id)
-        if staged is not None:
-            self.channel.send(Staged(item_id=item_id, rank=self.rank, ok=True,
-                                     nbytes=staged[0].nbytes, num_embeds=_rows(staged[0])))
+            batch, self._wanted = self._wanted, []
+            self._drain_queued = False
+        if batch:
+            self._prefetch(batch)
+
+    def _prefetch(self, msgs: list[Prefetch]) -> None:
+        self._reap()
+        wanted: list[Prefetch] = []
+        for msg in msgs:
+            with self._lock:
+                staged = self._staged.get(msg.item_id)
+            if staged is None:
+                wanted.append(msg)
+            else:
+                self.channel.send(Staged(item_id=msg.item_id, rank=self.rank, ok=True,
+                                         nbytes=staged[0].nbytes,
+                                         num_embeds=_rows(staged[0])))
+        if not wanted:
             return
-        error = ""
-        tensor = None
+        deadline = time.monotonic() + min(m.timeout_s for m in wanted)
         try:
-            tensor = self.transport.get(item_id, time.monotonic() + msg.timeout_s,
-                                        location=msg.location, nbytes=msg.nbytes)
-            if tensor is None:
-                error = "not available (missing, corrupt or timed out)"
-            elif self.device.type != "cpu":
-                tensor = tensor.to(self.device)
-        except Exception as exc:  # a transport bug must cost one item, not the worker
-            error = f"{type(exc).__name__}: {exc}"
-            tensor = None
+            tensors = self.transport.get_many(
+                [Want(m.item_id, m.location, m.nbytes) for m in wanted], deadline)
+            error = "not available (missing, corrupt or timed out)"
+        except Exception as exc:  # a transport bug must cost these items, not the worker
+            tensors, error = [None] * len(wanted), f"{type(exc).__name__}: {exc}"
+        for msg, tensor in zip(wanted, tensors, strict=True):
+            self._stage(msg.item_id, tensor, error)
+
+    def _stage(self, item_id: str, tensor: torch.Tensor | None, error: str) -> None:
+        if tensor is not None and self.device.type != "cpu":
+            tensor = tensor.to(self.device)
         if tensor is not None:
             with self._lock:
                 if self._staged_bytes + tensor.nbytes > self.config.max_staged_bytes:

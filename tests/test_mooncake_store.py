@@ -134,6 +134,27 @@ def tiered_config(m: MasterServer, storage: str, **extra) -> dict:
                         storage_path=storage, **extra)
 
 
+def test_one_requests_items_in_one_batch_across_tiers(master, peers, tmp_path):
+    """get_many: one batch_get_into for what the store has, the next tier for the rest."""
+    storage = str(tmp_path / "shared")
+    both = peers.start(PRODUCER, **tiered_config(master, storage))
+    store_only = peers.start(PRODUCER, **store_config(master))
+    dir_only = peers.start(PRODUCER, **{"transport": "safetensors", "storage_path": storage,
+                                        "namespace": "llava-a"})
+    cons = peers.start(CONSUMER, **tiered_config(master, storage, store_segment_bytes=0))
+    put(both, "x", 51, [256, 4096])
+    put(store_only, "y", 52, [128, 4096])
+    put(dir_only, "z", 53, [64, 4096])
+    got = cons.call({"op": "get_many", "ids": ["x", "y", "z", "w"], "timeout_s": 0.5})
+    assert got["checksums"] == [expected(51, [256, 4096]), expected(52, [128, 4096]),
+                                expected(53, [64, 4096]), None]
+    counters = cons.call({"op": "health"})["health"]["counters"]
+    assert counters["tier_mooncake_store_hits"] == 2
+    assert counters["tier_mooncake_store_misses"] == 2
+    assert counters["tier_safetensors_hits"] == 1
+    assert counters["tier_safetensors_misses"] == 1
+
+
 def test_master_killed_mid_run_other_tiers_answer(master, peers, tmp_path):
     storage = str(tmp_path / "shared")
     prod = peers.start(PRODUCER, **tiered_config(master, storage))

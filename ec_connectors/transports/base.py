@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
@@ -58,6 +58,14 @@ def describe(info: ItemInfo) -> tuple[torch.dtype, tuple[int, ...]]:
     return dtype, shape
 
 
+class Want(NamedTuple):
+    """One item a load asks for: its id, and where it lives / its size when known."""
+
+    item_id: str
+    location: str = ""
+    nbytes: int = 0
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a transport instance lives: vLLM's scheduler process or a worker, which roles
@@ -95,6 +103,9 @@ class Transport(ABC):
     name: str = "base"
     # Where per-tier counters and latencies go (the worker's StatsRecorder: inc/observe).
     stats_sink: Any = None
+    # True when get_many moves several items in one call (workers then hand one request's
+    # items over together; otherwise each item gets its own loader thread, in parallel).
+    batches_loads: bool = False
 
     def __init__(self) -> None:
         self.events = TransportEvents()
@@ -110,6 +121,12 @@ class Transport(ABC):
         `location`/`nbytes`: where it lives and its size, when known (peer transports).
         `wait=False`: an item not stored right now is a miss at once (tiered lookups ask
         every tier before waiting on any); a transfer under way still has until `deadline`."""
+
+    def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True
+                 ) -> list[torch.Tensor | None]:
+        """Several items at once (one request's), in order; None = that item missed.
+        Transports with a batch call override this; the default asks one by one."""
+        return [self.get(w.item_id, deadline, w.location, w.nbytes, wait=wait) for w in wants]
 
     @abstractmethod
     def exists(self, item_id: str) -> bool:

@@ -47,6 +47,7 @@ from ec_connectors.net import parse_endpoint, resolve_host
 from ec_connectors.transports.base import (
     Placement,
     Transport,
+    Want,
     checksum,
     describe,
     dtype_name,
@@ -361,6 +362,7 @@ class ProbeCache:
 
 class MooncakeStoreTransport(Transport):
     name = "mooncake_store"
+    batches_loads = True
 
     def __init__(self, config: EPDConfig, placement: Placement) -> None:
         super().__init__()
@@ -444,45 +446,89 @@ class MooncakeStoreTransport(Transport):
     # -- consumer --------------------------------------------------------------------------
     def get(self, item_id: str, deadline: float, location: str = "",
             nbytes: int = 0, *, wait: bool = True):
+        return self.get_many([Want(item_id, location, nbytes)], deadline, wait=wait)[0]
+
+    def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True) -> list:
+        """Sizes first (one cheap RPC each), then every object in one `batch_get_into` into
+        pool blocks; each block is verified and handed over as its tensor."""
+        out: list = [None] * len(wants)
         if self.pool is None or not self.client.alive:
-            self.events.missing += 1
-            return None
-        key = self.key(item_id)
+            self.events.missing += len(wants)
+            return out
         store = self.client.store
-        size = self.client.call(lambda: store.get_size(key), deadline, f"get_size {key}",
-                                retry_missing=wait)
-        if size < 0:
-            self.events.missing += 1
-            if size not in (NOT_FOUND, RPC_FAILED):
-                self.events.errors.append(f"{key}: get_size failed with {size}")
-            return None
-        if size <= HEADER_BYTES or size > self.pool.capacity:
-            self.events.corrupt += 1
-            logger.warning("EPD: store object %s has an impossible size %d (pool %d bytes)",
-                           key, size, self.pool.capacity)
-            return None
-        try:
-            buf = self.pool.allocate(size, deadline)
-        except MemoryError as exc:
-            self.events.errors.append(f"{key}: {exc}")
-            return None
-        late = False
-        try:
-            rc = self.client.call(lambda: store.get_into(key, buf.addr, size), deadline,
-                                  f"get_into {key}", on_late=buf.release)
-            late = rc == -2
-            if late:
-                self.events.pull_timeouts += 1
-            if rc != size:  # evicted or replaced between get_size and get_into, or failed
+        keys: list[str] = []
+        sizes: list[int] = []
+        bufs: list = []
+        where: list[int] = []
+        for i, want in enumerate(wants):
+            key = self.key(want.item_id)
+            size = self.client.call(lambda k=key: store.get_size(k), deadline,
+                                    f"get_size {key}", retry_missing=wait)
+            if size < 0:
                 self.events.missing += 1
-                return None
-            tensor = self._verified(key, item_id, buf, size)
-            if tensor is not None:
-                buf = None  # handed over: the tensor owns the block now
-            return tensor
-        finally:
-            if buf is not None and not late:
-                buf.release()
+                if size not in (NOT_FOUND, RPC_FAILED):
+                    self.events.errors.append(f"{key}: get_size failed with {size}")
+                continue
+            if size <= HEADER_BYTES or size > self.pool.capacity:
+                self.events.corrupt += 1
+                logger.warning("EPD: store object %s has an impossible size %d (pool %d "
+                               "bytes)", key, size, self.pool.capacity)
+                continue
+            try:
+                bufs.append(self.pool.allocate(size, deadline))
+            except MemoryError as exc:
+                self.events.errors.append(f"{key}: {exc}")
+                continue
+            keys.append(key)
+            sizes.append(size)
+            where.append(i)
+        if not keys:
+            return out
+        rcs = self._get_into(store, keys, bufs, sizes, deadline)
+        if rcs is None:  # deadline passed: the blocks go back when the late call returns
+            self.events.pull_timeouts += 1
+            self.events.missing += len(keys)
+            return out
+        for j, i in enumerate(where):
+            tensor = None
+            if rcs[j] == -2:  # a late retry owns (and will release) this block
+                self.events.pull_timeouts += 1
+                continue
+            if rcs[j] == sizes[j]:
+                tensor = self._verified(keys[j], wants[i].item_id, bufs[j], sizes[j])
+            else:  # evicted or replaced since get_size, or failed after retries
+                self.events.missing += 1
+            if tensor is None:
+                bufs[j].release()
+            out[i] = tensor  # a handed-over block belongs to its tensor now
+        return out
+
+    def _get_into(self, store, keys: list[str], bufs: list, sizes: list[int],
+                  deadline: float) -> list[int] | None:
+        """get_into / batch_get_into with retries of transient failures; None = timed out
+        (the blocks are released by the late call)."""
+        def release_all() -> None:
+            for b in bufs:
+                b.release()
+
+        if len(keys) == 1:
+            rc = self.client.call(lambda: store.get_into(keys[0], bufs[0].addr, sizes[0]),
+                                  deadline, f"get_into {keys[0]}", on_late=release_all)
+            return None if rc == -2 else [rc]
+        addrs = [b.addr for b in bufs]
+        rcs = self.client._bounded(lambda: store.batch_get_into(keys, addrs, sizes),
+                                   deadline, on_late=release_all)
+        if rcs is None:
+            return None
+        rcs = list(rcs)
+        if RPC_FAILED in rcs:
+            self.client._set_alive(False, f"batch_get_into failed with {RPC_FAILED}")
+        for j, rc in enumerate(rcs):  # one by one, with retries, what failed transiently
+            if rc != sizes[j] and rc in TRANSIENT and rc != RPC_FAILED:
+                rcs[j] = self.client.call(
+                    lambda j=j: store.get_into(keys[j], bufs[j].addr, sizes[j]), deadline,
+                    f"get_into {keys[j]}", on_late=bufs[j].release)  # -2: late, released then
+        return rcs
 
     def _verified(self, key: str, item_id: str, buf, size: int):
         raw = buf.as_bytes()

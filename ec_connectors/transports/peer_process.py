@@ -5,6 +5,7 @@
      "placement": {"is_producer": true, "is_consumer": false}}
     {"op": "put", "id": "img-1", "seed": 1, "shape": [4096, 4096], "dtype": "bfloat16"}
     {"op": "get", "id": "img-1", "timeout_s": 5, "location": "127.0.0.1:15500"}
+    {"op": "get_many", "ids": ["img-1", "img-2"], "timeout_s": 5}
     {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
     {"op": "tamper", "id": "img-1"}         (mooncake_store: flip one stored payload byte)
     {"op": "health"}
@@ -30,7 +31,7 @@ import torch
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports import Placement, Transport, make_transport
-from ec_connectors.transports.base import checksum, dtype_from_name, tensor_bytes
+from ec_connectors.transports.base import Want, checksum, dtype_from_name, tensor_bytes
 
 
 def seeded_tensor(seed: int, shape: list[int], dtype: str) -> torch.Tensor:
@@ -71,6 +72,14 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"found": True, "get_s": elapsed, "shape": list(out.shape),
                 "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
                 "checksum": checksum(tensor_bytes(out.cpu()))}
+    if op == "get_many":
+        t0 = time.perf_counter()
+        outs = transport.get_many([Want(i) for i in cmd["ids"]],
+                                  time.monotonic() + cmd.get("timeout_s", 5.0),
+                                  wait=cmd.get("wait", True))
+        return {"get_s": time.perf_counter() - t0,
+                "checksums": [None if t is None else checksum(tensor_bytes(t.cpu()))
+                              for t in outs]}
     if op == "probe":
         deadline = time.monotonic() + cmd.get("timeout_s", 5.0)
         while (found := transport.probe(cmd["id"])) is None and time.monotonic() < deadline:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ec_connectors.log import get_logger
 from ec_connectors.messages import ItemInfo
-from ec_connectors.transports.base import Transport, TransportEvents
+from ec_connectors.transports.base import Transport, TransportEvents, Want
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +35,7 @@ class TieredTransport(Transport):
         if not tiers:
             raise ValueError("TieredTransport needs at least one tier")
         self.tiers = tiers
+        self.batches_loads = any(t.batches_loads for t in tiers)
         self.own = TransportEvents()
         self.totals: dict[str, float] = {}  # tier_<name>_<what>: for health() and benchmarks
 
@@ -77,30 +78,45 @@ class TieredTransport(Transport):
     # -- load --------------------------------------------------------------------------------
     def get(self, item_id: str, deadline: float, location: str = "",
             nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
+        return self.get_many([Want(item_id, location, nbytes)], deadline, wait=wait)[0]
+
+    def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True
+                 ) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * len(wants)
+        todo = list(range(len(wants)))
         backoff = _BACKOFF_S[0]
-        tried: set[str] = set()
+        counted: set[str] = set()  # misses and skips count once per tier per load
         while True:
             for tier in self.tiers:
+                if not todo:
+                    return out
+                first = tier.name not in counted
+                counted.add(tier.name)
                 if not tier.available:
-                    if tier.name not in tried:
-                        self._count(tier, "skipped")
-                        tried.add(tier.name)
+                    if first:
+                        self._count(tier, "skipped", len(todo))
                     continue
                 t0 = time.perf_counter()
-                tensor = tier.get(item_id, deadline, location, nbytes, wait=False)
-                if tensor is not None:
+                got = tier.get_many([wants[i] for i in todo], deadline, wait=False)
+                elapsed = time.perf_counter() - t0
+                missed = []
+                for i, tensor in zip(todo, got, strict=True):
+                    if tensor is None:
+                        missed.append(i)
+                        continue
+                    out[i] = tensor
                     self._count(tier, "hits")
                     self._count(tier, "bytes", tensor.nbytes)
                     if self.stats_sink is not None:
-                        self.stats_sink.observe(f"tier_{tier.name}_get_s",
-                                                time.perf_counter() - t0)
-                    return tensor
-                if tier.name not in tried:
-                    self._count(tier, "misses")
-                    tried.add(tier.name)
+                        self.stats_sink.observe(f"tier_{tier.name}_get_s", elapsed)
+                if first and missed:
+                    self._count(tier, "misses", len(missed))
+                todo = missed
+            if not todo:
+                return out
             if not wait or time.monotonic() + backoff > deadline:
-                self.own.missing += 1
-                return None
+                self.own.missing += len(todo)
+                return out
             time.sleep(backoff)  # a producer's save may still be under way
             backoff = min(backoff * 2, _BACKOFF_S[1])
 
