@@ -17,3 +17,13 @@ def ctl_dir():
     # Unix socket paths must stay short: not under pytest's deep tmp_path.
     with tempfile.TemporaryDirectory(prefix="epdctl-", dir="/tmp") as d:
         yield d
+
+
+@pytest.fixture
+def peers(request):
+    """Transport peer processes (`peer_process`) of one test; all stopped at its end."""
+    from .helpers import Peers
+
+    p = Peers(request.node.name)
+    yield p
+    p.close()

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+
+from ec_connectors.transports.peer_process import PeerClient
+
+from .conftest import WORK
 
 
 def wait_for(pred: Callable[[], object], timeout: float = 5.0, interval: float = 0.005) -> bool:
@@ -28,3 +34,26 @@ def free_port(ports: Iterator[int]) -> int:
             except OSError:
                 continue
     raise RuntimeError("no free port left in this test module's range")
+
+
+class Peers:
+    """Peer processes of one test; all killed at the end, whatever happened."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.all: list[PeerClient] = []
+
+    def start(self, placement: dict, prefix: list[str] | None = None, **config) -> PeerClient:
+        log = WORK / "test-mooncake" / f"{self.name}-{len(self.all)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        peer = PeerClient(prefix=prefix, env={"MC_TCP_BIND_ADDRESS": config.get(
+            "host", "127.0.0.1")}, log_path=str(log))
+        self.all.append(peer)
+        peer.info = peer.call({"op": "init", "config": config, "placement": placement})
+        return peer
+
+    def close(self) -> None:
+        for peer in self.all:
+            if peer.proc.poll() is None:
+                os.killpg(peer.proc.pid, signal.SIGCONT)
+            peer.close()

@@ -13,7 +13,7 @@ from encoder_service.master import MasterServer, master_server
 
 from .conftest import WORK
 from .helpers import free_port, wait_for
-from .test_mooncake_te import Peers, expected
+from .test_mooncake_te import expected
 
 pytest.importorskip("mooncake.store")
 MiB = 1 << 20
@@ -31,13 +31,6 @@ def master():
     if m.proc is not None and m.proc.poll() is None:
         os.kill(m.proc.pid, signal.SIGCONT)
     m.stop()
-
-
-@pytest.fixture
-def peers(request):
-    p = Peers(request.node.name)
-    yield p
-    p.close()
 
 
 def store_config(m: MasterServer, **extra) -> dict:

@@ -19,7 +19,6 @@ from ec_connectors.transports.base import checksum, tensor_bytes
 from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
 from ec_connectors.transports.peer_process import PeerClient, seeded_tensor
 
-from .conftest import WORK
 from .helpers import wait_for
 
 pytest.importorskip("mooncake.engine")
@@ -32,36 +31,6 @@ _ports = iter(range(17200, 17900, 10))
 def mc_config(base_port: int, **extra) -> dict:
     return {"transport": "mooncake", "protocol": "tcp", "host": "127.0.0.1",
             "base_port": base_port, "memory_pool_bytes": 256 * MiB, **extra}
-
-
-class Peers:
-    """Peer processes of one test; all killed at the end, whatever happened."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.all: list[PeerClient] = []
-
-    def start(self, placement: dict, prefix: list[str] | None = None, **config) -> PeerClient:
-        log = WORK / "test-mooncake" / f"{self.name}-{len(self.all)}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        peer = PeerClient(prefix=prefix, env={"MC_TCP_BIND_ADDRESS": config.get(
-            "host", "127.0.0.1")}, log_path=str(log))
-        self.all.append(peer)
-        peer.info = peer.call({"op": "init", "config": config, "placement": placement})
-        return peer
-
-    def close(self) -> None:
-        for peer in self.all:
-            if peer.proc.poll() is None:
-                os.killpg(peer.proc.pid, signal.SIGCONT)
-            peer.close()
-
-
-@pytest.fixture
-def peers(request):
-    p = Peers(request.node.name)
-    yield p
-    p.close()
 
 
 def expected(seed: int, shape: list[int], dtype: str = "bfloat16") -> str:
