@@ -32,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
                      "load against any OpenAI-compatible endpoint)"),
            "encoder": ("encoder_service.pool.server", "batching encoder pool server (publishes "
-                       "embeddings vLLM EPDConnector consumers load)")}
+                       "embeddings vLLM EPDConnector consumers load)"),
+           "master": ("encoder_service.master", "the Mooncake Store master in the foreground "
+                      "(transport mooncake_store: store_master = its --port, store_metadata = "
+                      "http://HOST:HTTP_PORT/metadata)")}
     for name, (_, text) in own.items():
         sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)

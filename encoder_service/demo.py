@@ -61,9 +61,14 @@ def demo_requests(dep: Any, prompt: str) -> int:
                     chunks.append(delta.get("content") or "")
         t2 = time.perf_counter() - t0
         same = "".join(chunks) == answer["message"]["content"]
+        n_hits = _gw_metric(client, url, hits)
+        kind = dep.gateway_cfg.availability.kind if dep.gateway_cfg is not None else "none"
+        skipped = (f"encoding skipped (gateway cache hits: {n_hits:.0f})" if n_hits or
+                   kind != "none" else "the gateway has no catalog of this transport "
+                   "(availability none): the encoder was asked again (it skips the encode of an "
+                   "item the store holds)")
         say(f"same image again, streamed: {len(chunks)} chunks in {t2 * 1e3:.0f} ms, "
-            f"same text as before: {same}; encoding skipped (gateway cache hits: "
-            f"{_gw_metric(client, url, hits):.0f})")
+            f"same text as before: {same}; {skipped}")
         time.sleep(1.0)  # vLLM publishes connector stats with its next metrics update
         loads1 = metric_value(client.get(consumer + "/metrics").text, loads)
         say(f"the decode instance loaded the encoder's embedding instead of encoding: "

@@ -4,7 +4,9 @@ master) beside an aggregated vLLM server (the reference). Then the same with the
 encoder pool (`epd encoder`) as the encoder backend. Answers through the gateway must equal
 the aggregated server's greedy tokens; the decode instance must really load the embedding
 (vllm:epd_loads_total); a repeated image must be a gateway cache hit (Mooncake availability:
-the producers' announcements) with no encoder call."""
+the producers' announcements) with no encoder call. Last, `transport = "tiered"` (Transfer
+Engine, Mooncake Store, shared directory): `epd up` starts the store master first, the item
+lands in every tier, and the master is gone after the stop."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ PROMPT = "what is in this picture"
 AGG_PORT = 18650
 VLLM_UP, POOL_UP = 18640, 18660  # gateway; encoder +1, decode +2
 VLLM_MC, POOL_MC = 16600, 16610  # mooncake side channels (announcements +1000)
+TIERED_UP, TIERED_MC, TIERED_MASTER = 18670, 16620, 19950  # master: RPC, metadata +1, metrics +2
 HIT = 'epd_gateway_items_total{outcome="cache_hit"}'
 ENCODED = 'epd_gateway_items_total{outcome="encoded"}'
 FALLBACK = 'epd_gateway_items_total{outcome="fallback"}'
@@ -85,7 +88,8 @@ def epd_up(name: str, conf: dict, client: httpx.Client, agg: VllmServer):
         assert wait_for(ready, timeout=300, interval=0.5), "deployment not ready in 300 s"
         procs = descendants(up.pid)
         yield {"gw": gw, "enc": f"http://127.0.0.1:{conf['base_port'] + 1}",
-               "dec": f"http://127.0.0.1:{conf['base_port'] + 2}", "log": log_path}
+               "dec": f"http://127.0.0.1:{conf['base_port'] + 2}", "log": log_path,
+               "work": work, "procs": procs}
     finally:
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
@@ -157,3 +161,34 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
         assert ask(client, d["gw"], image) == ref
         assert metric(client, d["gw"], HIT) == 1
         assert client.get(d["enc"] + "/v1/stats").json()["items_encoded"] == 1
+
+
+def test_epd_up_tiered_starts_the_store_master_first_and_stops_it(model, client, agg):
+    conf = config(model, TIERED_UP, TIERED_MC, transport="tiered", master_port=TIERED_MASTER)
+    master_metrics = f"http://127.0.0.1:{TIERED_MASTER + 2}"
+    with epd_up("tiered", conf, client, agg) as d:
+        (master,) = [p for p in d["procs"] if b"mooncake_master" in _cmdline(p)]
+        log = d["log"].read_text()
+        assert log.index("mooncake-master healthy") < log.index("starting encoder-0")
+        image = sample_image_png(seed=703)
+        ref = ask(client, agg.url, image)
+        loads = metric(client, d["dec"], LOADS)
+        assert ask(client, d["gw"], image) == ref
+        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                        interval=0.1), "the decode instance did not load the embedding"
+        # saves write every tier: the store (a key on the master) and the shared directory
+        assert wait_for(lambda: metric(client, master_metrics, "master_key_count") >= 1,
+                        timeout=5, interval=0.1), "the item never reached the store"
+        assert list((d["work"] / "up" / "ec-cache").rglob("*.safetensors"))
+        assert metric(client, d["dec"], "vllm:epd_transport_down_total") == 0
+        assert "availability=mooncake" in d["log"].read_text()
+    assert not alive(master), "the store master outlived epd up"
+    assert "stopping mooncake-master" in d["log"].read_text()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -72,12 +73,28 @@ class PoolConfig(BaseModel):
     def namespace(self) -> str:
         return self.served_model_name or self.model.name
 
+    @property
+    def embedding_dtype(self) -> str:
+        """The dtype of published embeddings (the encoder's: "auto" = the model config's, as
+        in encoders._dtype). Mooncake Store keys carry it, as vLLM consumers' keys carry
+        their model dtype: a pool labelling its items "any" would never be found there."""
+        if self.dtype != "auto":
+            return self.dtype
+        try:
+            raw = json.loads((self.model / "config.json").read_text())
+        except (OSError, ValueError):
+            raw = {}
+        name = (raw.get("dtype") or raw.get("torch_dtype") or "float32") if isinstance(
+            raw, dict) else "float32"
+        return str(name).removeprefix("torch.")
+
     def transport_config(self):
         """The validated EPDConfig for `make_transport` (errors name the bad key)."""
         from ec_connectors.config import EPDConfig
 
         extra = dict(self.transport)
         extra.setdefault("namespace", self.namespace)
+        extra.setdefault("embedding_dtype", self.embedding_dtype)
         return EPDConfig.from_dict(extra)
 
     @classmethod
