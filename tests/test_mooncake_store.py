@@ -76,6 +76,15 @@ def test_two_encoder_clients_share_one_item(master, peers):
     assert got["found"] and got["checksum"] == expected(11, [512, 4096])
 
 
+def test_only_rank_zero_of_a_tensor_parallel_producer_writes(master, peers):
+    rank1 = peers.start({**PRODUCER, "rank": 1, "world_size": 2}, **store_config(master))
+    rank0 = peers.start({**PRODUCER, "rank": 0, "world_size": 2}, **store_config(master))
+    put(rank1, "tp", 61, [64, 4096])
+    assert rank1.call({"op": "probe", "id": "tp"})["exists"] is False
+    put(rank0, "tp", 61, [64, 4096])
+    assert rank1.call({"op": "probe", "id": "tp"})["exists"] is True
+
+
 def test_namespaces_and_dtypes_never_share_items(master, peers):
     a = peers.start(PRODUCER, **store_config(master))
     other_model = peers.start(CONSUMER, **store_config(master, namespace="llava-b"))

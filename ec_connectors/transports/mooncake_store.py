@@ -51,6 +51,7 @@ from ec_connectors.transports.base import (
     checksum,
     describe,
     dtype_name,
+    tensor_bytes,
 )
 
 logger = get_logger(__name__)
@@ -412,6 +413,11 @@ class MooncakeStoreTransport(Transport):
             tensor = tensor.to("cpu")
         tensor = tensor.contiguous()
         key = self.key(item_id)
+        if self.placement.rank != 0:
+            # Every tensor-parallel rank saves the same item: one copy in the store is enough.
+            return ItemInfo(item_id=item_id, key=item_key(item_id), shape=tuple(tensor.shape),
+                            dtype=dtype_name(tensor.dtype), nbytes=tensor.nbytes,
+                            checksum=checksum(tensor_bytes(tensor)))
         if not self.client.alive:
             raise StoreUnavailable(f"Mooncake Store master {self.client.master} is down")
         deadline = time.monotonic() + self.config.save_queue_timeout_s
