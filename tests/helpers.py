@@ -12,6 +12,9 @@ from ec_connectors.transports.peer_process import PeerClient
 
 from .conftest import WORK
 
+# Environment of processes using Mooncake on one node: traffic stays on loopback.
+LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+
 
 def wait_for(pred: Callable[[], object], timeout: float = 5.0, interval: float = 0.005) -> bool:
     """Poll `pred` until it is truthy (True) or `timeout` passes (False)."""
@@ -47,7 +50,7 @@ class Peers:
         log = WORK / "test-mooncake" / f"{self.name}-{len(self.all)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         peer = PeerClient(prefix=prefix, env={"MC_TCP_BIND_ADDRESS": config.get(
-            "host", "127.0.0.1")}, log_path=str(log))
+            "host", LOOPBACK["MC_TCP_BIND_ADDRESS"])}, log_path=str(log))
         self.all.append(peer)
         peer.info = peer.call({"op": "init", "config": config, "placement": placement})
         return peer

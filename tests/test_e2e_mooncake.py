@@ -4,7 +4,6 @@ prefill/decode consumer that pulls embeddings from the producer's registered poo
 
 from __future__ import annotations
 
-import os
 import time
 
 import httpx
@@ -15,6 +14,7 @@ from encoder_service.launcher import VllmServer, start_all
 from encoder_service.testmodel import SPECS, build
 
 from .conftest import WORK
+from .helpers import LOOPBACK
 from .test_e2e_vllm import ask, ask_before_encoding, case, encode, tokens, wait_metric
 from .test_e2e_vllm import metric as cons_metric
 
@@ -36,15 +36,15 @@ def cluster(tmp_path_factory):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     unused = tmp_path_factory.mktemp("unused")
     logs = WORK / "test-e2e-mooncake"
-    saved_env = os.environ.get("MC_TCP_BIND_ADDRESS")
-    os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     agg = VllmServer("aggregated", model, BASE_PORT, logs, None, cpu_core=0)
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
-                      epd_config("ec_producer", unused, mooncake_extra()), cpu_core=0)
+                      epd_config("ec_producer", unused, mooncake_extra()), cpu_core=0,
+                      env=LOOPBACK)
     producer_endpoint = f"127.0.0.1:{MC_BASE_PORT}"  # rank 0 of dp 0, stage 0
     cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
                       epd_config("ec_consumer", unused,
-                                 mooncake_extra(producers=[producer_endpoint])), cpu_core=1)
+                                 mooncake_extra(producers=[producer_endpoint])), cpu_core=1,
+                      env=LOOPBACK)
     try:
         start_all([agg, prod, cons], progress=lambda m: print(f"[e2e-mc] {m}", flush=True))
         client = httpx.Client(timeout=120)
@@ -54,10 +54,6 @@ def cluster(tmp_path_factory):
     finally:
         for s in (agg, prod, cons):
             s.stop()
-        if saved_env is None:
-            os.environ.pop("MC_TCP_BIND_ADDRESS", None)
-        else:
-            os.environ["MC_TCP_BIND_ADDRESS"] = saved_env
 
 
 def test_consumer_pulls_over_mooncake_and_equals_aggregated(cluster):
