@@ -18,7 +18,7 @@ from encoder_service.testmodel import SPECS, build
 from encoder_service.up import epd_config
 
 from .conftest import WORK
-from .helpers import LOOPBACK, wait_for
+from .helpers import LOOPBACK, Peers, wait_for
 from .test_e2e_vllm import ask, tokens
 
 pytest.importorskip("mooncake.store")
@@ -36,15 +36,20 @@ def cluster(tmp_path_factory):
     master.wait()
     extra = {"transport": ["mooncake_store", "safetensors"], "host": "127.0.0.1",
              "store_master": master.address, "store_metadata": master.metadata_url,
-             "store_segment_bytes": 128 << 20, "store_buffer_bytes": 128 << 20,
+             "store_segment_bytes": 0, "store_buffer_bytes": 128 << 20,
              "store_health_interval_s": 0.5, "load_timeout_s": 10}
+    # The store's memory: a segment in a process of its own. (A vLLM CPU worker pinned to a
+    # core with OpenMP threads spinning on it serves reads of its segment slowly on 2 cores.)
+    holder = Peers("e2e-store-holder")
+    holder.start({"is_producer": True, "is_consumer": False},
+                 **{**extra, "transport": "mooncake_store", "store_segment_bytes": 256 << 20})
     servers = [
         VllmServer("producer-a", model, BASE_PORT, logs,
                    epd_config("ec_producer", storage, extra), cpu_core=0, env=LOOPBACK),
         VllmServer("producer-b", model, BASE_PORT + 1, logs,
                    epd_config("ec_producer", storage, extra), cpu_core=1, env=LOOPBACK),
         VllmServer("consumer", model, BASE_PORT + 2, logs,
-                   epd_config("ec_consumer", storage, {**extra, "store_segment_bytes": 0}),
+                   epd_config("ec_consumer", storage, extra),
                    cpu_core=1, env=LOOPBACK),
     ]
     try:
@@ -54,8 +59,10 @@ def cluster(tmp_path_factory):
                "client": client, "storage": storage}
         client.close()
     finally:
-        for s in (*servers, master):
+        for s in servers:
             s.stop()
+        holder.close()
+        master.stop()
 
 
 def metric(c, server, name) -> float:

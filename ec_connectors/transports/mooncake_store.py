@@ -490,6 +490,10 @@ class MooncakeStoreTransport(Transport):
             where.append(i)
         if not keys:
             return out
+        # Size-scaled like a TE pull: a stuck holder costs this, not the whole load deadline
+        # (the next tier still has time).
+        deadline = min(deadline, time.monotonic() + self.config.transfer_timeout_base_s
+                       + sum(sizes) / self.config.min_transfer_bytes_per_s)
         rcs = self._get_into(store, keys, bufs, sizes, deadline)
         if rcs is None:  # deadline passed: the blocks go back when the late call returns
             self.events.pull_timeouts += 1
