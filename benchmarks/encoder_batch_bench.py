@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from encoder_service.media import sample_image_png
-from encoder_service.pool.encoders import load_encoder
-from encoder_service.pool.media import MediaItem
-from encoder_service.testmodel import SPECS, build
+from encoder_service.encoder_pool.media import MediaItem
+from encoder_service.encoder_pool.models import load_encoder
+from encoder_service.local.requests import sample_image_png
+from encoder_service.local.testmodel import SPECS, build
 
 
 def images_per_s(encoder, items: list[MediaItem], seconds: float, sync) -> float:

@@ -14,7 +14,12 @@ import time
 
 import torch
 
-from encoder_service.pool.merge import ItemRef, build_position_map, merge_embeddings, merge_loop
+from encoder_service.encoder_pool.merge import (
+    ItemRef,
+    build_position_map,
+    merge_embeddings,
+    merge_loop,
+)
 
 PLACEHOLDER = 3
 

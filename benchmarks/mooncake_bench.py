@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from ec_connectors.transports.peer_process import PeerClient
+from ec_connectors.testing.peer_process import PeerClient
 
 HIDDEN = 4096
 MiB = 1 << 20
@@ -164,9 +164,9 @@ def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
     holding `n_items` (index and staging tables filled directly: this measures the lookup)."""
     from ec_connectors.config import EPDConfig
     from ec_connectors.control import control_address
-    from ec_connectors.keys import item_key
+    from ec_connectors.protocol.keys import item_key
+    from ec_connectors.scheduler import EPDSchedulerSide, Staging, Status
     from ec_connectors.transports import make_transport
-    from scheduler_hooks.scheduler import EPDSchedulerSide, Staging, Status
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="epdb-", dir="/tmp") as tmp:

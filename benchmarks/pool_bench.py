@@ -3,7 +3,7 @@
     flock /tmp/epd-heavy.lock .venv/bin/python benchmarks/pool_bench.py [--clients 32]
 
 Builds the `vitl32` random LLaVA (ViT-L/32-style tower, 49 tokens x 2048 per image) once,
-then for each mode starts `epd encoder` (python -m encoder_service.pool.server) as its own
+then for each mode starts `epd encoder` (python -m encoder_service.encoder_pool.server) as its own
 process on port 18430 and drives it over real HTTP with `--clients` concurrent clients, each
 sending one distinct 224 px image per request. Every embedding is published through the
 safetensors transport. Prints images/s per mode, the batching speed-up (target >= 2x), the
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from encoder_service.media import sample_image_png
-from encoder_service.testmodel import SPECS, build
+from encoder_service.local.requests import sample_image_png
+from encoder_service.local.testmodel import SPECS, build
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 18430
@@ -71,7 +71,7 @@ def run_mode(model: Path, work: Path, name: str, batch: int, wait_ms: float,
     cfg_path = work / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "encoder_service.pool.server",
+    proc = subprocess.Popen([sys.executable, "-m", "encoder_service.encoder_pool.server",
                              "--config", str(cfg_path)], cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{PORT}"

@@ -32,11 +32,12 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ec_connectors.protocol.keys import content_item_id  # noqa: E402
 from encoder_service.bench import BenchSpec, format_table, plot, run_bench, write_json  # noqa: E402
-from encoder_service.launcher import VllmServer, start_all  # noqa: E402
-from encoder_service.media import chat_body, content_item_id, sample_image_png  # noqa: E402
-from encoder_service.testmodel import SPECS, build  # noqa: E402
-from encoder_service.up import epd_config  # noqa: E402
+from encoder_service.local.processes import VllmServer, start_all  # noqa: E402
+from encoder_service.local.requests import chat_body, sample_image_png  # noqa: E402
+from encoder_service.local.testmodel import SPECS, build  # noqa: E402
+from encoder_service.local.up import epd_config  # noqa: E402
 
 MODEL = "tiny-llava"
 PORT = 18590  # 18590-18599

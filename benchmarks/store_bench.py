@@ -28,8 +28,8 @@ from pathlib import Path
 
 from mooncake_bench import HIDDEN, MiB, mooncake_s, raw_tcp_s
 
-from ec_connectors.transports.peer_process import PeerClient
-from encoder_service.master import master_server
+from ec_connectors.testing.peer_process import PeerClient
+from encoder_service.local.mooncake_master import master_server
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work")) / "store-bench"

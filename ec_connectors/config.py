@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ec_connectors.net import Endpoint, EndpointList
+from ec_connectors.protocol.net import Endpoint, EndpointList
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -6,7 +6,7 @@
 
 The bare name works through the `vllm.general_plugins` entry point; the module path
 `"ec_connector_module_path": "ec_connectors.connector"` works too.
-SCHEDULER role -> scheduler_hooks.scheduler.EPDSchedulerSide (EngineCore process)
+SCHEDULER role -> ec_connectors.scheduler.EPDSchedulerSide (EngineCore process)
 WORKER role    -> ec_connectors.worker.EPDWorker (each worker process)
 """
 
@@ -34,8 +34,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
+    from ec_connectors.scheduler import EPDSchedulerSide
     from ec_connectors.worker import EPDWorker
-    from scheduler_hooks.scheduler import EPDSchedulerSide
 
 logger = get_logger(__name__)
 
@@ -90,7 +90,7 @@ class EPDConnector(ECConnectorBase):
         self._sched: EPDSchedulerSide | None = None
         self._worker: EPDWorker | None = None
         if role == ECConnectorRole.SCHEDULER:
-            from scheduler_hooks.scheduler import EPDSchedulerSide
+            from ec_connectors.scheduler import EPDSchedulerSide
 
             self._sched = EPDSchedulerSide(
                 self.config, transport, is_producer=self.is_producer,

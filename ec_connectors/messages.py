@@ -1,20 +1,10 @@
-"""Wire types: item descriptions and scheduler<->worker control messages (msgspec, never pickle)."""
+"""Wire types: scheduler<->worker control messages (msgspec, never pickle)."""
 
 from __future__ import annotations
 
 import msgspec
 
-
-class ItemInfo(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What a stored embedding is and where it lives."""
-
-    item_id: str
-    key: str
-    shape: tuple[int, ...]
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    nbytes: int
-    checksum: str  # xxh3-64 hex of the raw tensor bytes
-    location: str = ""  # transport-specific (file path, endpoint)
+from ec_connectors.protocol.items import ItemInfo
 
 
 class Hello(msgspec.Struct, tag=True):

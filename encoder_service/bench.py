@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from encoder_service.media import data_url, sample_image_png
+from encoder_service.local.requests import data_url, sample_image_png
 
 
 @dataclass

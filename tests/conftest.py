@@ -1,15 +1,12 @@
-"""Shared fixtures. End-to-end fixtures (real vLLM servers) live in test_e2e_vllm.py."""
+"""Shared fixtures. End-to-end fixtures (real vLLM servers) live in tests/e2e/conftest.py."""
 
 from __future__ import annotations
 
-import os
 import tempfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
+from tests.helpers import Peers
 
 
 @pytest.fixture
@@ -22,8 +19,6 @@ def ctl_dir():
 @pytest.fixture
 def peers(request):
     """Transport peer processes (`peer_process`) of one test; all stopped at its end."""
-    from .helpers import Peers
-
     p = Peers(request.node.name)
     yield p
     p.close()

@@ -1,16 +1,22 @@
-"""Small helpers shared by the tests."""
+"""Small helpers shared by the tests (test modules never import each other)."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from ec_connectors.transports.peer_process import PeerClient
+import uvicorn
 
-from .conftest import WORK
+from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
+from ec_connectors.transports.base import checksum, tensor_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
 
 # Environment of processes using Mooncake on one node: traffic stays on loopback.
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -37,6 +43,57 @@ def free_port(ports: Iterator[int]) -> int:
             except OSError:
                 continue
     raise RuntimeError("no free port left in this test module's range")
+
+
+def expected(seed: int, shape: list[int], dtype: str = "bfloat16") -> str:
+    """Checksum of the tensor a peer process stores for `seed` (`peer_process.seeded_tensor`)."""
+    return checksum(tensor_bytes(seeded_tensor(seed, shape, dtype)))
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Served:
+    """An ASGI app served by uvicorn on a thread of the test process, for one `with` block."""
+
+    def __init__(self, app, port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        assert wait_for(lambda: self.server.started, timeout=30), "server did not start"
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
 
 
 class Peers:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import xxhash
 
-from ec_connectors.messages import ItemInfo
+from ec_connectors.protocol.items import ItemInfo
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: catalogs stay torch-free
     import torch
@@ -134,7 +134,7 @@ class Transport(ABC):
 
     @abstractmethod
     def list_keys(self) -> Iterable[str]:
-        """Keys of the stored items (`ec_connectors.keys.item_key`), for the availability index."""
+        """Keys of the stored items (`protocol.keys.item_key`), for the availability index."""
 
     @abstractmethod
     def delete(self, item_id: str) -> bool:

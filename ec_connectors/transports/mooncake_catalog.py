@@ -18,10 +18,11 @@ import zmq
 
 from ec_connectors import messages
 from ec_connectors.config import EPDConfig
-from ec_connectors.keys import item_key
 from ec_connectors.log import get_logger
-from ec_connectors.messages import Announce, Evicted, ItemInfo, PeerMessage, Snapshot
-from ec_connectors.net import (
+from ec_connectors.messages import Announce, Evicted, PeerMessage, Snapshot
+from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.keys import item_key
+from ec_connectors.protocol.net import (
     PURPOSE_SERVE,
     announce_endpoint,
     parse_endpoint,

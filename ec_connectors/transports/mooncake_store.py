@@ -40,10 +40,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.keys import item_key, namespace_key
 from ec_connectors.log import get_logger
-from ec_connectors.messages import ItemInfo
-from ec_connectors.net import parse_endpoint, resolve_host
+from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.keys import item_key, namespace_key
+from ec_connectors.protocol.net import parse_endpoint, resolve_host
 from ec_connectors.transports.base import (
     Placement,
     Transport,
@@ -380,7 +380,7 @@ class MooncakeStoreTransport(Transport):
         self._probes = ProbeCache(self.client, config.store_probe_timeout_s,
                                   config.store_probe_ttl_s)
         if not scheduler:
-            from ec_connectors.pool import MemoryPool
+            from ec_connectors.transports.memory import MemoryPool
 
             # CPU memory: the store's TCP/RDMA path reads and writes it directly.
             self.pool = MemoryPool(config.store_buffer_bytes, "cpu")

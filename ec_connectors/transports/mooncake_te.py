@@ -43,7 +43,6 @@ import zmq
 from ec_connectors import messages
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
-from ec_connectors.keys import item_key
 from ec_connectors.log import get_logger
 from ec_connectors.messages import (
     Announce,
@@ -56,14 +55,14 @@ from ec_connectors.messages import (
     PullFailed,
     Snapshot,
 )
-from ec_connectors.net import (
+from ec_connectors.protocol.keys import item_key
+from ec_connectors.protocol.net import (
     PURPOSE_ANNOUNCE,
     PURPOSE_SERVE,
     parse_endpoint,
     port_for,
     resolve_host,
 )
-from ec_connectors.pool import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.base import (
     Placement,
     Transport,
@@ -72,6 +71,7 @@ from ec_connectors.transports.base import (
     dtype_name,
     tensor_bytes,
 )
+from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 
 logger = get_logger(__name__)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ec_connectors.keys import item_key, namespace_key
 from ec_connectors.log import get_logger
-from ec_connectors.messages import ItemInfo
+from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.transports.base import (
     Transport,
     checksum,

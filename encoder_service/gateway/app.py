@@ -27,10 +27,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ec_connectors.protocol.params import PARAMS_KEY
 from encoder_service.gateway.availability import make_availability
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
-from encoder_service.gateway.encoders import (
+from encoder_service.gateway.encoder_clients import (
     EncodeOutcome,
     EncoderRouter,
     PoolEncoderClient,
@@ -40,7 +41,6 @@ from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.parsing import prepare_chat
 from encoder_service.gateway.urls import fetch_media
-from scheduler_hooks.params import PARAMS_KEY
 
 logger = logging.getLogger("epd.gateway")
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -5,7 +5,7 @@ Interface: `available(item_ids) -> set of ids that a decode instance can load no
 it lives). Both must be cheap (called per request on the event loop); `close()` at shutdown.
 Implementations:
 - `SafetensorsAvailability`: the shared directory of the safetensors transport (one stat
-  per item, paths built only through `ec_connectors.keys.item_key`);
+  per item, paths built only through `ec_connectors.protocol.keys.item_key`);
 - `MooncakeAvailability`: a `MooncakeCatalog` subscribed to the Mooncake TE producers'
   announcements (a dict lookup per item; the hint names the producer holding it);
 - `NoAvailability`: nothing is ever known (every item is encoded).
@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ec_connectors.keys import item_key, namespace_key, safe_key
+from ec_connectors.protocol.keys import item_key, namespace_key, safe_key
 from encoder_service.gateway.config import GatewayConfig
 
 SUFFIX = ".safetensors"  # ec_connectors.transports.safetensors_fs.SUFFIX (that module needs torch)

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from ec_connectors.net import EndpointList
+from ec_connectors.protocol.net import EndpointList
 
 MiB = 1 << 20
 

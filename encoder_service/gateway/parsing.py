@@ -18,9 +18,9 @@ from typing import Any
 
 from PIL import Image
 
+from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
-from encoder_service.media import content_item_id
 
 Fetcher = Callable[[str], Awaitable[tuple[bytes, str | None]]]
 

@@ -1,0 +1,372 @@
+"""Scheduler-role logic of EPDConnector (runs in vLLM's EngineCore process).
+
+Consumer flow for one item:
+  ensure_cache_available: the item is known (index or the request's ec_transfer_params)
+      -> send Prefetch to every worker, defer the request (status LOADING, with a deadline)
+  Staged from all workers (control thread) -> READY; any failure -> FAILED
+  has_cache_item: True only for READY items (O(1) dict lookup)
+  update_state_after_alloc -> the item goes into this step's metadata; the worker places it
+  deadline passed / FAILED -> local encode (default) or the request fails (on_unavailable=fail)
+Producer flow: update_state_after_alloc records the request's items; request_finished returns
+them as ec_transfer_params; `has_cache_item` answers "already stored" so nothing is encoded twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.control import ControlEndpoint
+from ec_connectors.log import get_logger
+from ec_connectors.messages import (
+    ControlMessage,
+    Drop,
+    Hello,
+    ItemInfo,
+    Prefetch,
+    Renew,
+    Saved,
+    Staged,
+    WorkerStats,
+)
+from ec_connectors.protocol.keys import safe_key
+from ec_connectors.protocol.params import (
+    BadParams,
+    Source,
+    item_entry,
+    item_sources,
+    producer_params,
+)
+from ec_connectors.stats import StatsRecorder
+from ec_connectors.transports.base import Transport
+from scheduler_hooks.index import AvailabilityIndex
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+_FAILED_MEMORY_S = 5.0  # how long a failed item is answered "encode locally" without retrying
+_SCHEDULER_GRACE_S = 1.0  # scheduler deadline = worker deadline + this (dead-worker guard)
+_MAX_SAVED_INFOS = 65536
+
+
+class Status(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class Staging:
+    status: Status
+    started: float
+    deadline: float
+    ranks_ok: set[int] = field(default_factory=set)
+    num_embeds: int = 0
+    error: str = ""
+
+
+class EPDSchedulerSide:
+    def __init__(
+        self,
+        config: EPDConfig,
+        transport: Transport,
+        *,
+        is_producer: bool,
+        is_consumer: bool,
+        address: str,
+        engine_id: str,
+        start_index: bool = True,
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.engine_id = engine_id
+        self.stats = StatsRecorder()
+        self.index = AvailabilityIndex(transport.list_keys, config.scan_interval_s,
+                                       start=start_index)
+        self._lock = threading.Lock()
+        self._workers: dict[int, bytes] = {}
+        self._staging: dict[str, Staging] = {}
+        self._said_yes: set[str] = set()  # has_cache_item answered True this step
+        self._renewed: set[str] = set()  # producer: Renew sent this step
+        self._to_place: dict[str, int] = {}
+        self._req_items: dict[str, dict[str, int]] = {}
+        self._req_placed: dict[str, set[str]] = {}
+        self._req_hints: dict[str, dict[str, Source]] = {}
+        self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
+        self._unavailable: set[str] = set()
+        self._fallbacks_logged: set[tuple[str, str]] = set()
+        self._saved: OrderedDict[str, ItemInfo] = OrderedDict()
+        self._last_sweep = time.monotonic()
+        self.channel = ControlEndpoint(address, bind=True, on_message=self._on_control,
+                                       name="epd-sched-ctl")
+
+    # -- control channel (runs on the channel thread) ---------------------------------------
+    def _on_control(self, msg: ControlMessage, peer: bytes | None, _payload: list) -> None:
+        if isinstance(msg, Hello):
+            with self._lock:
+                self._workers[msg.rank] = peer or b""
+                if msg.endpoint:
+                    self._endpoints[msg.rank] = msg.endpoint
+            logger.info("EPD: worker rank %d (pid %d) connected%s", msg.rank, msg.pid,
+                        f", serving items at {msg.endpoint}" if msg.endpoint else "")
+        elif isinstance(msg, Staged):
+            self._on_staged(msg)
+        elif isinstance(msg, WorkerStats):
+            # vLLM's V1 model runner never collects worker-side connector stats, so workers
+            # ship theirs here and they leave with the scheduler's (one path, no double count).
+            self.stats.merge(msg.data)
+        elif isinstance(msg, Saved) and msg.ok and msg.info is not None:
+            self.index.add(msg.info.key)
+            with self._lock:
+                self._saved[msg.item_id] = msg.info
+                self._saved.move_to_end(msg.item_id)
+                while len(self._saved) > _MAX_SAVED_INFOS:
+                    self._saved.popitem(last=False)
+
+    def _on_staged(self, msg: Staged) -> None:
+        with self._lock:
+            st = self._staging.get(msg.item_id)
+            if st is None or st.status is not Status.LOADING:
+                return
+            if not msg.ok:
+                st.status, st.error = Status.FAILED, msg.error
+                st.deadline = time.monotonic()
+                peers = list(self._workers.values())
+            else:
+                st.ranks_ok.add(msg.rank)
+                st.num_embeds = msg.num_embeds
+                if st.ranks_ok >= set(self._workers):
+                    st.status = Status.READY
+                    self.stats.observe("load_s", time.monotonic() - st.started)
+                return
+        for peer in peers:  # another rank may have staged it: free that memory
+            self.channel.send(Drop(item_id=msg.item_id), to=peer)
+
+    def _source(self, item_id: str, key: str, hints: dict[str, Source]) -> Source:
+        """Where to pull from: the request's params (only configured producers, when a list
+        is configured: params are client-controlled), else the producers' announcements."""
+        source = hints.get(item_id, Source())
+        allowed = self.config.producers
+        if source.location and allowed and source.location not in allowed:
+            logger.warning("EPD: ignoring location %r for item %r: not a configured producer",
+                           source.location, item_id)
+            source = Source("", source.nbytes)
+        if not source.location:
+            found = self.transport.locate(key)
+            if found is not None:
+                return Source(found[0], source.nbytes or found[1])
+        return source
+
+    def _prefetch(self, item_id: str, source: Source = Source()) -> Staging:
+        now = time.monotonic()
+        st = Staging(Status.LOADING, now,
+                     now + self.config.load_timeout_s + _SCHEDULER_GRACE_S)
+        with self._lock:
+            peers = list(self._workers.values())
+            if not peers:
+                st.status, st.error = Status.FAILED, "no worker connected"
+            self._staging[item_id] = st
+        for peer in peers:
+            self.channel.send(Prefetch(item_id=item_id, timeout_s=self.config.load_timeout_s,
+                                       location=source.location, nbytes=source.nbytes),
+                              to=peer)
+        return st
+
+    # -- vLLM scheduler hooks ------------------------------------------------------------------
+    def has_cache_item(self, identifier: str) -> bool:
+        if self.is_consumer:
+            st = self._staging.get(identifier)
+            if st is not None and st.status is Status.READY:
+                self._said_yes.add(identifier)
+                return True
+            return False
+        if self._stored(identifier):  # producer: already stored -> do not encode it again
+            self.stats.inc("skipped_saves")
+            if identifier not in self._renewed:  # promised again: workers keep it
+                self._renewed.add(identifier)
+                for peer in list(self._workers.values()):
+                    self.channel.send(Renew(item_id=identifier), to=peer)
+            return True
+        return False
+
+    def _hints(self, request: Request) -> dict[str, Source]:
+        req_id = request.request_id
+        hints = self._req_hints.get(req_id)
+        if hints is None:
+            try:
+                hints = item_sources(getattr(request, "ec_transfer_params", None))
+            except BadParams as exc:
+                logger.warning("EPD: request %s: ignoring malformed ec_transfer_params (%s); "
+                               "its media will be encoded locally", req_id, exc)
+                hints = {}
+            self._req_hints[req_id] = hints
+        return hints
+
+    def _stored(self, item_id: str) -> bool | None:
+        """Producer: is the item stored already (index, or a store probe; None = asking)?"""
+        key = safe_key(item_id)
+        if key is None:
+            return False
+        return True if key in self.index else self.transport.probe(item_id)
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        if not self.is_consumer:
+            # Producer: wait (bounded by store_probe_timeout_s) for a store's answer, so
+            # has_cache_item can say "already stored" for what another instance encoded.
+            if any([self._stored(f.identifier) is None for f in request.mm_features]):
+                self.stats.inc("deferrals")
+                return False
+            return True
+        req_id = request.request_id
+        hints = self._hints(request)
+        placed = self._req_placed.get(req_id, ())
+        ready = True
+        now = time.monotonic()
+        for i, feature in enumerate(request.mm_features):
+            item_id = feature.identifier
+            pos = feature.mm_position
+            if pos.offset + pos.length <= num_computed_tokens or item_id in placed:
+                continue  # already in the KV cache, or already handed to the worker
+            st = self._staging.get(item_id)
+            expired = st is not None and st.status is Status.FAILED
+            if expired and now - st.deadline > _FAILED_MEMORY_S:
+                with self._lock:
+                    self._staging.pop(item_id, None)
+                st = None
+            if st is None:
+                key = safe_key(item_id)
+                known = key is not None and (item_id in hints or key in self.index)
+                if key is not None and not known:
+                    known = self.transport.probe(item_id)  # stores that cannot list
+                    if known is None:  # asked in the background: wait a step or two
+                        ready = False
+                        continue
+                if not known:
+                    logger.debug("EPD: request %s item %r is not in the transport; vLLM "
+                                 "encodes it locally", req_id, item_id)
+                    continue
+                st = self._prefetch(item_id, self._source(item_id, key, hints))
+            if st.status is Status.LOADING and now > st.deadline:
+                with self._lock:
+                    if st.status is Status.LOADING:
+                        st.status, st.error, st.deadline = Status.FAILED, "deadline passed", now
+                        self.stats.inc("timeouts")
+                logger.warning("EPD: item %r for request %s missed its %.1f s deadline",
+                               item_id, req_id, self.config.load_timeout_s)
+            if st.status is Status.READY:
+                expected = request.get_num_encoder_embeds(i)
+                if st.num_embeds and st.num_embeds != expected:
+                    logger.warning("EPD: item %r holds %d embeddings but request %s expects %d; "
+                                   "encoding locally", item_id, st.num_embeds, req_id, expected)
+                    with self._lock:
+                        st.status, st.error, st.deadline = Status.FAILED, "token count", now
+            if st.status is Status.LOADING:
+                ready = False
+            elif st.status is Status.FAILED:
+                self._on_unavailable(request, item_id, item_id in hints, st.error)
+        if not ready:
+            self.stats.inc("deferrals")
+        return ready
+
+    def _on_unavailable(self, request: Request, item_id: str, promised: bool, why: str) -> None:
+        if promised and self.config.on_unavailable == "fail":
+            if request.request_id not in self._unavailable:
+                logger.error("EPD: failing request %s: item %r unavailable (%s)",
+                             request.request_id, item_id, why)
+                self._unavailable.add(request.request_id)
+                self.stats.inc("failed_requests")
+            return
+        key = (request.request_id, item_id)
+        if key not in self._fallbacks_logged:
+            self._fallbacks_logged.add(key)
+            self.stats.inc("local_encode_fallbacks")
+            logger.info("EPD: request %s encodes item %r locally (%s)",
+                        request.request_id, item_id, why or "not available")
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        item_id = request.mm_features[index].identifier
+        num_embeds = request.get_num_encoder_embeds(index)
+        if self.is_producer:
+            self._req_items.setdefault(request.request_id, {})[item_id] = num_embeds
+        if self.is_consumer and item_id in self._said_yes:
+            self._to_place[item_id] = num_embeds
+            self._req_placed.setdefault(request.request_id, set()).add(item_id)
+            with self._lock:
+                self._staging.pop(item_id, None)
+            self.stats.inc("hits")
+
+    def build_connector_meta(self) -> dict[str, int]:
+        place, self._to_place = self._to_place, {}
+        self._said_yes.clear()
+        self._renewed.clear()
+        self._sweep()
+        return place
+
+    def _sweep(self) -> None:
+        """Once a second: forget READY items nobody scheduled (request aborted) so memory
+        staged on workers is released, and FAILED ones past their memory."""
+        now = time.monotonic()
+        if now - self._last_sweep < 1.0:
+            return
+        self._last_sweep = now
+        stale: list[str] = []
+        with self._lock:
+            for item_id, st in list(self._staging.items()):
+                if st.status is Status.READY and now - st.started > self.config.staged_ttl_s:
+                    stale.append(item_id)
+                elif st.status is Status.FAILED and now - st.deadline > _FAILED_MEMORY_S:
+                    self._staging.pop(item_id, None)
+            for item_id in stale:
+                self._staging.pop(item_id, None)
+            peers = list(self._workers.values())
+        for item_id in stale:
+            for peer in peers:
+                self.channel.send(Drop(item_id=item_id), to=peer)
+
+    def update_connector_output(self, finished_saves: set[str] | None) -> None:
+        # The control channel normally told us already; this is the vLLM-sanctioned path.
+        for item_id in finished_saves or ():
+            key = safe_key(item_id)
+            if key is not None:
+                self.index.add(key)
+
+    def take_unavailable_requests(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        req_id = request.request_id
+        self._req_placed.pop(req_id, None)
+        self._req_hints.pop(req_id, None)
+        if self._fallbacks_logged:
+            self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != req_id}
+        items = self._req_items.pop(req_id, None)
+        if not self.is_producer:
+            return None
+        if not items:
+            return None
+        described: dict[str, dict[str, Any]] = {}
+        endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
+        for item_id, num_embeds in items.items():
+            described[item_id] = item_entry(item_id, num_embeds, self._saved.get(item_id),
+                                            with_location=bool(endpoint))
+        return producer_params(self.transport.name, self.config.namespace or "",
+                               self.engine_id, described, endpoint=endpoint)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    def close(self) -> None:
+        self.index.close()
+        self.channel.close()
+        self.transport.close()

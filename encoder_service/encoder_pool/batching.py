@@ -1,0 +1,331 @@
+"""The async encoder pool: per-modality bounded queues, dynamic batching, least-loaded
+dispatch over workers, per-item deadlines and failure isolation.
+
+Contract of `EncoderPool`:
+- `submit(item)` reserves the item's estimated bytes in the CPU tier of the FeatureStore and
+  queues it (capacity: `max_queue_items` per modality, plus the one batch being formed
+  while it waits for a worker); it raises `Overloaded` (queue full: HTTP 429) or
+  `BudgetExceeded` (memory budget full: HTTP 503) at once, never blocks, never grows
+  memory without bound.
+  Duplicate ids share one encode; an id whose feature is already in memory is not re-encoded.
+- A batch forms when `max_batch_size` items are queued or the oldest queued item has waited
+  `max_wait_ms`, and goes to the eligible worker with the least outstanding work.
+- An item whose deadline passes while queued is failed (`ItemFailed`, code "timeout") without
+  being encoded. An exception fails that item only: a failing batch is re-run item by item.
+  Out of memory: the batch is split; a single item is retried at reduced resolution
+  (image halved, video every other frame) up to `max_oom_retries` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
+from encoder_service.encoder_pool.media import MediaItem, reduce_media
+from encoder_service.encoder_pool.models import MediaEncoder
+
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
+
+
+class Overloaded(RuntimeError):
+    """The modality's queue is full; retry after `retry_after_s`."""
+
+    def __init__(self, msg: str, retry_after_s: float) -> None:
+        super().__init__(msg)
+        self.retry_after_s = retry_after_s
+
+
+class ItemFailed(RuntimeError):
+    """One item could not be encoded. `code`: timeout | oom | encode_error."""
+
+    def __init__(self, item_id: str, code: str, reason: str) -> None:
+        super().__init__(f"item {item_id!r}: {reason}")
+        self.item_id, self.code, self.reason = item_id, code, reason
+
+
+@dataclass
+class PoolStats:
+    batches: int = 0
+    items_encoded: int = 0
+    items_failed: dict[str, int] = field(default_factory=dict)
+    batch_sizes: list[int] = field(default_factory=list)  # last 1024 batches
+    oom_retries: int = 0
+    reuse_hits: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+    def fail(self, code: str) -> None:
+        self.items_failed[code] = self.items_failed.get(code, 0) + 1
+
+
+@dataclass
+class _Job:
+    item: MediaItem
+    tokens: int
+    deadline: float
+    enqueued: float
+    future: asyncio.Future
+
+
+class Worker:
+    """One encoder replica with its own thread; at most `max_inflight` batches outstanding."""
+
+    _ids = itertools.count()
+
+    def __init__(self, encoder: MediaEncoder, name: str | None = None, max_inflight: int = 1):
+        self.encoder = encoder
+        self.name = name or f"worker-{next(self._ids)}"
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        self.outstanding_tokens = 0
+        self.batches = 0
+        self.items = 0
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"epd-{self.name}")
+
+    @property
+    def eligible(self) -> bool:
+        return self.inflight < self.max_inflight
+
+
+class EncoderPool:
+    def __init__(self, workers: Sequence[Worker], store: FeatureStore, *,
+                 max_batch_size: int = 8, max_wait_ms: float = 5.0, max_queue_items: int = 256,
+                 max_oom_retries: int = 2, retry_after_s: float = 1.0) -> None:
+        if not workers:
+            raise ValueError("the pool needs at least one worker")
+        self.workers = list(workers)
+        self.store = store
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000.0
+        self.max_queue_items = max_queue_items
+        self.max_oom_retries = max_oom_retries
+        self.retry_after_s = retry_after_s
+        self.modalities = sorted({m for w in self.workers for m in w.encoder.modalities})
+        self.stats = PoolStats()
+        self.on_batch: Callable[[int, float], None] | None = None  # (size, seconds) hook
+        self._queues: dict[str, asyncio.Queue[_Job]] = {}
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._batch_tasks: set[asyncio.Task] = set()
+        self._worker_free: asyncio.Condition | None = None
+        ref = self.workers[0].encoder
+        self.hidden_size, self.dtype = ref.hidden_size, ref.dtype
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        self._worker_free = asyncio.Condition()
+        for m in self.modalities:
+            self._queues[m] = asyncio.Queue(self.max_queue_items)
+            self._tasks.append(asyncio.create_task(self._batch_loop(m), name=f"batch-{m}"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._batch_tasks:
+            await asyncio.gather(*self._batch_tasks, return_exceptions=True)
+        for q in self._queues.values():
+            while not q.empty():
+                job = q.get_nowait()
+                self._finish(job, ItemFailed(job.item.item_id, "encode_error", "pool stopped"))
+        for w in self.workers:
+            w.executor.shutdown(wait=False, cancel_futures=True)
+
+    def queue_depth(self, modality: str) -> int:
+        q = self._queues.get(modality)
+        return q.qsize() if q is not None else 0
+
+    def free_slots(self, modality: str) -> int:
+        return self.max_queue_items - self.queue_depth(modality)
+
+    # -- admission ---------------------------------------------------------------------
+    def estimate_bytes(self, item: MediaItem) -> tuple[int, int]:
+        w, h = item.size
+        tokens = self.workers[0].encoder.estimate_tokens(item.modality, w, h,
+                                                         max(1, len(item.frames)))
+        return tokens, tokens * self.hidden_size * self.dtype.itemsize
+
+    def submit(self, item: MediaItem, timeout_s: float, keep: bool = False) -> asyncio.Future:
+        """Queue `item`; the future resolves to its embedding or raises ItemFailed."""
+        loop = asyncio.get_running_loop()
+        if item.modality not in self._queues:
+            raise ValueError(f"item {item.item_id!r}: modality {item.modality!r} is not served "
+                             f"(served: {', '.join(self.modalities)})")
+        pending = self._inflight.get(item.item_id)
+        if pending is not None:
+            return pending
+        feature = self.store.get(item.item_id)
+        if feature is not None and feature.tensor is not None:
+            self.stats.reuse_hits += 1
+            self.store.lookup(item.item_id)  # refresh LRU position
+            fut = loop.create_future()
+            fut.set_result(feature.tensor)
+            return fut
+        queue = self._queues[item.modality]
+        if queue.full():
+            self.stats.rejected["queue_full"] = self.stats.rejected.get("queue_full", 0) + 1
+            raise Overloaded(f"{item.modality} queue is full ({self.max_queue_items} items)",
+                             self.retry_after_s)
+        tokens, nbytes = self.estimate_bytes(item)
+        try:
+            self.store.begin(item.item_id, item.modality, nbytes, keep=keep)
+        except Exception:
+            self.stats.rejected["budget"] = self.stats.rejected.get("budget", 0) + 1
+            raise
+        now = time.monotonic()
+        job = _Job(item, tokens, now + timeout_s, now, loop.create_future())
+        queue.put_nowait(job)
+        self._inflight[item.item_id] = job.future
+        return job.future
+
+    async def encode(self, item: MediaItem, timeout_s: float, keep: bool = False
+                     ) -> torch.Tensor:
+        """Submit and wait, at most `timeout_s`."""
+        fut = self.submit(item, timeout_s, keep)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            raise ItemFailed(item.item_id, "timeout",
+                             f"not encoded within {timeout_s:.3g} s") from None
+
+    # -- batching ----------------------------------------------------------------------
+    async def _batch_loop(self, modality: str) -> None:
+        q = self._queues[modality]
+        while True:
+            first = await q.get()
+            batch = [first]
+            form_deadline = first.enqueued + self.max_wait_s
+            while len(batch) < self.max_batch_size:
+                if not q.empty():
+                    batch.append(q.get_nowait())
+                    continue
+                remaining = form_deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(q.get(), remaining))
+                except TimeoutError:
+                    break
+            worker = await self._acquire_worker(modality)
+            while len(batch) < self.max_batch_size and not q.empty():  # top up while we waited
+                batch.append(q.get_nowait())
+            now = time.monotonic()
+            live = []
+            for job in batch:
+                if job.deadline <= now:
+                    self._finish(job, ItemFailed(job.item.item_id, "timeout",
+                                                 "deadline passed while queued"))
+                else:
+                    live.append(job)
+            if not live:
+                await self._release_worker(worker, 0)
+                continue
+            tokens = sum(j.tokens for j in live)
+            worker.outstanding_tokens += tokens
+            task = asyncio.create_task(self._run_batch(worker, live, tokens))
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+
+    async def _acquire_worker(self, modality: str) -> Worker:
+        assert self._worker_free is not None
+        async with self._worker_free:
+            while True:
+                ready = [w for w in self.workers
+                         if w.eligible and modality in w.encoder.modalities]
+                if ready:
+                    w = min(ready, key=lambda w: (w.outstanding_tokens, w.inflight, w.batches))
+                    w.inflight += 1
+                    return w
+                await self._worker_free.wait()
+
+    async def _release_worker(self, worker: Worker, tokens: int) -> None:
+        assert self._worker_free is not None
+        async with self._worker_free:
+            worker.inflight -= 1
+            worker.outstanding_tokens -= tokens
+            self._worker_free.notify_all()
+
+    async def _run_batch(self, worker: Worker, jobs: list[_Job], tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(
+                worker.executor, self._encode_isolated, worker.encoder,
+                [j.item for j in jobs])
+        except BaseException as exc:  # executor shut down, cancelled
+            results = [ItemFailed(j.item.item_id, "encode_error", repr(exc)) for j in jobs]
+        finally:
+            await self._release_worker(worker, tokens)
+        worker.batches += 1
+        worker.items += len(jobs)
+        self.stats.batches += 1
+        self.stats.batch_sizes = (self.stats.batch_sizes + [len(jobs)])[-1024:]
+        if self.on_batch is not None:
+            self.on_batch(len(jobs), time.perf_counter() - t0)
+        for job, res in zip(jobs, results, strict=True):
+            self._finish(job, res)
+
+    def _finish(self, job: _Job, result: torch.Tensor | BaseException) -> None:
+        item_id = job.item.item_id
+        self._inflight.pop(item_id, None)
+        if isinstance(result, torch.Tensor):
+            try:
+                self.store.encoded(item_id, result)
+                self.stats.items_encoded += 1
+            except Exception as exc:  # budget: the real size did not fit
+                result = ItemFailed(item_id, "budget", str(exc))
+        if isinstance(result, BaseException):
+            if self.store.state(item_id) is not FeatureState.DISCARDED:
+                self.store.discard(item_id)
+            code = result.code if isinstance(result, ItemFailed) else "encode_error"
+            self.stats.fail(code)
+            if not isinstance(result, ItemFailed):
+                result = ItemFailed(item_id, "encode_error", repr(result))
+        if not job.future.done():
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+                job.future.exception()  # mark retrieved: a timed-out waiter is gone
+            else:
+                job.future.set_result(result)
+
+    # -- runs on a worker thread ---------------------------------------------------------
+    def _encode_isolated(self, encoder: MediaEncoder, items: list[MediaItem]
+                         ) -> list[torch.Tensor | BaseException]:
+        """Encode a batch; failures stay with the item that caused them."""
+        try:
+            out = encoder.encode(items)
+            if len(out) != len(items):
+                raise RuntimeError(f"encoder returned {len(out)} outputs for {len(items)} items")
+            return list(out)
+        except OOM_ERRORS:
+            if len(items) > 1:
+                mid = len(items) // 2
+                return (self._encode_isolated(encoder, items[:mid])
+                        + self._encode_isolated(encoder, items[mid:]))
+            return [self._retry_reduced(encoder, items[0])]
+        except Exception as exc:
+            if len(items) > 1:
+                return [r for it in items for r in self._encode_isolated(encoder, [it])]
+            return [ItemFailed(items[0].item_id, "encode_error", f"encoder failed: {exc!r}")]
+
+    def _retry_reduced(self, encoder: MediaEncoder, item: MediaItem) -> torch.Tensor | ItemFailed:
+        current = item
+        for _ in range(self.max_oom_retries):
+            smaller = reduce_media(current)
+            if smaller is None:
+                break
+            current = smaller
+            self.stats.oom_retries += 1
+            try:
+                return encoder.encode([current])[0]
+            except OOM_ERRORS:
+                continue
+            except Exception as exc:
+                return ItemFailed(item.item_id, "encode_error", f"encoder failed: {exc!r}")
+        return ItemFailed(item.item_id, "oom", "out of memory, also at reduced resolution")

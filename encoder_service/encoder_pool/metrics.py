@@ -1,0 +1,84 @@
+"""Prometheus metrics of the encoder pool, read from the pool and its FeatureStore at scrape
+time (so gauges can never drift from the real state)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from encoder_service.encoder_pool.batching import EncoderPool
+from encoder_service.encoder_pool.lifecycle import FeatureState
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class PoolCollector(Collector):
+    def __init__(self, pool: EncoderPool, publisher=None) -> None:
+        self.pool = pool
+        self.publisher = publisher
+
+    def collect(self) -> Iterator[Metric]:
+        store, stats = self.pool.store, self.pool.stats
+        g = GaugeMetricFamily("epd_pool_features", "Features per lifecycle state",
+                              labels=["state"])
+        for state, n in store.counts().items():
+            g.add_metric([state.value], n)
+        yield g
+        for name, doc, values in (
+            ("epd_pool_feature_bytes", "Feature bytes held per tier", store.used),
+            ("epd_pool_feature_budget_bytes", "Feature byte budget per tier", store.budget),
+            ("epd_pool_feature_peak_bytes", "Peak feature bytes per tier", store.peak),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, v in values.items():
+                g.add_metric([tier], v)
+            yield g
+        g = GaugeMetricFamily("epd_pool_queue_depth", "Queued items per modality",
+                              labels=["modality"])
+        for m in self.pool.modalities:
+            g.add_metric([m], self.pool.queue_depth(m))
+        yield g
+        g = GaugeMetricFamily("epd_pool_worker_outstanding_tokens",
+                              "Tokens dispatched to a worker and not finished", labels=["worker"])
+        for w in self.pool.workers:
+            g.add_metric([w.name], w.outstanding_tokens)
+        yield g
+        for name, doc, value in (
+            ("epd_pool_batches", "Encoder batches run", stats.batches),
+            ("epd_pool_items_encoded", "Items encoded", stats.items_encoded),
+            ("epd_pool_oom_retries", "Reduced-resolution retries after OOM", stats.oom_retries),
+            ("epd_pool_reuse_hits", "Items served from memory without encoding",
+             stats.reuse_hits),
+            ("epd_pool_evictions", "ENCODED_CPU features evicted for budget", store.evictions),
+            ("epd_pool_discarded", "Features discarded", store.discarded),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, values in (
+            ("epd_pool_items_failed", "Items that failed, by code", stats.items_failed),
+            ("epd_pool_rejected", "Admissions refused, by reason", stats.rejected),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["code"])
+            for code, v in values.items():
+                c.add_metric([code], v)
+            yield c
+        if self.publisher is not None:
+            yield CounterMetricFamily("epd_pool_published", "Items written to the transport",
+                                      value=self.publisher.published)
+            yield CounterMetricFamily("epd_pool_published_bytes", "Bytes written to the "
+                                      "transport", value=self.publisher.published_bytes)
+
+
+def make_registry(pool: EncoderPool, publisher=None) -> tuple[CollectorRegistry, Histogram]:
+    """A registry of its own (several pools may live in one process, e.g. tests) with the
+    pool collector and a batch-size histogram the pool feeds through `on_batch`."""
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(pool, publisher))
+    hist = Histogram("epd_pool_batch_size", "Items per encoder batch", buckets=BATCH_BUCKETS,
+                     registry=registry)
+    return registry, hist
+
+
+__all__ = ["FeatureState", "PoolCollector", "make_registry"]

@@ -1,0 +1,63 @@
+"""Publishing finished embeddings through the project's transport (EPDConnector's), under
+the item id a vLLM consumer will look up, and the `ec_transfer_params` a gateway forwards."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.params import item_entry, producer_params
+from ec_connectors.transports import make_transport
+
+MAX_REMEMBERED = 65536
+
+
+class Publisher:
+    """`put`s embeddings off the event loop (blocking I/O on its own threads); an item already
+    published and still stored is not written twice."""
+
+    def __init__(self, config: EPDConfig, engine_id: str, threads: int = 2) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self.namespace = config.namespace or "default"
+        self.transport = make_transport(config)
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="epd-publish")
+        self._known: OrderedDict[str, ItemInfo] = OrderedDict()
+        self.published = 0
+        self.published_bytes = 0
+
+    def _put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
+        info = self._known.get(item_id)
+        if info is not None and self.transport.exists(item_id):
+            return info
+        info = self.transport.put(item_id, tensor)
+        self.published += 1
+        self.published_bytes += info.nbytes
+        self._known[item_id] = info
+        self._known.move_to_end(item_id)
+        while len(self._known) > MAX_REMEMBERED:
+            self._known.popitem(last=False)
+        return info
+
+    async def publish(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, self._put, item_id, tensor)
+
+    def params(self, infos: dict[str, ItemInfo]) -> dict[str, Any]:
+        """`ec_transfer_params` for a request whose items are `infos` (same shape a vLLM
+        producer with EPDConnector returns)."""
+        endpoint = self.transport.endpoint  # peer transports: consumers pull from here
+        items = {item_id: item_entry(item_id, info.shape[0], info, with_location=bool(endpoint))
+                 for item_id, info in infos.items()}
+        return producer_params(self.transport.name, self.namespace, self.engine_id, items,
+                               endpoint=endpoint)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self.transport.close()

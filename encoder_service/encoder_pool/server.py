@@ -1,0 +1,265 @@
+"""HTTP front of the encoder pool (FastAPI + uvicorn): `epd encoder --model DIR ...`.
+
+POST /v1/encode   {"items": [{"id", "modality": "image", "data": base64 | data URL}],
+                   "timeout_s"?, "keep"?, "on_failure"?: "text_only" | "fail"}
+  200: {"items": {id: {"status": "ok", "num_embeds", "shape", "dtype", ...}
+                  | {"status": "failed", "code", "error"}},
+        "ec_transfer_params": {...}, "fallback": null | "text_only"}
+       (failed items appear only under the text-only policy; the gateway then sends the
+       request without them, see `fallback.text_only_body`)
+  400: bad request or, under on_failure=fail, bad media (names the item)
+  429 / 503 + Retry-After: queue full / memory budget full
+  500 / 504: under on_failure=fail, an item failed to encode / missed its deadline
+POST /v1/release  {"item_ids": [...], "keep"?}: the decode side has prefilled these items:
+                  discard them (default) or keep them for multi-turn reuse
+GET  /health, /metrics (Prometheus), /v1/stats (JSON)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
+from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
+from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
+from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore
+from encoder_service.encoder_pool.media import BadMedia, MediaItem, decode_image, payload_bytes
+from encoder_service.encoder_pool.metrics import make_registry
+from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
+from encoder_service.encoder_pool.publish import Publisher
+
+
+class EncodeItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1, max_length=MAX_ID_BYTES)
+    modality: str = "image"
+    data: str = Field(min_length=1)
+
+
+class EncodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: list[EncodeItem] = Field(min_length=1)
+    timeout_s: float | None = Field(default=None, gt=0, le=3600)
+    keep: bool = False
+    on_failure: Literal["text_only", "fail"] | None = None
+
+
+class ReleaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    item_ids: list[str] = Field(min_length=1, max_length=4096)
+    keep: bool | None = None
+
+
+def _error(status: int, message: str, retry_after: float | None = None,
+           **extra: Any) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
+    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
+
+
+def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -> EncoderPool:
+    """Workers over `config.devices` (one encoder per device, shared by that device's
+    workers), or over the given encoders (tests)."""
+    if encoders is None:
+        encoders = [load_encoder(config.model, device=d, dtype=config.dtype)
+                    for d in config.devices]
+    workers = [Worker(enc, name=f"{getattr(enc, 'device', 'dev')}-{i}-{j}")
+               for i, enc in enumerate(encoders) for j in range(config.workers_per_device)]
+    store = FeatureStore(config.cpu_budget_bytes, config.gpu_budget_bytes, config.retain)
+    return EncoderPool(workers, store, max_batch_size=config.max_batch_size,
+                       max_wait_ms=config.max_wait_ms, max_queue_items=config.max_queue_items,
+                       max_oom_retries=config.max_oom_retries,
+                       retry_after_s=config.retry_after_s)
+
+
+def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
+    pool = pool or build_pool(config)
+    publisher = Publisher(config.transport_config(), config.engine_id)
+    registry, batch_hist = make_registry(pool, publisher)
+    pool.on_batch = lambda size, _s: batch_hist.observe(size)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await pool.start()
+        try:
+            yield
+        finally:
+            await pool.stop()
+            publisher.close()
+
+    app = FastAPI(title="epd encoder pool", lifespan=lifespan)
+    app.state.pool, app.state.publisher, app.state.config = pool, publisher, config
+
+    def door(req: EncodeRequest) -> tuple[list[MediaItem], dict[str, BadMedia]]:
+        items, bad = [], {}
+        for it in req.items:
+            try:
+                if it.modality != "image":
+                    raise BadMedia(it.id, f"modality {it.modality!r} is not served "
+                                          f"(served: {', '.join(pool.modalities)})")
+                raw = payload_bytes(it.id, it.data, config.max_media_bytes)
+                items.append(decode_image(it.id, raw, config.max_image_pixels))
+            except BadMedia as exc:
+                bad[it.id] = exc
+        return items, bad
+
+    @app.post("/v1/encode")
+    async def encode(req: EncodeRequest) -> JSONResponse:
+        policy = req.on_failure or config.on_failure
+        timeout = req.timeout_s or config.item_timeout_s
+        if len(req.items) > config.max_items_per_request:
+            return _error(400, f"{len(req.items)} items; the limit is "
+                               f"{config.max_items_per_request}")
+        ids = [it.id for it in req.items]
+        if len(set(ids)) != len(ids):
+            return _error(400, "item ids must be unique within a request")
+        for item_id in ids:
+            try:
+                item_key(item_id)
+            except InvalidItemId as exc:
+                return _error(400, f"bad item id: {exc}")
+        items, bad = await asyncio.to_thread(door, req)
+        if bad and policy == "fail":
+            return _error(400, "; ".join(str(e) for e in bad.values()),
+                          items={k: e.reason for k, e in bad.items()})
+        # admission: all or nothing for the queue; budget refusals stop the rest
+        need: dict[str, int] = {}
+        for it in items:
+            need[it.modality] = need.get(it.modality, 0) + 1
+        for modality, n in need.items():
+            if pool.free_slots(modality) < n:
+                pool.stats.rejected["queue_full"] = pool.stats.rejected.get("queue_full", 0) + 1
+                return _error(429, f"{modality} queue is full; retry later",
+                              config.retry_after_s)
+        futures = {}
+        try:
+            for it in items:
+                futures[it.item_id] = pool.submit(it, timeout, keep=req.keep)
+        except Overloaded as exc:
+            return _error(429, str(exc), exc.retry_after_s)
+        except BudgetExceeded as exc:
+            return _error(503, f"encoder memory budget is full: {exc}", config.retry_after_s)
+        failures: dict[str, tuple[str, str]] = {k: ("bad_media", e.reason) for k, e in bad.items()}
+
+        async def finish(item_id: str, fut: asyncio.Future):
+            try:
+                tensor = await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except TimeoutError:
+                raise ItemFailed(item_id, "timeout", f"not encoded within {timeout:.3g} s"
+                                 ) from None
+            pool.store.pin(item_id)
+            try:
+                return await publisher.publish(item_id, tensor)
+            finally:
+                pool.store.unpin(item_id)
+
+        results = await asyncio.gather(*(finish(k, f) for k, f in futures.items()),
+                                       return_exceptions=True)
+        infos = {}
+        for item_id, res in zip(futures, results, strict=True):
+            if isinstance(res, ItemFailed):
+                failures[item_id] = (res.code, res.reason)
+            elif isinstance(res, BaseException):
+                failures[item_id] = ("publish_error", repr(res))
+            else:
+                infos[item_id] = res
+        out_items: dict[str, Any] = {}
+        params = publisher.params(infos)
+        for item_id in ids:
+            if item_id in infos:
+                out_items[item_id] = {"status": "ok", **params["epd"]["items"][item_id]}
+            else:
+                code, reason = failures[item_id]
+                out_items[item_id] = {"status": "failed", "code": code, "error": reason}
+        if failures and policy == "fail":
+            status = 504 if all(c == "timeout" for c, _ in failures.values()) else 500
+            return _error(status, "; ".join(f"item {k!r}: {r}" for k, (_, r) in failures.items()),
+                          items=out_items)
+        return JSONResponse({"items": out_items, "ec_transfer_params": params,
+                             "fallback": "text_only" if failures else None})
+
+    @app.post("/v1/release")
+    async def release(req: ReleaseRequest) -> dict[str, str]:
+        return {i: pool.store.release(i, req.keep).value for i in req.item_ids}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = bool(publisher.transport.health().get("ok"))
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/stats")
+    async def stats() -> dict[str, Any]:
+        s, store = pool.stats, pool.store
+        return {"batches": s.batches, "items_encoded": s.items_encoded,
+                "items_failed": s.items_failed, "rejected": s.rejected,
+                "oom_retries": s.oom_retries, "reuse_hits": s.reuse_hits,
+                "mean_batch_size": (sum(s.batch_sizes) / len(s.batch_sizes)
+                                    if s.batch_sizes else 0.0),
+                "states": {k.value: v for k, v in store.counts().items()},
+                "bytes": store.used, "peak_bytes": store.peak, "budget_bytes": store.budget,
+                "evictions": store.evictions,
+                "workers": {w.name: {"batches": w.batches, "items": w.items}
+                            for w in pool.workers}}
+
+    return app
+
+
+def parse_config(argv: list[str] | None = None) -> PoolConfig:
+    """CLI flags over an optional JSON config file; one validated PoolConfig."""
+    p = argparse.ArgumentParser(prog="epd encoder", description="Batching encoder pool server")
+    p.add_argument("--config", type=Path, help="JSON file with PoolConfig fields")
+    p.add_argument("--model", type=Path)
+    p.add_argument("--served-model-name")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--max-batch-size", type=int)
+    p.add_argument("--max-wait-ms", type=float)
+    p.add_argument("--max-queue-items", type=int)
+    p.add_argument("--cpu-budget-bytes", type=int)
+    p.add_argument("--retain", choices=["discard", "keep"])
+    p.add_argument("--on-failure", choices=["text_only", "fail"])
+    p.add_argument("--storage-path", help="safetensors transport directory (shared with the "
+                                          "vLLM consumers)")
+    args = p.parse_args(argv)
+    values: dict[str, Any] = json.loads(args.config.read_text()) if args.config else {}
+    for key in ("model", "served_model_name", "host", "port", "max_batch_size", "max_wait_ms",
+                "max_queue_items", "cpu_budget_bytes", "retain", "on_failure"):
+        v = getattr(args, key)
+        if v is not None:
+            values[key] = v
+    if args.storage_path:
+        values.setdefault("transport", {})["storage_path"] = args.storage_path
+    if "model" not in values:
+        p.error("--model (or a config file with 'model') is required")
+    return PoolConfig.from_dict(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    try:
+        config = parse_config(argv)
+        config.transport_config()
+    except (PoolConfigError, ValueError) as exc:
+        print(f"epd encoder: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

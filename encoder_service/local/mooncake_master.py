@@ -1,0 +1,133 @@
+"""The Mooncake Store master (`mooncake_master` from the Mooncake wheel), started by the project
+where a deployment needs one: `epd up`, tests, benchmarks, `epd master` in compose/k8s.
+
+It serves the store's RPC (`rpc_port`), the HTTP metadata server clients register their
+segments with (`http_port`) and Prometheus metrics (`metrics_port`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from encoder_service.local.processes import ServerFailed, VllmServer
+
+
+class MasterMissing(ServerFailed):
+    pass
+
+
+def master_binary() -> str:
+    """Path of `mooncake_master`: beside this interpreter (venv), else on PATH."""
+    beside = Path(sys.executable).with_name("mooncake_master")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mooncake_master")
+    if found is None:
+        raise MasterMissing(
+            "mooncake_master not found beside the interpreter or on PATH: pip install "
+            "'epd-serve[cpu]' (mooncake-transfer-engine-non-cuda) or '[cuda]'; it needs "
+            "libibverbs.so.1 (apt-get install libibverbs1)")
+    return found
+
+
+def master_command(host: str, rpc_port: int, http_port: int, metrics_port: int) -> list[str]:
+    return [master_binary(), f"--rpc_address={host}", f"--rpc_port={rpc_port}",
+            "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
+            f"--http_metadata_server_port={http_port}", f"--metrics_host={host}",
+            f"--metrics_port={metrics_port}"]
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class MasterServer(VllmServer):
+    """One `mooncake_master` process, managed like a VllmServer (start/wait/stop, log file).
+    `port` is the RPC port; healthy = RPC port accepts and the metadata server answers."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 0  # default port + 1
+    metrics_port: int = 0  # default port + 2
+
+    def __post_init__(self) -> None:
+        self.http_port = self.http_port or self.port + 1
+        self.metrics_port = self.metrics_port or self.port + 2
+
+    @property
+    def address(self) -> str:
+        """What clients take as `store_master`."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}"
+
+    @property
+    def metadata_url(self) -> str:
+        """What clients take as `store_metadata`."""
+        return f"http://{self.host}:{self.http_port}/metadata"
+
+    def command(self) -> list[str]:
+        return master_command(self.host, self.port, self.http_port, self.metrics_port)
+
+    def start(self) -> MasterServer:
+        for port in (self.port, self.http_port, self.metrics_port):
+            if port_open(self.host, port, 0.2):
+                raise ServerFailed(f"{self.name}: {self.host}:{port} is already in use; "
+                                   "stop what holds it or pick other master ports")
+        super().start()
+        return self
+
+    def healthy(self) -> bool:
+        if not port_open(self.host, self.port):
+            return False
+        try:  # any HTTP answer (404 for an unknown key) means the metadata server is up
+            httpx.get(self.metadata_url, params={"key": "epd-health"}, timeout=1.0)
+            return True
+        except httpx.HTTPError:
+            return False
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        super().wait(timeout_s)
+
+
+def master_server(work_dir: Path, port: int, host: str = "127.0.0.1",
+                  name: str = "mooncake-master") -> MasterServer:
+    """A master with RPC on `port`, metadata on port+1, metrics on port+2 (log in work_dir)."""
+    return MasterServer(name, Path(os.devnull), port, work_dir, host=host)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`epd master`: run the store master in the foreground (compose, k8s)."""
+    parser = argparse.ArgumentParser(prog="epd master", description=__doc__)
+    parser.add_argument("--host", default=os.environ.get("EPD_MASTER_HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=50051, help="RPC port (store_master)")
+    parser.add_argument("--http-port", type=int, default=8080,
+                        help="HTTP metadata server port (store_metadata)")
+    parser.add_argument("--metrics-port", type=int, default=9003)
+    args, extra = parser.parse_known_args(argv)
+    try:
+        cmd = master_command(args.host, args.port, args.http_port, args.metrics_port)
+    except MasterMissing as exc:
+        print(f"epd master: {exc}", file=sys.stderr)
+        return 2
+    print(f"epd master: {' '.join(cmd + extra)}", flush=True)
+    os.execv(cmd[0], cmd + extra)  # extra: any other mooncake_master flag, passed through
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""`epd up`: a whole local EPD deployment from one config file with embedded defaults.
+
+Starts the encoder(s) (vLLM ec_producer, or `epd encoder` batching pools with
+`encoder_backend = "pool"`) and prefill/decode instance(s) (vLLM ec_consumer) with
+EPDConnector over one of these transports (`transport`):
+- `safetensors` (default): a shared directory (`storage_path`);
+- `mooncake`: the Mooncake Transfer Engine, P2P, no master; each encoder serves its items on
+  its own side channel `127.0.0.1:mooncake_base_port + 10 * i`, every decode instance pulls
+  from all of them, the gateway's availability follows their announcements;
+- `mooncake_store`: the Mooncake Store; `epd up` starts its master first (`mooncake_master`:
+  RPC on `master_port`, HTTP metadata on +1, metrics on +2), encoders contribute a memory
+  segment to it, decode instances only use it (segment 0), so any instance loads what any
+  encoder made; the gateway has no catalog of the store (availability "none": every item goes
+  to an encoder, which skips the encode when the store already holds it);
+- `tiered`: tiers ["mooncake", "mooncake_store", "safetensors"] (loads try them in that
+  order, saves write all): the Transfer Engine wiring, the master and the shared directory
+  together; the gateway's availability follows the Mooncake announcements.
+All Mooncake processes bind to 127.0.0.1 (MC_TCP_BIND_ADDRESS). `connector_extra` adds
+ec_connector_extra_config keys and may change sizes (memory_pool_bytes, store_segment_bytes,
+store_buffer_bytes, ...), never the wiring (transport, host, ports, producers, store_master,
+store_metadata). Waits for health with progress output, then serves the gateway in-process and
+prints the endpoint. Ctrl-C or SIGTERM stops everything: the gateway, then every vLLM server's
+whole process group (SIGTERM, then SIGKILL after a grace period), the store master last, so no
+process is left behind. (A SIGKILL of `epd up` itself cannot be handled; the servers then keep
+running in their own sessions.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ec_connectors.config import ConfigError, EPDConfig
+from encoder_service.gateway.config import GatewayConfig, GatewayConfigError, read_config_file
+from encoder_service.local.mooncake_master import MasterServer, master_server
+from encoder_service.local.processes import PoolServer, ServerFailed, VllmServer, start_all
+
+DEFAULT_BASE_PORT = 18100
+DEFAULT_MOONCAKE_BASE_PORT = 15500  # EPDConfig.base_port's default
+MOONCAKE_PORT_STRIDE = 10  # side-channel ports per encoder (rank offsets stay below it)
+MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)
+DEFAULT_MASTER_PORT = 50051  # Mooncake Store master: RPC; metadata +1, metrics +2
+STORE_SEGMENT_BYTES = 256 << 20  # what each encoder contributes to the store
+STORE_BUFFER_BYTES = 512 << 20  # registered buffer per process for puts/gets
+# `transport` -> EPDConnector's transport tiers, in load order
+TIERS: dict[str, list[str]] = {"safetensors": ["safetensors"], "mooncake": ["mooncake"],
+                               "mooncake_store": ["mooncake_store"],
+                               "tiered": ["mooncake", "mooncake_store", "safetensors"]}
+
+
+class UpConfig(BaseModel):
+    """Everything `epd up` starts. Ports: gateway = base_port, encoders next, then decoders."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("tiny", description="'tiny' = the locally built test model, or a path")
+    served_name: str = "tiny-llava"
+    encoders: int = Field(1, ge=0, le=16)
+    decoders: int = Field(1, ge=1, le=16)
+    base_port: int = Field(DEFAULT_BASE_PORT, ge=1024, le=65000)
+    host: str = "127.0.0.1"
+    transport: Literal["safetensors", "mooncake", "mooncake_store", "tiered"] = Field(
+        "safetensors", description="tiered = mooncake, then mooncake_store, then safetensors")
+    storage_path: str | None = Field(None, description="default: <work dir>/up/ec-cache")
+    mooncake_base_port: int = Field(DEFAULT_MOONCAKE_BASE_PORT, ge=1024, le=60000,
+                                    description="encoder i's side channel: this + 10 * i; "
+                                    "its announcements: that + 1000")
+    master_port: int = Field(DEFAULT_MASTER_PORT, ge=1024, le=65000,
+                             description="Mooncake Store master (mooncake_store, tiered): "
+                             "RPC here, HTTP metadata on +1, metrics on +2")
+    encoder_backend: Literal["vllm", "pool"] = Field(
+        "vllm", description="encoders are vLLM ec_producers, or `epd encoder` pools")
+    pool: dict[str, Any] = Field(default_factory=dict,
+                                 description="more PoolConfig keys for each `epd encoder`")
+    connector_extra: dict[str, Any] = Field(default_factory=dict,
+                                            description="more ec_connector_extra_config keys")
+    cpu_cores: list[int] | None = Field(None, description="one core per vLLM server, in "
+                                        "order (encoders, then decoders); default: spread "
+                                        "over this machine's cores")
+    vllm_args: list[str] = Field(default_factory=list)
+    startup_timeout_s: float = Field(420.0, gt=0)
+    clear_cache: bool = Field(True, description="empty the storage directory at start")
+    gateway: dict[str, Any] = Field(default_factory=dict,
+                                    description="GatewayConfig keys (limits, media, ...)")
+
+    @property
+    def tiers(self) -> list[str]:
+        return TIERS[self.transport]
+
+    @property
+    def uses_te(self) -> bool:
+        """Whether the Mooncake Transfer Engine tier (side channels per encoder) is used."""
+        return "mooncake" in self.tiers
+
+    @property
+    def uses_store(self) -> bool:
+        """Whether the Mooncake Store tier (and so a master) is used."""
+        return "mooncake_store" in self.tiers
+
+
+class UpError(RuntimeError):
+    pass
+
+
+def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -> UpConfig:
+    data = read_config_file(path) if path else {}
+    data.update(overrides or {})
+    try:
+        return UpConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = ["invalid epd up configuration:"]
+        lines += [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise UpError("\n".join(lines)) from None
+
+
+def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) -> dict:
+    return {"ec_connector": "EPDConnector", "ec_role": role, "ec_buffer_device": "cpu",
+            "ec_connector_extra_config": {"transport": "safetensors",
+                                          "storage_path": str(storage), **(extra or {})}}
+
+
+def mooncake_endpoint(cfg: UpConfig, i: int) -> str:
+    """Encoder i's side channel (`host:port`): its rank 0 serves items there."""
+    return f"127.0.0.1:{cfg.mooncake_base_port + MOONCAKE_PORT_STRIDE * i}"
+
+
+def store_master_address(cfg: UpConfig) -> str:
+    """The master `epd up` starts: `store_master` of every client."""
+    return f"127.0.0.1:{cfg.master_port}"
+
+
+def store_metadata_url(cfg: UpConfig) -> str:
+    """The master's HTTP metadata server: `store_metadata` of every client."""
+    return f"http://127.0.0.1:{cfg.master_port + 1}/metadata"
+
+
+def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
+    """ec_connector_extra_config keys for encoder i (role ec_producer) or a decode instance.
+    Mooncake on one node: 127.0.0.1 (with MC_TCP_BIND_ADDRESS); Transfer Engine: a base port
+    per encoder, every decode instance subscribed to every encoder; Store: the master `epd up`
+    starts, a segment contributed by each encoder (none by decode instances).
+    `connector_extra` may override the rest (protocol, memory_pool_bytes,
+    store_segment_bytes, store_buffer_bytes, ...), not the wiring."""
+    if cfg.transport == "safetensors":
+        return dict(cfg.connector_extra)
+    tiers = cfg.tiers
+    defaults: dict[str, Any] = {}
+    wiring: dict[str, Any] = {"transport": tiers[0] if len(tiers) == 1 else list(tiers),
+                              "host": "127.0.0.1"}
+    producer = role == "ec_producer"
+    if cfg.uses_te:
+        defaults.update(protocol="tcp", memory_pool_bytes=MOONCAKE_POOL_BYTES)
+        if producer:
+            wiring["base_port"] = cfg.mooncake_base_port + MOONCAKE_PORT_STRIDE * i
+        else:
+            wiring["producers"] = [mooncake_endpoint(cfg, j) for j in range(cfg.encoders)]
+    if cfg.uses_store:
+        defaults.update(store_segment_bytes=STORE_SEGMENT_BYTES if producer else 0,
+                        store_buffer_bytes=STORE_BUFFER_BYTES)
+        wiring.update(store_master=store_master_address(cfg),
+                      store_metadata=store_metadata_url(cfg))
+    return {**defaults, **cfg.connector_extra, **wiring}
+
+
+@dataclass
+class Deployment:
+    """The started servers and gateway; `stop()` is idempotent and safe from any state."""
+
+    cfg: UpConfig
+    work_dir: Path
+    encoders: list[VllmServer] = field(default_factory=list)
+    decoders: list[VllmServer] = field(default_factory=list)
+    master: MasterServer | None = None  # the Mooncake Store master (mooncake_store, tiered)
+    gateway: Any = None  # GatewayThread
+    gateway_cfg: GatewayConfig | None = None
+
+    @property
+    def servers(self) -> list[VllmServer]:
+        return [*self.encoders, *self.decoders]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.base_port}"
+
+    def plan(self, model: Path) -> None:
+        cfg = self.cfg
+        logs = self.work_dir / "up"
+        storage = Path(cfg.storage_path or logs / "ec-cache")
+        if cfg.clear_cache:
+            shutil.rmtree(storage, ignore_errors=True)
+        storage.mkdir(parents=True, exist_ok=True)
+        ncpu = os.cpu_count() or 1
+        cores = list(cfg.cpu_cores or [])
+        n = cfg.encoders + cfg.decoders
+        if cores and len(cores) < n:
+            raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers")
+        port = cfg.base_port + 1
+        mooncake = cfg.uses_te or cfg.uses_store
+        env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} if mooncake else {}
+        if cfg.uses_store:
+            self.master = master_server(logs, cfg.master_port)
+            self.master.env = dict(env)
+        for i in range(n):
+            core = cores[i] if cores else i % ncpu
+            if i < cfg.encoders:
+                extra = connector_extra(cfg, "ec_producer", i)
+                if cfg.encoder_backend == "pool":
+                    self.encoders.append(PoolServer(
+                        f"encoder-{i}", model, port + i, logs, cpu_core=core,
+                        served_name=cfg.served_name, env=dict(env), pool_config={
+                            **cfg.pool, "transport": {"storage_path": str(storage), **extra}}))
+                    continue
+                role, name = "ec_producer", f"encoder-{i}"
+            else:
+                extra = connector_extra(cfg, "ec_consumer")
+                role, name = "ec_consumer", f"decode-{i - cfg.encoders}"
+            s = VllmServer(name, model, port + i, logs, epd_config(role, storage, extra),
+                           cpu_core=core, served_name=cfg.served_name,
+                           extra_args=list(cfg.vllm_args), env=dict(env))
+            (self.encoders if i < cfg.encoders else self.decoders).append(s)
+        for extra in ({"storage_path": str(storage), **connector_extra(cfg, "ec_producer")},
+                      connector_extra(cfg, "ec_consumer")):
+            try:  # fail now, not after minutes of vLLM start-up
+                EPDConfig.from_dict({"transport": "safetensors", **extra})
+            except ConfigError as exc:
+                raise UpError(f"connector_extra: {exc}") from None
+        # What the gateway can know is already encoded: the TE producers' announcements, else
+        # the shared directory; the store has no catalog to follow (encoders skip the encode
+        # of an item the store holds, the gateway cannot tell beforehand).
+        availability: dict[str, Any] = {"kind": "none"}
+        if cfg.uses_te and self.mooncake_producers:
+            availability = {"kind": "mooncake", "producers": self.mooncake_producers}
+        elif "safetensors" in cfg.tiers:
+            availability = {"kind": "safetensors", "storage_path": str(storage)}
+        try:
+            self.gateway_cfg = GatewayConfig.build({
+                **cfg.gateway, "host": cfg.host, "port": cfg.base_port,
+                "model": cfg.served_name, "encoders": [s.url for s in self.encoders],
+                "encoder_backend": cfg.encoder_backend,
+                "decoders": [s.url for s in self.decoders], "availability": availability})
+        except GatewayConfigError as exc:
+            raise UpError(str(exc)) from None
+
+    @property
+    def mooncake_producers(self) -> list[str]:
+        return [mooncake_endpoint(self.cfg, i) for i in range(self.cfg.encoders)]
+
+    def check_ports(self) -> None:
+        """Fail fast (before minutes of vLLM start-up) when a port is taken."""
+        ports = [(self.cfg.host, self.cfg.base_port, "base_port"),
+                 *(("127.0.0.1", s.port, "base_port") for s in self.servers)]
+        if self.cfg.uses_te:
+            for endpoint in self.mooncake_producers:
+                port = int(endpoint.rsplit(":", 1)[1])
+                ports += [("127.0.0.1", port, "mooncake_base_port"),
+                          ("127.0.0.1", port + 1000, "mooncake_base_port")]
+        if self.master is not None:
+            m = self.master
+            ports += [(m.host, p, "master_port") for p in (m.port, m.http_port, m.metrics_port)]
+        seen: dict[int, str] = {}
+        for _, port, key in ports:
+            if port in seen and seen[port] != key:
+                raise UpError(f"port {port} is both a {seen[port]} port and a {key} port; "
+                              f"move one of them")
+            seen[port] = key
+        for host, port, key in ports:
+            with socket.socket() as sock:
+                # as the servers themselves bind (uvicorn, ZMQ): TIME_WAIT leftovers of a
+                # previous run are no conflict, a listener is
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    sock.bind((host, port))
+                except OSError as exc:
+                    raise UpError(f"port {port} on {host} is not free ({exc}); pick "
+                                  f"another {key}") from None
+
+    def start(self, progress=print) -> None:
+        from encoder_service.gateway.server import GatewayThread
+
+        if self.master is not None:  # first: every store client connects to it at start-up
+            m = self.master
+            progress(f"starting {m.name} on :{m.port} (metadata :{m.http_port}, metrics "
+                     f":{m.metrics_port}; log {m.log_path})")
+            t0 = time.monotonic()
+            m.start()
+            m.wait(timeout_s=30.0)
+            progress(f"{m.name} healthy after {time.monotonic() - t0:.1f} s (store_master "
+                     f"{m.address}, store_metadata {m.metadata_url})")
+        start_all(self.servers, timeout_s=self.cfg.startup_timeout_s, progress=progress)
+        assert self.gateway_cfg is not None
+        self.gateway = GatewayThread(self.gateway_cfg).start()
+        progress(f"gateway listening on {self.url}")
+
+    def stop(self, progress=print) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+            self.gateway = None
+        alive = [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+        if alive:
+            progress(f"stopping {', '.join(s.name for s in alive)}")
+        threads = [threading.Thread(target=s.stop) for s in alive]  # in parallel
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m = self.master  # last: the servers' store clients unmount their segments from it
+        if m is not None and m.proc is not None and m.proc.poll() is None:
+            progress(f"stopping {m.name}")
+            m.stop()
+
+
+class _Shutdown(BaseException):
+    """Raised in the main thread by SIGINT/SIGTERM handlers."""
+
+
+def _raise_shutdown(signum: int, frame: object) -> None:
+    raise _Shutdown(signal.Signals(signum).name)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    print("[up] already stopping; please wait", flush=True)
+
+
+def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
+    """Start everything, then serve until a signal (or run `demo(deployment)` and stop)."""
+    from encoder_service.local.testmodel import SPECS, build
+
+    def say(msg: str) -> None:
+        print(f"[up] {msg}", flush=True)
+
+    old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    dep = Deployment(cfg, work_dir)
+    try:
+        model = (build(work_dir / "models" / "tiny-llava", SPECS["tiny"])
+                 if cfg.model == "tiny" else Path(cfg.model))
+        dep.plan(model)
+        dep.check_ports()
+        kind = "epd encoder pool" if cfg.encoder_backend == "pool" else "vLLM"
+        over = (cfg.transport if len(cfg.tiers) == 1 else
+                f"tiers {', '.join(cfg.tiers)}")
+        say(f"starting {cfg.encoders} encoder(s) ({kind}) and {cfg.decoders} prefill/decode "
+            f"instance(s) of {cfg.served_name} (EPDConnector over {over})")
+        dep.start(progress=say)
+        say(f"ready: OpenAI-compatible endpoint {dep.url}/v1 (model {cfg.served_name!r}); "
+            f"metrics {dep.url}/metrics; logs {work_dir / 'up'}")
+        if demo is not None:
+            return demo(dep)
+        say("serving; Ctrl-C or SIGTERM stops everything")
+        while True:
+            for s in (*dep.servers, *([dep.master] if dep.master else [])):
+                if s.proc is not None and s.proc.poll() is not None and not getattr(
+                        s, "_reported", False):
+                    s._reported = True  # type: ignore[attr-defined]
+                    routes = ("store loads miss from now on (other tiers, else local "
+                              "encodes)" if s is dep.master else "the gateway routes around it")
+                    say(f"WARNING: {s.name} exited with code {s.proc.returncode}; {routes} "
+                        f"(log {s.log_path})")
+            time.sleep(1.0)
+    except _Shutdown as exc:
+        say(f"{exc} received")
+        return 0
+    except (ServerFailed, UpError, GatewayConfigError, RuntimeError) as exc:
+        say(f"ERROR: {exc}")
+        return 1
+    finally:
+        for s in old:
+            signal.signal(s, _ignore)
+        dep.stop(progress=say)
+        for s, h in old.items():
+            signal.signal(s, h)
+        say("stopped")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="epd up", description="start a local EPD deployment: "
+                                "encoder(s) + vLLM prefill/decode instance(s) + gateway")
+    p.add_argument("--config", type=Path, help="deployment config (.json or .toml); "
+                   "every key has a default")
+    p.add_argument("--base-port", type=int, help=f"gateway port (default {DEFAULT_BASE_PORT});"
+                   " vLLM servers take the next ports")
+    p.add_argument("--encoders", type=int)
+    p.add_argument("--decoders", type=int)
+    p.add_argument("--transport", choices=list(TIERS),
+                   help="tiered = mooncake, then mooncake_store, then safetensors; with "
+                   "mooncake_store or tiered, `epd up` starts a Mooncake Store master")
+    p.add_argument("--master-port", type=int, help=f"Mooncake Store master RPC port "
+                   f"(default {DEFAULT_MASTER_PORT}; metadata +1, metrics +2)")
+    p.add_argument("--encoder-backend", choices=["vllm", "pool"])
+    p.add_argument("--demo", action="store_true",
+                   help="send a real image request through the gateway, print it, stop")
+    p.add_argument("--prompt", default="describe the image")
+    args = p.parse_args(argv)
+    overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
+                                   ("decoders", args.decoders), ("transport", args.transport),
+                                   ("encoder_backend", args.encoder_backend),
+                                   ("master_port", args.master_port))
+                 if v is not None}
+    try:
+        cfg = load_up_config(args.config, overrides)
+    except (UpError, GatewayConfigError) as exc:
+        print(f"epd up: {exc}", file=sys.stderr)
+        return 2
+    work = Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
+    demo = None
+    if args.demo:
+        from encoder_service.local.demo import demo_requests
+
+        def demo(dep: Deployment) -> int:
+            return demo_requests(dep, args.prompt)
+    return run_up(cfg, work, demo)

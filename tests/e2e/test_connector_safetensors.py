@@ -1,0 +1,98 @@
+"""End to end with real `vllm serve` processes on the locally built tiny LLaVA: an aggregated
+server (the reference), an encoder-only producer and a prefill/decode consumer, EPDConnector
+over the safetensors transport. Counts come from the consumer's Prometheus /metrics."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from encoder_service.local.demo import MODEL_NAME, epd_config
+from encoder_service.local.processes import VllmServer, start_all
+from encoder_service.local.testmodel import SPECS, build
+from tests.e2e.client import ask, ask_before_encoding, case, encode, metric, tokens, wait_metric
+from tests.helpers import WORK, wait_for
+
+BASE_PORT = 18300
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+    storage = tmp_path_factory.mktemp("ec-store")
+    logs = WORK / "test-e2e"
+    agg = VllmServer("aggregated", model, BASE_PORT, logs, None, cpu_core=0)
+    prod = VllmServer("producer", model, BASE_PORT + 1, logs,
+                      epd_config("ec_producer", storage), cpu_core=0)
+    cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
+                      epd_config("ec_consumer", storage), cpu_core=1)
+    start_all([agg, prod, cons], progress=lambda m: print(f"[e2e] {m}", flush=True))
+    client = httpx.Client(timeout=120)
+    yield {"agg": agg, "prod": prod, "cons": cons, "storage": storage, "client": client}
+    client.close()
+    for s in (agg, prod, cons):
+        s.stop()
+
+
+def stored_file(c, item_id) -> Path:
+    from ec_connectors.protocol.keys import item_key, namespace_key
+
+    return c["storage"] / namespace_key(MODEL_NAME) / (item_key(item_id) + ".safetensors")
+
+
+def test_consumer_output_equals_aggregated_and_uses_producer_embedding(cluster):
+    c = cluster
+    image, item_id, reference = case(c, seed=101)
+    params = encode(c, image, item_id)
+    loads = metric(c, "loads_total")
+    answer = ask(c, c["cons"], image, item_id, params)
+    assert tokens(answer) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1  # really loaded, once
+
+
+def test_single_deferred_request_with_no_other_traffic(cluster):
+    """The consumer gets the request before the producer has made the item: it must defer
+    (zero-token steps on vLLM's V1 runner) and still load it when it lands."""
+    c = cluster
+    image, item_id, reference = case(c, seed=202)
+    loads = metric(c, "loads_total")
+    assert tokens(ask_before_encoding(c, image, item_id)) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+
+
+def test_corrupted_cache_file_still_yields_the_correct_answer(cluster):
+    c = cluster
+    image, item_id, reference = case(c, seed=303)
+    params = encode(c, image, item_id)
+    path = stored_file(c, item_id)
+    assert wait_for(path.exists, timeout=10)
+    data = bytearray(path.read_bytes())
+    for i in range(1, 200, 7):
+        data[-i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    loads, fallbacks = metric(c, "loads_total"), metric(c, "local_encode_fallbacks_total")
+    assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
+    assert wait_metric(c, "local_encode_fallbacks_total", fallbacks + 1) == fallbacks + 1
+    assert metric(c, "loads_total") == loads  # the corrupt bytes were never used
+
+
+def test_hostile_item_ids_write_nothing_outside_the_storage_dir(cluster, tmp_path):
+    c = cluster
+    tag = uuid.uuid4().hex[:8]
+    escape_rel = Path("/tmp") / f"epd-escape-{tag}"
+    hostile = [f"../../../../../../tmp/epd-escape-{tag}", str(tmp_path / f"abs-{tag}"),
+               f"..\\..\\{tag}", "x" * 3000]
+    for n, item_id in enumerate(hostile):
+        image, item_id, reference = case(c, seed=400 + n, item_id=item_id)
+        params = encode(c, image, item_id)
+        loads = metric(c, "loads_total")
+        assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
+        assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert not escape_rel.exists()
+    assert not (tmp_path / f"abs-{tag}").exists()
+    files = [p for p in c["storage"].rglob("*") if p.is_file()]
+    assert files and all(p.parent.parent == c["storage"] for p in files)
+    assert all(len(p.name) < 120 for p in files)

@@ -1,0 +1,200 @@
+"""The gateway end to end: `epd up` (a real subprocess: vLLM encoder + vLLM prefill/decode +
+gateway on the tiny model) beside an aggregated vLLM server (the reference). Answers through
+the gateway must equal the aggregated server's; counts come from /metrics. The last tests
+kill the encoder, then stop `epd up` with SIGTERM and check that nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from encoder_service.local.demo import MODEL_NAME
+from encoder_service.local.processes import VllmServer, metric_value
+from encoder_service.local.requests import chat_body, sample_image_png
+from encoder_service.local.testmodel import SPECS, build
+from tests.helpers import ROOT, WORK, alive, descendants, wait_for
+
+PROMPT = "what is in this picture"
+AGG_PORT, UP_PORT = 18580, 18570  # up: gateway 18570, encoder 18571, decode 18572
+ENC_URL, DEC_URL = f"http://127.0.0.1:{UP_PORT + 1}", f"http://127.0.0.1:{UP_PORT + 2}"
+GW = f"http://127.0.0.1:{UP_PORT}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+    work = WORK / "test-gateway-e2e"
+    conf = tmp_path_factory.mktemp("up") / "up.json"
+    conf.write_text(json.dumps({
+        "model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
+        "storage_path": str(tmp_path_factory.mktemp("ec-store")),
+        "gateway": {"timeouts": {"encoder_s": 20}}}))
+    agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0).start()
+    work.mkdir(parents=True, exist_ok=True)
+    up_log = open(work / "epd-up.log", "wb")  # noqa: SIM115 - closed at teardown
+    up = subprocess.Popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
+                           str(conf)], cwd=ROOT, stdout=up_log, stderr=subprocess.STDOUT,
+                          env=dict(os.environ, EPD_WORK_DIR=str(work)))
+    client = httpx.Client(timeout=120)
+
+    def ready() -> bool:
+        if up.poll() is not None:
+            raise RuntimeError(f"epd up exited: {(work / 'epd-up.log').read_text()[-3000:]}")
+        try:
+            return agg.healthy() and client.get(GW + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_for(ready, timeout=420, interval=1.0), "cluster not ready in 420 s"
+        yield {"agg": agg, "up": up, "client": client, "log": work / "epd-up.log"}
+    finally:
+        client.close()
+        agg.stop()
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(timeout=90)
+        up_log.close()
+
+
+def ask(c, url, image, max_tokens=8, **extra):
+    r = c["client"].post(url + "/v1/chat/completions",
+                         json={**chat_body(MODEL_NAME, image, PROMPT, max_tokens=max_tokens),
+                               **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def reference(c, image) -> list[int]:
+    ids = ask(c, c["agg"].url, image)["token_ids"]
+    assert ids
+    return ids
+
+
+def gw_metric(c, name) -> float:
+    return metric_value(c["client"].get(GW + "/metrics").text, name)
+
+
+def finished(c, url, reason) -> float:
+    """vllm:request_success_total for one finish reason."""
+    text = c["client"].get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total{")
+               and f'finished_reason="{reason}"' in line)
+
+
+def test_answers_equal_the_aggregated_server_streamed_and_not(cluster):
+    c = cluster
+    image = sample_image_png(seed=501)
+    ref = reference(c, image)
+    encoded = gw_metric(c, 'epd_gateway_items_total{outcome="encoded"}')
+    assert ask(c, GW, image)["token_ids"] == ref
+    assert gw_metric(c, 'epd_gateway_items_total{outcome="encoded"}') == encoded + 1
+    image2 = sample_image_png(seed=502)  # a fresh image, streamed
+    ref2 = reference(c, image2)
+    body = {**chat_body(MODEL_NAME, image2, PROMPT, max_tokens=8), "stream": True}
+    tokens, chunks = [], 0
+    with c["client"].stream("POST", GW + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
+    assert tokens == ref2 and chunks >= len(ref2)
+    models = c["client"].get(GW + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME]
+
+
+def test_repeated_image_skips_encoding(cluster):
+    c = cluster
+    image = sample_image_png(seed=503)
+    ref = reference(c, image)
+    assert ask(c, GW, image)["token_ids"] == ref
+    enc_calls = finished(c, ENC_URL, "length") + finished(c, ENC_URL, "stop")
+    hits = gw_metric(c, 'epd_gateway_items_total{outcome="cache_hit"}')
+    assert ask(c, GW, image)["token_ids"] == ref
+    assert gw_metric(c, 'epd_gateway_items_total{outcome="cache_hit"}') == hits + 1
+    time.sleep(0.5)
+    assert finished(c, ENC_URL, "length") + finished(c, ENC_URL, "stop") == enc_calls
+
+
+def vllm_metric(c, url, name) -> float:
+    return metric_value(c["client"].get(url + "/metrics").text, name)
+
+
+def assert_aborted_early(c, tokens_before: float, what: str) -> None:
+    """The decode instance stopped the 900-token request long before its end (client
+    aborts are not counted in vllm:request_success_total, so count generated tokens)."""
+    assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:num_requests_running") == 0,
+                    timeout=10, interval=0.1), f"{what}: still running on the decode instance"
+    made = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total") - tokens_before
+    assert made < 450, f"{what}: {made:.0f} tokens generated after the client left"
+
+
+def test_client_disconnect_aborts_the_upstream_request(cluster):
+    c = cluster
+    long = {"max_tokens": 900, "ignore_eos": True}
+    gone = gw_metric(c, "epd_gateway_client_disconnects_total")
+    tokens = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    body = {**chat_body(MODEL_NAME, sample_image_png(seed=504), PROMPT), **long, "stream": True}
+    with httpx.Client(timeout=60) as client, client.stream(
+            "POST", GW + "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # first token seen: hang up
+    assert_aborted_early(c, tokens, "streamed")
+    # non-streamed: the client hangs up once the decode instance is generating (watched on
+    # its metrics, not timed: on an idle machine 900 tokens take about a second)
+    tokens = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    body = {**chat_body(MODEL_NAME, sample_image_png(seed=505), PROMPT), **long}
+    payload = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", UP_PORT), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+        assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:num_requests_running") >= 1,
+                        timeout=30, interval=0.02), "the request never reached the decode"
+    assert_aborted_early(c, tokens, "non-streamed")
+    assert gw_metric(c, "epd_gateway_client_disconnects_total") == gone + 2
+    # control: the same request left alone does generate all 900 tokens
+    tokens = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    ask(c, GW, sample_image_png(seed=505), max_tokens=900, ignore_eos=True)
+    assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+                    >= tokens + 900, timeout=5, interval=0.1)
+
+
+def test_encoder_killed_mid_run_answers_stay_correct(cluster):
+    c = cluster
+    images = [sample_image_png(seed=600 + i) for i in range(5)]
+    refs = [reference(c, im) for im in images]
+    fallbacks = gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}')
+    encoder = next(p for p in descendants(c["up"].pid)
+                   if f"--port\0{UP_PORT + 1}\0" in Path(f"/proc/{p}/cmdline").read_text())
+    for i, (im, ref) in enumerate(zip(images, refs, strict=True)):
+        if i == 2:
+            os.killpg(encoder, signal.SIGKILL)
+        assert ask(c, GW, im)["token_ids"] == ref, f"request {i}"
+    assert gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}') == fallbacks + 3
+    assert "encoder failure" in c["log"].read_text()
+
+
+def test_epd_up_stops_everything_on_sigterm(cluster):
+    c = cluster
+    up = c["up"]
+    procs = descendants(up.pid)
+    assert len(procs) >= 2  # the decode instance's API server and engine core at least
+    up.send_signal(signal.SIGTERM)
+    assert up.wait(timeout=90) == 0
+    assert wait_for(lambda: not any(alive(p) for p in procs), timeout=10)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(DEC_URL + "/health", timeout=2)
+    assert "stopped" in c["log"].read_text()

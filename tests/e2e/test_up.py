@@ -1,0 +1,190 @@
+"""`epd up` with the Mooncake Transfer Engine transport, end to end: a real `epd up`
+subprocess (1 encoder + 1 vLLM prefill/decode + gateway on the tiny model, TCP loopback, no
+master) beside an aggregated vLLM server (the reference). Then the same with the batching
+encoder pool (`epd encoder`) as the encoder backend. Answers through the gateway must equal
+the aggregated server's greedy tokens; the decode instance must really load the embedding
+(vllm:epd_loads_total); a repeated image must be a gateway cache hit (Mooncake availability:
+the producers' announcements) with no encoder call. Last, `transport = "tiered"` (Transfer
+Engine, Mooncake Store, shared directory): `epd up` starts the store master first, the item
+lands in every tier, and the master is gone after the stop."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from encoder_service.local.demo import MODEL_NAME
+from encoder_service.local.processes import VllmServer, metric_value
+from encoder_service.local.requests import chat_body, sample_image_png
+from encoder_service.local.testmodel import SPECS, build
+from tests.helpers import ROOT, WORK, alive, descendants, wait_for
+
+pytest.importorskip("mooncake.engine")
+PROMPT = "what is in this picture"
+AGG_PORT = 18650
+VLLM_UP, POOL_UP = 18640, 18660  # gateway; encoder +1, decode +2
+VLLM_MC, POOL_MC = 16600, 16610  # mooncake side channels (announcements +1000)
+TIERED_UP, TIERED_MC, TIERED_MASTER = 18670, 16620, 19950  # master: RPC, metadata +1, metrics +2
+HIT = 'epd_gateway_items_total{outcome="cache_hit"}'
+ENCODED = 'epd_gateway_items_total{outcome="encoded"}'
+FALLBACK = 'epd_gateway_items_total{outcome="fallback"}'
+LOADS = "vllm:epd_loads_total"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+
+
+@pytest.fixture(scope="module")
+def client():
+    with httpx.Client(timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def agg(model):
+    """The aggregated reference; started here, waited for by the first deployment."""
+    server = VllmServer("aggregated", model, AGG_PORT, WORK / "test-up-mooncake", None,
+                        cpu_core=0).start()
+    yield server
+    server.stop()
+
+
+@contextlib.contextmanager
+def epd_up(name: str, conf: dict, client: httpx.Client, agg: VllmServer):
+    work = WORK / "test-up-mooncake" / name
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "up.json").write_text(json.dumps(conf))
+    gw = f"http://127.0.0.1:{conf['base_port']}"
+    log_path = work / "epd-up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
+                               str(work / "up.json")], cwd=ROOT, stdout=log,
+                              stderr=subprocess.STDOUT, env=dict(os.environ,
+                                                                 EPD_WORK_DIR=str(work)))
+
+    def ready() -> bool:
+        if up.poll() is not None:
+            raise RuntimeError(f"epd up exited: {log_path.read_text()[-3000:]}")
+        try:
+            return agg.healthy() and client.get(gw + "/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    procs: set[int] = set()
+    try:
+        assert wait_for(ready, timeout=300, interval=0.5), "deployment not ready in 300 s"
+        procs = descendants(up.pid)
+        yield {"gw": gw, "enc": f"http://127.0.0.1:{conf['base_port'] + 1}",
+               "dec": f"http://127.0.0.1:{conf['base_port'] + 2}", "log": log_path,
+               "work": work, "procs": procs}
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(timeout=90)
+    assert up.returncode == 0, log_path.read_text()[-3000:]
+    assert wait_for(lambda: not any(alive(p) for p in procs), timeout=10), "left behind"
+
+
+def config(model, base_port: int, mc_port: int, **more) -> dict:
+    return {"model": str(model), "base_port": base_port, "transport": "mooncake",
+            "mooncake_base_port": mc_port, "cpu_cores": [0, 1],
+            "connector_extra": {"memory_pool_bytes": 128 << 20},
+            "gateway": {"timeouts": {"encoder_s": 30}}, **more}
+
+
+def ask(client, url, image) -> list[int]:
+    r = client.post(url + "/v1/chat/completions",
+                    json=chat_body(MODEL_NAME, image, PROMPT, max_tokens=8))
+    assert r.status_code == 200, r.text
+    ids = r.json()["choices"][0]["token_ids"]
+    assert ids
+    return ids
+
+
+def metric(client, url, name) -> float:
+    return metric_value(client.get(url + "/metrics").text, name)
+
+
+def encoder_calls(client, url) -> float:
+    return metric(client, url, "vllm:request_success_total")
+
+
+def test_epd_up_mooncake_vllm_encoder(model, client, agg):
+    with epd_up("vllm", config(model, VLLM_UP, VLLM_MC), client, agg) as d:
+        image = sample_image_png(seed=701)
+        ref = ask(client, agg.url, image)
+        loads, encoded = metric(client, d["dec"], LOADS), metric(client, d["gw"], ENCODED)
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], ENCODED) == encoded + 1
+        assert metric(client, d["gw"], FALLBACK) == 0
+        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                        interval=0.1), "the decode instance did not load the embedding"
+        # the same image again: the producer holds it (announced), no encoder call
+        calls, hits = encoder_calls(client, d["enc"]), metric(client, d["gw"], HIT)
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], HIT) == hits + 1
+        assert metric(client, d["gw"], ENCODED) == encoded + 1
+        assert encoder_calls(client, d["enc"]) == calls
+        assert "availability=mooncake" in d["log"].read_text()
+
+
+def test_epd_up_mooncake_encoder_pool(model, client, agg):
+    conf = config(model, POOL_UP, POOL_MC, encoder_backend="pool",
+                  pool={"max_wait_ms": 1, "cpu_budget_bytes": 64 << 20})
+    with epd_up("pool", conf, client, agg) as d:
+        image = sample_image_png(seed=702)
+        ref = ask(client, agg.url, image)
+        loads = metric(client, d["dec"], LOADS)
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], ENCODED) == 1 and metric(client, d["gw"], FALLBACK) == 0
+        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                        interval=0.1), "the decode instance did not load the embedding"
+        stats = client.get(d["enc"] + "/v1/stats").json()
+        assert stats["items_encoded"] == 1
+        # released after the first token: the pool no longer holds the feature
+        assert stats["bytes"]["cpu"] > 0 or stats["states"].get("encoded_cpu", 0) == 0
+        assert wait_for(lambda: client.get(d["enc"] + "/v1/stats").json()["bytes"]["cpu"]
+                        == 0, timeout=5, interval=0.1), "the gateway did not release the item"
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], HIT) == 1
+        assert client.get(d["enc"] + "/v1/stats").json()["items_encoded"] == 1
+
+
+def test_epd_up_tiered_starts_the_store_master_first_and_stops_it(model, client, agg):
+    conf = config(model, TIERED_UP, TIERED_MC, transport="tiered", master_port=TIERED_MASTER)
+    master_metrics = f"http://127.0.0.1:{TIERED_MASTER + 2}"
+    with epd_up("tiered", conf, client, agg) as d:
+        (master,) = [p for p in d["procs"] if b"mooncake_master" in _cmdline(p)]
+        log = d["log"].read_text()
+        assert log.index("mooncake-master healthy") < log.index("starting encoder-0")
+        image = sample_image_png(seed=703)
+        ref = ask(client, agg.url, image)
+        loads = metric(client, d["dec"], LOADS)
+        assert ask(client, d["gw"], image) == ref
+        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                        interval=0.1), "the decode instance did not load the embedding"
+        # saves write every tier: the store (a key on the master) and the shared directory
+        assert wait_for(lambda: metric(client, master_metrics, "master_key_count") >= 1,
+                        timeout=5, interval=0.1), "the item never reached the store"
+        assert list((d["work"] / "up" / "ec-cache").rglob("*.safetensors"))
+        assert metric(client, d["dec"], "vllm:epd_transport_down_total") == 0
+        assert "availability=mooncake" in d["log"].read_text()
+    assert not alive(master), "the store master outlived epd up"
+    assert "stopping mooncake-master" in d["log"].read_text()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

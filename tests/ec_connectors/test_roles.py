@@ -1,0 +1,239 @@
+"""Scheduler-side and worker-side objects together, in one process, over the real control
+channel (ZMQ unix sockets) and the real safetensors transport. vLLM's Request is replaced
+by a small stand-in: this tests the logic around vLLM, the e2e tests prove it inside vLLM."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.control import control_address
+from ec_connectors.scheduler import EPDSchedulerSide, Status
+from ec_connectors.transports import make_transport
+from ec_connectors.worker import EPDWorker
+from tests.helpers import wait_for
+
+NUM_EMBEDS = 16
+
+
+@dataclass
+class Pos:
+    offset: int
+    length: int
+
+
+@dataclass
+class Feature:
+    identifier: str
+    mm_position: Pos
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    mm_features: list[Feature]
+    ec_transfer_params: dict | None = None
+    embeds: list[int] = field(default_factory=list)
+
+    def get_num_encoder_embeds(self, i: int) -> int:
+        return self.embeds[i] if self.embeds else NUM_EMBEDS
+
+
+def request(req_id, *item_ids, params=None):
+    feats = [Feature(i, Pos(4 + 20 * n, NUM_EMBEDS)) for n, i in enumerate(item_ids)]
+    return FakeRequest(req_id, feats, params)
+
+
+class Pair:
+    """A scheduler side and one worker of the same role, like one vLLM instance."""
+
+    def __init__(self, tmp: Path, ctl: str, role: str, **extra):
+        cfg = EPDConfig.from_dict({"storage_path": str(tmp / "store"), "namespace": "m",
+                                   "control_dir": ctl, "scan_interval_s": 0.05, **extra})
+        producer, consumer = role in ("producer", "both"), role in ("consumer", "both")
+        addr = control_address(ctl, f"engine-{role}", 0)
+        self.sched = EPDSchedulerSide(cfg, make_transport(cfg), is_producer=producer,
+                                      is_consumer=consumer, address=addr, engine_id=role)
+        self.worker = EPDWorker(cfg, make_transport(cfg), is_producer=producer,
+                                is_consumer=consumer, address=addr, rank=0,
+                                device=torch.device("cpu"))
+        wait_until(lambda: self.sched.num_workers == 1)
+
+    def close(self):
+        self.worker.close()
+        self.sched.close()
+
+    def step_until_ready(self, req, timeout=5.0) -> int:
+        """Call ensure_cache_available like vLLM's scheduler loop; returns steps deferred."""
+        steps = 0
+        deadline = time.monotonic() + timeout
+        while not self.sched.ensure_cache_available(req, 0):
+            steps += 1
+            assert time.monotonic() < deadline, "request deferred forever"
+            time.sleep(0.005)
+        return steps
+
+    def schedule(self, req) -> tuple[dict, dict[str, torch.Tensor]]:
+        """has_cache_item + alloc for every feature, then build meta and place: one step."""
+        for i, f in enumerate(req.mm_features):
+            if self.sched.has_cache_item(f.identifier):
+                self.sched.update_state_after_alloc(req, i)
+        meta = self.sched.build_connector_meta()
+        cache: dict[str, torch.Tensor] = {}
+        self.worker.place(cache, meta)
+        return meta, cache
+
+
+def wait_until(pred, timeout=5.0):
+    assert wait_for(pred, timeout), "condition not reached"
+
+
+@pytest.fixture
+def pair_factory(tmp_path, ctl_dir):
+    made = []
+
+    def make(role, **extra):
+        p = Pair(tmp_path, ctl_dir, role, **extra)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def produce(pair: Pair, req, tensors: dict[str, torch.Tensor]) -> dict:
+    for i, f in enumerate(req.mm_features):
+        assert not pair.sched.has_cache_item(f.identifier)
+        pair.sched.update_state_after_alloc(req, i)
+        pair.worker.save(f.identifier, tensors[f.identifier])
+    assert pair.worker.flush()
+    return pair.sched.request_finished(req)
+
+
+def test_producer_to_consumer_round_trip(pair_factory):
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    x = torch.randn(NUM_EMBEDS, 32).bfloat16()
+    params = produce(prod, request("p1", "img"), {"img": x})
+    assert params["epd"]["items"]["img"]["num_embeds"] == NUM_EMBEDS
+    # once the save is reported, the producer's params describe the stored bytes too
+    later = request("p2", "img")
+    prod.sched.update_state_after_alloc(later, 0)
+    wait_until(lambda: "img" in prod.sched._saved)
+    described = prod.sched.request_finished(later)["epd"]["items"]["img"]
+    assert described["nbytes"] == x.numel() * 2 and described["shape"] == [NUM_EMBEDS, 32]
+    assert len(described["checksum"]) == 16
+
+    req = request("c1", "img", params=params)
+    assert not cons.sched.has_cache_item("img")  # nothing staged before ensure
+    cons.step_until_ready(req)
+    meta, cache = cons.schedule(req)
+    assert meta == {"img": NUM_EMBEDS}
+    assert torch.equal(cache["img"], x)
+    assert cons.worker.staged_bytes == 0  # moved, not copied
+    assert cons.worker.get_finished() == (None, {"img"})
+    # worker-side counters reach the scheduler side (vLLM publishes the scheduler's stats)
+    wait_until(lambda: cons.sched.stats.totals.get("loads") == 1)
+    wait_until(lambda: prod.sched.stats.totals.get("saves") == 1)
+    # Once handed over, later steps of the same request are not deferred again.
+    assert cons.sched.ensure_cache_available(req, 0)
+
+
+def test_consumer_finds_items_without_params_through_the_index(pair_factory):
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    x = torch.randn(NUM_EMBEDS, 8)
+    produce(prod, request("p", "img"), {"img": x})
+    req = request("c", "img")
+    wait_until(lambda: cons.sched.ensure_cache_available(req, 0) is False
+             or cons.sched._staging.get("img") is not None)
+    cons.step_until_ready(req)
+    _, cache = cons.schedule(req)
+    assert torch.equal(cache["img"], x)
+
+
+def test_unknown_item_is_encoded_locally_without_waiting(pair_factory):
+    cons = pair_factory("consumer")
+    req = request("c", "never-seen")
+    assert cons.sched.ensure_cache_available(req, 0)
+    assert not cons.sched.has_cache_item("never-seen")
+
+
+def test_promised_item_that_never_lands_times_out_to_local_encode(pair_factory):
+    cons = pair_factory("consumer", load_timeout_s=0.3)
+    req = request("c", "ghost", params={"epd": {"items": ["ghost"]}})
+    t0 = time.monotonic()
+    steps = cons.step_until_ready(req, timeout=5)
+    assert steps > 0 and time.monotonic() - t0 < 3
+    assert not cons.sched.has_cache_item("ghost")  # vLLM will encode it
+    assert cons.sched.take_unavailable_requests() == set()
+
+
+def test_fail_policy_fails_the_request_with_its_id(pair_factory):
+    cons = pair_factory("consumer", load_timeout_s=0.2, on_unavailable="fail")
+    req = request("doomed", "ghost", params={"epd": {"items": ["ghost"]}})
+    cons.step_until_ready(req)
+    assert cons.sched.take_unavailable_requests() == {"doomed"}
+    assert cons.sched.take_unavailable_requests() == set()
+
+
+def test_corrupt_file_falls_back_to_local_encode(pair_factory):
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    path = prod.worker.transport.path_for("img")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55
+    path.write_bytes(bytes(data))
+    req = request("c", "img", params=params)
+    cons.step_until_ready(req)
+    assert not cons.sched.has_cache_item("img")
+    assert cons.sched._staging["img"].status is Status.FAILED
+
+
+def test_token_count_mismatch_is_not_placed(pair_factory):
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS + 3, 8)})
+    req = request("c", "img", params=params)
+    cons.step_until_ready(req)
+    assert not cons.sched.has_cache_item("img")
+
+
+def test_producer_skips_items_already_stored_and_renews_them(pair_factory):
+    prod = pair_factory("producer")
+    produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    path = prod.worker.transport.path_for("img")
+    wait_until(path.exists)
+    old = time.time() - 3600
+    os.utime(path, (old, old))  # as if stored an hour ago: first in line for LRU eviction
+    wait_until(lambda: prod.sched.has_cache_item("img"))
+    # vLLM skips the encode (no save), but the item is promised again: it is young again.
+    wait_until(lambda: path.stat().st_mtime > old + 3000)
+
+
+def test_staging_budget_is_enforced(pair_factory):
+    prod = pair_factory("producer")
+    cons = pair_factory("consumer", max_staged_bytes=1024)
+    params = produce(prod, request("p", "big"), {"big": torch.randn(NUM_EMBEDS, 64)})
+    req = request("c", "big", params=params)
+    cons.step_until_ready(req)
+    assert not cons.sched.has_cache_item("big")
+    assert cons.worker.staged_bytes == 0
+
+
+def test_garbled_control_message_is_dropped(pair_factory, ctl_dir):
+    import zmq
+
+    cons = pair_factory("consumer", load_timeout_s=0.3)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(cons.sched.channel.address)
+    sock.send(b"\x93garbage")
+    wait_until(lambda: cons.sched.channel.bad_frames == 1)
+    sock.close(0)
+    req = request("c", "x", params={"epd": {"items": ["x"]}})
+    cons.step_until_ready(req)  # still serving: the prefetch runs and times out normally
+    assert cons.sched._staging["x"].status is Status.FAILED

@@ -1,0 +1,355 @@
+"""The Mooncake Transfer Engine transport with real processes over TCP loopback: each peer is
+a `peer_process` subprocess running a real TransferEngine and registered pool."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.testing.peer_process import PeerClient
+from ec_connectors.transports import Placement
+from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
+from tests.helpers import expected, wait_for
+
+pytest.importorskip("mooncake.engine")
+MiB = 1 << 20
+PRODUCER = {"is_producer": True, "is_consumer": False}
+CONSUMER = {"is_producer": False, "is_consumer": True}
+_ports = iter(range(17200, 17900, 10))
+
+
+def mc_config(base_port: int, **extra) -> dict:
+    return {"transport": "mooncake", "protocol": "tcp", "host": "127.0.0.1",
+            "base_port": base_port, "memory_pool_bytes": 256 * MiB, **extra}
+
+
+def health(peer: PeerClient) -> dict:
+    return peer.call({"op": "health"})["health"]
+
+
+def test_one_producer_two_consumers_same_48mb_item(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = [peers.start(CONSUMER, **mc_config(base)) for _ in range(2)]
+    shape = [6144, 4096]  # 48 MiB of bf16
+    put = prod.call({"op": "put", "id": "img-48", "seed": 7, "shape": shape,
+                     "dtype": "bfloat16"})
+    assert put["nbytes"] == 48 * MiB and put["checksum"] == expected(7, shape)
+    endpoint = prod.info["endpoint"]
+    assert put["location"] == endpoint == f"127.0.0.1:{base}"
+    # Both consumers at once, then again: no delete-on-first-pull.
+    for sized in (False, True):  # size unknown (asks first), then known from params
+        for c in cons:
+            c.send({"op": "get", "id": "img-48", "timeout_s": 20, "location": endpoint,
+                    "nbytes": put["nbytes"] if sized else 0})
+        for c in cons:
+            got = c.result(30)
+            assert got["found"], got
+            assert got["checksum"] == put["checksum"]
+            assert got["shape"] == shape and got["dtype"] == "bfloat16"
+    assert health(prod)["held_items"] == 1
+    for c in cons:
+        h = health(c)
+        assert h["pool_used_bytes"] == 0  # received tensors were dropped: blocks are back
+        assert h["inline"] == 0
+
+
+def test_close_tears_everything_down_and_frees_the_ports(peers):
+    base = next(_ports)
+    first = peers.start(PRODUCER, **mc_config(base))
+    first.call({"op": "put", "id": "c", "seed": 1, "shape": [1024, 1024], "dtype": "bfloat16"})
+    t0 = time.monotonic()
+    first.close()
+    assert first.proc.returncode == 0 and time.monotonic() - t0 < 10
+    # Listener, announcer and engine are gone: a new producer binds the same ports at once.
+    second = peers.start(PRODUCER, **mc_config(base))
+    assert second.info["endpoint"] == f"127.0.0.1:{base}"
+
+
+def test_small_items_ride_inline_and_unknown_items_miss_by_the_deadline(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    endpoint = prod.info["endpoint"]
+    put = prod.call({"op": "put", "id": "tiny", "seed": 1, "shape": [64, 128],
+                     "dtype": "bfloat16"})
+    got = cons.call({"op": "get", "id": "tiny", "timeout_s": 5, "location": endpoint})
+    assert got["found"] and got["checksum"] == put["checksum"]
+    assert health(cons)["inline"] == 1
+    t0 = time.monotonic()
+    miss = cons.call({"op": "get", "id": "never-stored", "timeout_s": 1.0,
+                      "location": endpoint})
+    assert not miss["found"]
+    assert 0.9 < time.monotonic() - t0 < 5
+    h = health(cons)
+    assert h["unknown"] >= 1 and h["pool_used_bytes"] == 0
+
+
+def test_items_of_another_model_are_refused(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, namespace="model-a"))
+    other = peers.start(CONSUMER, **mc_config(base, namespace="model-b"))
+    same = peers.start(CONSUMER, **mc_config(base, namespace="model-a"))
+    endpoint = prod.info["endpoint"]
+    put = prod.call({"op": "put", "id": "shared-uuid", "seed": 8, "shape": [1024, 1024],
+                     "dtype": "bfloat16"})
+    t0 = time.monotonic()
+    refused = other.call({"op": "get", "id": "shared-uuid", "timeout_s": 5,
+                          "location": endpoint})
+    assert not refused["found"] and time.monotonic() - t0 < 2  # refused at once, not retried
+    got = same.call({"op": "get", "id": "shared-uuid", "timeout_s": 5, "location": endpoint})
+    assert got["found"] and got["checksum"] == put["checksum"]
+
+
+def test_consumer_finds_items_through_configured_producers(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base, producers=[f"127.0.0.1:{base}"]))
+    put = prod.call({"op": "put", "id": "p1", "seed": 2, "shape": [512, 1024],
+                     "dtype": "float16"})
+    got = cons.call({"op": "get", "id": "p1", "timeout_s": 5})  # no location given
+    assert got["found"] and got["checksum"] == put["checksum"]
+
+
+def test_catalog_learns_items_from_announcements_and_forgets_a_dead_producer(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, announce_interval_s=0.3))
+    cfg = EPDConfig.from_dict(mc_config(base, producers=[f"127.0.0.1:{base}"],
+                                        announce_interval_s=0.3, namespace="default"))
+    foreign = MooncakeCatalog(cfg.model_copy(update={"namespace": "another-model"}),
+                              Placement(role="scheduler", is_producer=False))
+    catalog = MooncakeCatalog(cfg, Placement(role="scheduler", is_producer=False))
+    try:
+        put = prod.call({"op": "put", "id": "a1", "seed": 3, "shape": [300, 1024],
+                         "dtype": "bfloat16"})
+        from ec_connectors.protocol.keys import item_key
+
+        key = item_key("a1")
+        assert wait_for(lambda: catalog.locate(key) is not None, timeout=5)
+        assert catalog.locate(key) == (f"127.0.0.1:{base}", put["nbytes"])
+        assert key in set(catalog.list_keys())
+        assert foreign.locate(key) is None and not list(foreign.list_keys())
+        os.killpg(prod.proc.pid, signal.SIGKILL)
+        assert wait_for(lambda: catalog.locate(key) is None, timeout=5)
+    finally:
+        catalog.close()
+        foreign.close()
+
+
+def test_producer_pool_budget_leases_eviction_and_backpressure(peers):
+    base = next(_ports)
+    # 8 MiB pool, 3 MiB items: two fit. Leases last 1.5 s; a save waits at most 0.5 s.
+    prod = peers.start(PRODUCER, **mc_config(base, memory_pool_bytes=8 * MiB,
+                                               lease_ttl_s=1.5, save_queue_timeout_s=0.5))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    endpoint = prod.info["endpoint"]
+    shape = [1536, 1024]  # 3 MiB bf16
+    prod.call({"op": "put", "id": "e1", "seed": 1, "shape": shape, "dtype": "bfloat16"})
+    prod.call({"op": "put", "id": "e2", "seed": 2, "shape": shape, "dtype": "bfloat16"})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="producer pool full.*leased"):
+        prod.call({"op": "put", "id": "e3", "seed": 3, "shape": shape, "dtype": "bfloat16"})
+    assert 0.4 < time.monotonic() - t0 < 3  # backpressure: waited, then a clear error
+    # Both promised items are intact and pullable by anyone while leased.
+    for seed, item in ((1, "e1"), (2, "e2")):
+        got = cons.call({"op": "get", "id": item, "timeout_s": 5, "location": endpoint})
+        assert got["checksum"] == expected(seed, shape)
+    time.sleep(1.0)
+    # e1 is promised again (the same id saved again renews its lease, stores nothing)
+    prod.call({"op": "put", "id": "e1", "seed": 1, "shape": shape, "dtype": "bfloat16"})
+    assert cons.call({"op": "get", "id": "e2", "timeout_s": 5, "location": endpoint})["found"]
+    time.sleep(0.6)  # e2 is now the most recently used, but only e1 holds a lease:
+    # the lease, not recency, decides: e2 makes room
+    prod.call({"op": "put", "id": "e3", "seed": 3, "shape": shape, "dtype": "bfloat16"})
+    ph = prod.call({"op": "health"})
+    assert ph["health"]["held_items"] == 2 and ph["events"]["evictions"] == 1
+    t0 = time.monotonic()
+    gone = cons.call({"op": "get", "id": "e2", "timeout_s": 5, "location": endpoint})
+    assert not gone["found"] and time.monotonic() - t0 < 2  # evicted: fails fast
+    assert health(cons)["evicted"] == 1
+    for seed, item in ((1, "e1"), (3, "e3")):
+        got = cons.call({"op": "get", "id": item, "timeout_s": 5, "location": endpoint})
+        assert got["checksum"] == expected(seed, shape)
+
+
+def test_consumer_pool_exhaustion_fails_the_pull_in_time(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base, memory_pool_bytes=4 * MiB))
+    endpoint = prod.info["endpoint"]
+    prod.call({"op": "put", "id": "big", "seed": 1, "shape": [4096, 1024],
+               "dtype": "bfloat16"})  # 8 MiB: larger than the consumer's whole pool
+    t0 = time.monotonic()
+    got = cons.call({"op": "get", "id": "big", "timeout_s": 5, "location": endpoint})
+    assert not got["found"] and time.monotonic() - t0 < 2
+    assert health(cons)["pool_used_bytes"] == 0
+
+
+def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    put = prod.call({"op": "put", "id": "g", "seed": 5, "shape": [1024, 1024],
+                     "dtype": "bfloat16"})
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{base}")
+    garbage = [b"\x00\xffnot msgpack", b"", b"\x82\xa4type\xa4Pull\xa3key\x05",
+               b"\xc1" * 1000, os.urandom(4096)]
+    for frame in garbage:
+        sock.send(frame)
+    # A well-formed pull with a forged session must be refused, not attempted.
+    from ec_connectors import messages
+
+    sock.send(messages.encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
+                                            dst_addr=0, capacity=0)))
+    assert sock.poll(5000)
+    reply = messages.decode_peer(sock.recv())
+    assert isinstance(reply, messages.PullFailed) and reply.code == "bad_request"
+    sock.close()
+    got = cons.call({"op": "get", "id": "g", "timeout_s": 5, "location": prod.info["endpoint"]})
+    assert got["found"] and got["checksum"] == put["checksum"]
+
+
+def test_producer_killed_mid_transfer(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    shape = [16000, 4096]  # 125 MB
+    prod.call({"op": "put", "id": "k", "seed": 9, "shape": shape, "dtype": "bfloat16"})
+    deadline_s = 4.0
+    t0 = time.monotonic()
+    cons.send({"op": "get", "id": "k", "timeout_s": deadline_s, "location": prod.info["endpoint"],
+               "nbytes": 16000 * 4096 * 2})
+    threading.Timer(0.01, os.killpg, (prod.proc.pid, signal.SIGKILL)).start()
+    got = cons.result(30)
+    assert time.monotonic() - t0 < deadline_s + 2  # deadline honoured, no hang
+    if got["found"]:  # the transfer won the race: then it must be the right bytes
+        assert got["checksum"] == expected(9, shape)
+    h = health(cons)
+    assert h["pool_used_bytes"] == 0 and h["quarantined"] == 0
+
+
+def test_producer_frozen_with_sigstop(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    shape = [6144, 4096]
+    prod.call({"op": "put", "id": "f", "seed": 4, "shape": shape, "dtype": "bfloat16"})
+    endpoint = prod.info["endpoint"]
+    warm = cons.call({"op": "get", "id": "f", "timeout_s": 5, "location": endpoint})
+    assert warm["found"]
+    os.killpg(prod.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    got = cons.call({"op": "get", "id": "f", "timeout_s": 1.5, "location": endpoint,
+                     "nbytes": 48 * MiB}, timeout_s=30)
+    elapsed = time.monotonic() - t0
+    assert not got["found"] and 1.4 < elapsed < 4  # deadline honoured, no hang
+    h = health(cons)
+    # The frozen producer may still write into that block: it is held, not reused.
+    assert h["quarantined"] == 1 and h["pool_used_bytes"] == 48 * MiB
+    os.killpg(prod.proc.pid, signal.SIGCONT)  # it wakes, finishes, answers late: block freed
+    assert wait_for(lambda: health(cons)["pool_used_bytes"] == 0, timeout=10, interval=0.1)
+    assert health(cons)["quarantined"] == 0
+    again = cons.call({"op": "get", "id": "f", "timeout_s": 5, "location": endpoint})
+    assert again["found"] and again["checksum"] == expected(4, shape)
+
+
+def test_frozen_then_killed_producer_releases_quarantine(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    prod.call({"op": "put", "id": "z", "seed": 4, "shape": [2048, 4096], "dtype": "bfloat16"})
+    endpoint = prod.info["endpoint"]
+    warm = cons.call({"op": "get", "id": "z", "timeout_s": 10, "location": endpoint})
+    assert warm["found"], warm
+    os.killpg(prod.proc.pid, signal.SIGSTOP)
+    got = cons.call({"op": "get", "id": "z", "timeout_s": 1.0, "location": endpoint,
+                     "nbytes": 2048 * 4096 * 2})
+    h = health(cons)
+    assert not got["found"] and h["quarantined"] == 1, (got, h)
+    os.killpg(prod.proc.pid, signal.SIGKILL)
+    assert wait_for(lambda: health(cons)["pool_used_bytes"] == 0, timeout=15, interval=0.1), \
+        health(cons)
+
+
+def _netns_ok() -> bool:
+    if os.geteuid() != 0:
+        return False
+    return os.system("ip netns add epd-probe >/dev/null 2>&1 && ip netns del epd-probe") == 0
+
+
+@pytest.mark.skipif(not _netns_ok(), reason="needs root and `ip netns` (network namespaces)")
+def test_transfer_across_a_veth_pair_between_two_namespaces(peers):
+    """Producer and consumer in two network namespaces joined by a veth pair: the bytes cross
+    a real interface, not loopback."""
+    tag = f"{os.getpid() % 10000}"
+    ns_a, ns_b = f"epd-a{tag}", f"epd-b{tag}"
+    veth_a, veth_b = f"epdva{tag}", f"epdvb{tag}"
+    setup = [
+        f"ip netns add {ns_a}", f"ip netns add {ns_b}",
+        f"ip link add {veth_a} type veth peer name {veth_b}",
+        f"ip link set {veth_a} netns {ns_a}", f"ip link set {veth_b} netns {ns_b}",
+        f"ip -n {ns_a} addr add 10.77.0.1/24 dev {veth_a}",
+        f"ip -n {ns_b} addr add 10.77.0.2/24 dev {veth_b}",
+        f"ip -n {ns_a} link set {veth_a} up", f"ip -n {ns_b} link set {veth_b} up",
+        f"ip -n {ns_a} link set lo up", f"ip -n {ns_b} link set lo up",
+    ]
+    try:
+        for cmd in setup:
+            assert os.system(cmd) == 0, cmd
+        base = next(_ports)
+        prod = peers.start(PRODUCER, prefix=["ip", "netns", "exec", ns_a],
+                           **mc_config(base, host="10.77.0.1"))
+        cons = peers.start(CONSUMER, prefix=["ip", "netns", "exec", ns_b],
+                           **mc_config(base, host="10.77.0.2"))
+        shape = [2048, 4096]  # 16 MiB
+        put = prod.call({"op": "put", "id": "ns", "seed": 11, "shape": shape,
+                         "dtype": "bfloat16"})
+        assert put["location"] == f"10.77.0.1:{base}"
+        got = cons.call({"op": "get", "id": "ns", "timeout_s": 20, "location": put["location"]})
+        assert got["found"] and got["checksum"] == put["checksum"]
+        # The veth carried it: its byte counter grew by at least the item's size.
+        dev = Path(f"/proc/{cons.proc.pid}/net/dev").read_text()
+        rx = int(dev.split(f"{veth_b}:")[1].split()[0])
+        assert rx >= put["nbytes"]
+    finally:
+        peers.close()
+        peers.all.clear()
+        os.system(f"ip netns del {ns_a} >/dev/null 2>&1; ip netns del {ns_b} >/dev/null 2>&1")
+
+
+def test_port_scheme_and_host_detection():
+    from ec_connectors.protocol.net import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for, resolve_host
+
+    # dp 0..1 x tp 0..3 on one node: eight distinct ports per purpose, no cross-purpose clash
+    serve = {port_for(15500, PURPOSE_SERVE, 0, dp, 4, tp) for dp in range(2) for tp in range(4)}
+    announce = {port_for(15500, PURPOSE_ANNOUNCE, 0, dp, 4, tp) for dp in range(2)
+                for tp in range(4)}
+    assert len(serve) == 8 and len(announce) == 8 and not serve & announce
+    assert port_for(15500, PURPOSE_SERVE, 100, 1, 4, 2) == 15500 + 100 + 4 + 2
+    with pytest.raises(ValueError):
+        port_for(15500, PURPOSE_SERVE, 999, 1, 4, 2)
+    host = resolve_host("auto")
+    socket.inet_aton(host)  # an IPv4 address, whatever the machine
+    assert resolve_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_config_rejects_bad_producers_and_unknown_keys():
+    from ec_connectors.config import ConfigError
+
+    with pytest.raises(ConfigError, match="producers"):
+        EPDConfig.from_dict({"transport": "mooncake", "producers": ["no-port"]})
+    with pytest.raises(ConfigError, match="Known keys"):
+        EPDConfig.from_dict({"transport": "mooncake", "mooncake_protocol": "tcp"})
+    cfg = EPDConfig.from_dict({"transport": "mooncake", "producers": ["10.0.0.5:15500"]})
+    assert cfg.protocol == "tcp" and cfg.memory_pool_device == "cpu"

@@ -1,0 +1,222 @@
+"""The encoder pool server over real HTTP (uvicorn on a port), with the real tiny-LLaVA
+encoder and the real safetensors transport. No vLLM here (see test_pool_e2e_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from ec_connectors.protocol.keys import item_key, namespace_key
+from ec_connectors.protocol.params import item_sources
+from ec_connectors.transports.safetensors_fs import SafetensorsTransport
+from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
+from encoder_service.encoder_pool.media import decode_image
+from encoder_service.encoder_pool.models import LlavaEncoder
+from encoder_service.encoder_pool.server import build_pool, create_app
+from encoder_service.local.processes import metric_value
+from encoder_service.local.requests import sample_image_png
+from encoder_service.local.testmodel import SPECS, build
+from tests.helpers import WORK, Served
+
+NS = "tiny-llava"
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+
+
+@pytest.fixture(scope="module")
+def pool_server(model, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("pool-store")
+    cfg = PoolConfig.from_dict({
+        "model": model, "served_model_name": NS, "max_wait_ms": 20,
+        "max_image_pixels": 300 * 300, "max_media_bytes": 400_000,
+        "transport": {"storage_path": str(storage)},
+    })
+    with Served(create_app(cfg), 18410) as s:
+        s.storage = storage
+        s.client = httpx.Client(base_url=s.url, timeout=60)
+        yield s
+        s.client.close()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def png(side: int, seed: int = 0) -> bytes:
+    return sample_image_png(seed, side)
+
+
+def test_encode_publishes_what_the_encoder_computes(pool_server, model):
+    s = pool_server
+    imgs = {f"img-{n}": png(112, seed=n) for n in range(3)}
+    r = s.client.post("/v1/encode", json={"items": [
+        {"id": k, "data": "data:image/png;base64," + b64(v)} for k, v in imgs.items()]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["fallback"] is None
+    assert set(item_sources(body["ec_transfer_params"])) == set(imgs)
+    assert body["ec_transfer_params"]["epd"]["namespace"] == NS
+    reader = SafetensorsTransport(s.storage, NS, 1 << 30)
+    ref = LlavaEncoder(model)
+    for item_id, data in imgs.items():
+        info = body["items"][item_id]
+        assert info["status"] == "ok" and info["shape"] == [64, 128]
+        assert info["dtype"] == "bfloat16" and info["num_embeds"] == 64
+        stored = reader.get(item_id, deadline=time.monotonic() + 5)
+        expected = ref.encode([decode_image(item_id, data, 10**6)])[0]
+        assert stored is not None and stored.dtype == torch.bfloat16
+        torch.testing.assert_close(stored, expected, rtol=0.02, atol=0.02)
+    # the same image again: served from memory, no new encode
+    before = s.client.get("/v1/stats").json()
+    r = s.client.post("/v1/encode", json={"items": [{"id": "img-0", "data": b64(imgs["img-0"])}]})
+    after = s.client.get("/v1/stats").json()
+    assert r.status_code == 200 and after["items_encoded"] == before["items_encoded"]
+    assert after["reuse_hits"] == before["reuse_hits"] + 1
+
+
+def test_hostile_ids_stay_inside_the_storage_dir(pool_server, tmp_path):
+    s = pool_server
+    hostile = ["../../../../tmp/epd-pool-escape", str(tmp_path / "abs"), "a/../../b"]
+    r = s.client.post("/v1/encode", json={"items": [
+        {"id": h, "data": b64(png(112, seed=50 + n))} for n, h in enumerate(hostile)]})
+    assert r.status_code == 200, r.text
+    ns_dir = s.storage / namespace_key(NS)
+    for h in hostile:
+        assert (ns_dir / (item_key(h) + ".safetensors")).is_file()
+    assert not Path("/tmp/epd-pool-escape.safetensors").exists()
+    assert not any(tmp_path.iterdir())
+    assert s.client.post("/v1/encode", json={"items": [{"id": "x" * 70000, "data": "AA=="}]}
+                         ).status_code in (400, 422)
+
+
+def test_bad_media_rejected_at_the_door_or_text_only_fallback(pool_server):
+    s = pool_server
+    good = png(112, seed=7)
+    truncated = good[: len(good) // 2]
+    big = io.BytesIO()
+    Image.new("RGB", (400, 400)).save(big, format="PNG")  # 160k pixels > 90k limit
+    cases = {"truncated": b64(truncated), "big": b64(big.getvalue()), "notb64": "%%%%",
+             "text": b64(b"hello, not an image")}
+    for name, data in cases.items():
+        r = s.client.post("/v1/encode", json={"on_failure": "fail", "items": [
+            {"id": "ok-1", "data": b64(good)}, {"id": name, "data": data}]})
+        assert r.status_code == 400, (name, r.text)
+        assert f"'{name}'" in r.json()["error"]
+    assert "pixels" in s.client.post("/v1/encode", json={"on_failure": "fail", "items": [
+        {"id": "big", "data": cases["big"]}]}).json()["error"]
+    r = s.client.post("/v1/encode", json={"items": [  # server default policy: text_only
+        {"id": "ok-2", "data": b64(good)}, {"id": "truncated", "data": cases["truncated"]}]})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["fallback"] == "text_only"
+    assert body["items"]["ok-2"]["status"] == "ok"
+    assert body["items"]["truncated"]["code"] == "bad_media"
+    assert set(item_sources(body["ec_transfer_params"])) == {"ok-2"}
+    too_big = "A" * 600_000
+    r = s.client.post("/v1/encode", json={"on_failure": "fail",
+                                          "items": [{"id": "huge", "data": too_big}]})
+    assert r.status_code == 400 and "limit" in r.json()["error"]
+    for bad in ({"items": []}, {"items": [{"id": "a", "data": "x", "extra": 1}]},
+                {"items": [{"id": "a", "data": "AA=="}, {"id": "a", "data": "AA=="}]}):
+        assert s.client.post("/v1/encode", json=bad).status_code in (400, 422)
+
+
+def test_metrics_follow_the_lifecycle_and_release_discards(pool_server):
+    s = pool_server
+
+    def metric(name):
+        return metric_value(s.client.get("/metrics").text, name)
+
+    r = s.client.post("/v1/encode", json={"items": [{"id": "m-1", "data": b64(png(112, 77))}]})
+    assert r.status_code == 200
+    text = s.client.get("/metrics").text
+    assert 'epd_pool_features{state="encoded_cpu"}' in text
+    assert 'epd_pool_feature_bytes{tier="cpu"}' in text and "epd_pool_batch_size_bucket" in text
+    held = metric('epd_pool_feature_bytes{tier="cpu"}')
+    assert held >= 64 * 128 * 2
+    assert s.client.post("/v1/release", json={"item_ids": ["m-1"]}).json() == {
+        "m-1": "discarded"}
+    assert metric('epd_pool_feature_bytes{tier="cpu"}') == held - 64 * 128 * 2
+    assert metric("epd_pool_published_total") >= 1
+    assert s.client.get("/health").json() == {"ok": True}
+
+
+class SlowEncoder:
+    """The real encoder, slowed down, so a queue fills (logic test of backpressure)."""
+
+    def __init__(self, real, delay):
+        self.real, self.delay = real, delay
+        self.modalities, self.hidden_size = real.modalities, real.hidden_size
+        self.dtype, self.device = real.dtype, real.device
+
+    def estimate_tokens(self, *a, **k):
+        return self.real.estimate_tokens(*a, **k)
+
+    def encode(self, items):
+        time.sleep(self.delay)
+        return self.real.encode(items)
+
+
+def test_full_queue_answers_429_with_retry_after(model, tmp_path):
+    cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "max_batch_size": 1,
+                                "max_wait_ms": 0, "max_queue_items": 1, "retry_after_s": 2,
+                                "transport": {"storage_path": str(tmp_path)}})
+    pool = build_pool(cfg, encoders=[SlowEncoder(LlavaEncoder(model), 1.0)])
+    with Served(create_app(cfg, pool), 18411) as s:
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+                async def gauge(name):
+                    return metric_value((await c.get("/metrics")).text, name)
+
+                def req(n):
+                    return asyncio.ensure_future(c.post("/v1/encode", json={"items": [
+                        {"id": f"q{n}", "data": b64(png(112, 200 + n))}]}))
+
+                running = req(0)  # wait until it is on the worker and the queue is empty
+                for _ in range(200):
+                    if await gauge("epd_pool_worker_outstanding_tokens") > 0:
+                        break
+                    await asyncio.sleep(0.01)
+                async def settle(admitted, depth):
+                    for _ in range(500):
+                        if (await gauge('epd_pool_features{state="encoding"}') == admitted
+                                and await gauge("epd_pool_queue_depth") == depth):
+                            return
+                        await asyncio.sleep(0.01)
+
+                # one forms the next batch (admitted, then taken off the queue by the batch
+                # loop, which waits for the worker); then one fills the queue
+                queued = [req(1)]
+                await settle(admitted=2, depth=0)
+                queued.append(req(2))
+                await settle(admitted=3, depth=1)
+                refused = await req(3)
+                return refused, await running, await asyncio.gather(*queued)
+
+        refused, first, others = asyncio.run(go())
+    assert first.status_code == 200 and [r.status_code for r in others] == [200, 200]
+    assert refused.status_code == 429, refused.text
+    assert refused.headers["Retry-After"] == "2" and "queue is full" in refused.json()["error"]
+
+
+def test_config_errors_are_clear(model, tmp_path):
+    with pytest.raises(PoolConfigError, match="max_batch_size"):
+        PoolConfig.from_dict({"model": model, "max_batch_size": 0})
+    with pytest.raises(PoolConfigError, match="no config.json"):
+        PoolConfig.from_dict({"model": tmp_path})
+    with pytest.raises(PoolConfigError, match="bogus"):
+        PoolConfig.from_dict({"model": model, "bogus": 1})
+    cfg = PoolConfig.from_dict({"model": model, "transport": {"storage_pth": "/x"}})
+    with pytest.raises(ValueError, match="storage_pth"):
+        cfg.transport_config()

@@ -1,0 +1,386 @@
+"""Gateway logic over real HTTP (uvicorn + httpx), with a small recording stub in place of
+vLLM (the e2e tests in test_gateway_e2e.py use real vLLM servers): input validation, SSRF
+policy, routing, retries and fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from ec_connectors.protocol.keys import content_item_id
+from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
+from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
+from encoder_service.gateway.parsing import MediaItem
+from encoder_service.gateway.server import GatewayThread
+from encoder_service.local.processes import metric_value
+from encoder_service.local.requests import chat_body, data_url, sample_image_png
+from tests.helpers import free_port as _free_port
+
+MODEL = "tiny-llava"
+PORTS = iter(range(18500, 18540))
+
+
+def free_port() -> int:
+    return _free_port(PORTS)
+
+
+class Stub:
+    """A recording stand-in for a vLLM server: answers chat completions (streamed or not),
+    returns producer-style ec_transfer_params, can be told to fail."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.calls: list[dict] = []
+        self.fail = False
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+
+        async def chat(request: Request):
+            body = await request.json()
+            self.calls.append(body)
+            if self.fail:
+                return JSONResponse({"error": "boom"}, status_code=500)
+            ids = [p["uuid"] for m in body["messages"] for p in m["content"]
+                   if isinstance(p, dict) and "uuid" in p]
+            if self.role == "encoder":
+                return JSONResponse({"choices": [], "ec_transfer_params": {
+                    "epd": {"items": {i: {"by": self.url} for i in ids}}}})
+            if body.get("stream"):
+                async def gen():
+                    for t in ("a", "b", "c"):
+                        yield f"data: {json.dumps({'t': t})}\n\n"
+                    yield "data: [DONE]\n\n"
+                return StreamingResponse(gen(), media_type="text/event-stream")
+            return JSONResponse({"choices": [{"message": {"content": "ok"}}], "seen": ids})
+
+        async def health(request: Request):
+            return JSONResponse({})
+
+        app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                Route("/health", health)])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="error"))
+        self.server.install_signal_handlers = lambda: None
+        threading.Thread(target=self.server.run, daemon=True).start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def stubs():
+    enc, dec = Stub("encoder"), Stub("decoder")
+    yield enc, dec
+    enc.stop()
+    dec.stop()
+
+
+def gateway(enc: list[str], dec: list[str], **extra) -> GatewayThread:
+    cfg = GatewayConfig.build({"port": free_port(), "model": MODEL, "encoders": enc,
+                               "decoders": dec, **extra})
+    return GatewayThread(cfg).start()
+
+
+@pytest.fixture(scope="module")
+def gw(stubs):
+    enc, dec = stubs
+    g = gateway([enc.url], [dec.url], limits={"max_request_bytes": 200_000,
+                                              "max_media_bytes": 50_000})
+    yield g
+    g.stop()
+
+
+def post(gw, body, **kw):
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10, **kw)
+
+
+def body_with_url(url: str) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]}
+
+
+def metric(gw, name: str) -> float:
+    return metric_value(httpx.get(gw.url + "/metrics").text, name)
+
+
+# -- bad input: a clear 4xx and no upstream call -------------------------------------------
+BAD = {
+    "malformed base64": (lambda: body_with_url("data:image/png;base64,@@notbase64@@"), 400,
+                         "malformed base64"),
+    "non-image bytes": (lambda: body_with_url(data_url(b"this is not an image" * 10)), 400,
+                        "decodable image"),
+    "oversized media item": (lambda: body_with_url(data_url(b"\x89PNG" + b"0" * 60_000)), 413,
+                             "larger than 50000"),
+    "oversized request": (lambda: {**body_with_url(data_url(sample_image_png(1))),
+                                   "pad": "x" * 250_000}, 413, "request body is larger"),
+    "http URL (disabled)": (lambda: body_with_url("http://example.com/cat.png"), 400,
+                            "disabled"),
+    "file URL": (lambda: body_with_url("file:///etc/passwd"), 400, "scheme"),
+    "unknown part type": (lambda: {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_pil", "image_pil": "x"}]}]}, 400, "unsupported content part"),
+    "audio on an image model": (lambda: {"model": MODEL, "messages": [{"role": "user",
+        "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+        400, "does not accept audio"),
+    "other model": (lambda: {**body_with_url(data_url(sample_image_png(1))), "model": "gpt"},
+                    404, "not served here"),
+    "not an object": (lambda: [1, 2], 400, "JSON object"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_a_clear_4xx_and_no_upstream_call(gw, stubs, case):
+    make, status, words = BAD[case]
+    enc, dec = stubs
+    before = (len(enc.calls), len(dec.calls))
+    r = post(gw, make())
+    assert r.status_code == status, r.text
+    assert words in r.json()["error"]["message"]
+    assert (len(enc.calls), len(dec.calls)) == before
+
+
+def test_invalid_json_is_a_400(gw, stubs):
+    r = httpx.post(gw.url + "/v1/chat/completions", content=b"{nope", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert metric(gw, "epd_gateway_rejected_total") >= 1
+
+
+def test_forbidden_destinations_when_urls_are_enabled(stubs):
+    enc, dec = stubs
+    g = gateway([enc.url], [dec.url], media={"allow_http_urls": True})
+    try:
+        before = (len(enc.calls), len(dec.calls))
+        for url in (dec.url + "/health", "http://localhost:1/x", "http://169.254.169.254/meta",
+                    "http://[::1]:80/x", "http://10.1.2.3/x"):
+            r = post(g, body_with_url(url))
+            assert r.status_code == 403, (url, r.text)
+            assert "non-public address" in r.json()["error"]["message"]
+        assert (len(enc.calls), len(dec.calls)) == before
+    finally:
+        g.stop()
+
+
+def test_allowed_hosts_lets_a_private_image_server_through(stubs):
+    """The policy is an allow-list, not a wall: an operator-listed CIDR is fetched, and the
+    image reaches the decode instance inlined (vLLM never fetches URLs itself)."""
+    enc, dec = stubs
+    image = sample_image_png(5)
+    port = free_port()
+
+    async def img(request):
+        from starlette.responses import Response
+
+        return Response(image, media_type="image/png")
+
+    async def redirect(request):
+        from starlette.responses import RedirectResponse
+
+        return RedirectResponse(f"http://127.0.0.1:{port}/i.png")
+
+    srv = uvicorn.Server(uvicorn.Config(Starlette(routes=[Route("/i.png", img),
+                                                         Route("/r", redirect)]),
+                                        host="127.0.0.1", port=port, log_level="error"))
+    srv.install_signal_handlers = lambda: None
+    threading.Thread(target=srv.run, daemon=True).start()
+    g = gateway([enc.url], [dec.url],
+                media={"allow_http_urls": True, "allowed_hosts": ["127.0.0.0/8"]})
+    try:
+        while not srv.started:
+            time.sleep(0.01)
+        r = post(g, body_with_url(f"http://127.0.0.1:{port}/i.png"))
+        assert r.status_code == 200, r.text
+        part = dec.calls[-1]["messages"][0]["content"][0]
+        assert part["image_url"]["url"] == data_url(image)
+        assert part["uuid"] == content_item_id(image, MODEL)
+    finally:
+        g.stop()
+    # every redirect hop is checked: an allowed name may not bounce to a non-allowed address
+    g = gateway([enc.url], [dec.url],
+                media={"allow_http_urls": True, "allowed_hosts": ["localhost"]})
+    try:
+        calls = len(dec.calls)
+        r = post(g, body_with_url(f"http://localhost:{port}/r"))
+        assert r.status_code == 403 and "127.0.0.1" in r.text
+        assert len(dec.calls) == calls
+    finally:
+        g.stop()
+        srv.should_exit = True
+
+
+# -- routing -------------------------------------------------------------------------------
+def test_items_get_content_ids_and_params_reach_the_decoder(gw, stubs):
+    enc, dec = stubs
+    a, b = sample_image_png(11), sample_image_png(12)
+    body = chat_body(MODEL, a, "x")
+    body["messages"][0]["content"].insert(1, {"type": "image_url", "uuid": "../../evil",
+                                              "image_url": {"url": data_url(b)}})
+    body["ec_transfer_params"] = {"epd": {"items": ["forged"]}}
+    r = post(gw, body)
+    assert r.status_code == 200, r.text
+    ida, idb = content_item_id(a, MODEL), content_item_id(b, MODEL)
+    assert r.json()["seen"] == [ida, idb]  # client uuid replaced by the content id
+    sent = dec.calls[-1]
+    assert set(sent["ec_transfer_params"]["epd"]["items"]) == {ida, idb}  # forged one dropped
+    assert sent["ec_transfer_params"]["epd"]["items"][ida] == {"by": enc.url}
+    assert r.headers["x-request-id"]
+
+
+def test_streamed_answer_is_passed_through(gw, stubs):
+    body = {**chat_body(MODEL, sample_image_png(13), "x"), "stream": True}
+    with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = r.read().decode()
+    assert [json.loads(line[6:])["t"] for line in text.split("\n\n")
+            if line.startswith("data: {")] == ["a", "b", "c"]
+    assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_encoder_failure_retries_then_falls_back_to_raw_media(stubs):
+    enc, dec = stubs
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    g = gateway([dead, enc.url], [dec.url], cooldown_s=30)
+    try:
+        img = sample_image_png(21)
+        ok = 0
+        # ties rotate, so one of the two requests starts on the dead encoder and is retried;
+        # then the dead one cools down and is not tried again
+        for _ in range(2):
+            r = post(g, chat_body(MODEL, img, "x"))
+            assert r.status_code == 200
+            ok += content_item_id(img, MODEL) in dec.calls[-1]["ec_transfer_params"]["epd"][
+                "items"]
+        assert ok == 2
+        assert metric(g, "epd_gateway_retries_total") == 1
+        enc.fail = True
+        r = post(g, chat_body(MODEL, sample_image_png(22), "x"))
+        assert r.status_code == 200  # answered: raw media to the decoder, no params
+        assert "ec_transfer_params" not in dec.calls[-1]
+        assert dec.calls[-1]["messages"][0]["content"][0]["image_url"]["url"].startswith("data:")
+        assert metric(g, "epd_gateway_fallbacks_total") == 1
+        assert metric(g, 'epd_gateway_items_total{outcome="fallback"}') == 1
+    finally:
+        enc.fail = False
+        g.stop()
+
+
+def test_decoder_failure_before_first_byte_retries_on_another(stubs):
+    enc, dec = stubs
+    dead = f"http://127.0.0.1:{free_port()}"
+    g = gateway([enc.url], [dead, dec.url])
+    try:
+        for seed in (31, 32):
+            assert post(g, chat_body(MODEL, sample_image_png(seed), "x")).status_code == 200
+        assert metric(g, 'epd_gateway_retries_total{target="decode"}') == 1
+    finally:
+        g.stop()
+    g = gateway([enc.url], [dead])
+    try:
+        r = post(g, chat_body(MODEL, sample_image_png(33), "x"))
+        assert r.status_code == 502 and "no prefill/decode instance" in r.text
+    finally:
+        g.stop()
+
+
+class FakeEncoder:
+    """Unit-test stand-in for an EncoderClient (router logic only)."""
+
+    def __init__(self, name: str, fail: bool = False, delay: float = 0.0) -> None:
+        self.name, self.fail, self.delay, self.calls = name, fail, delay, []
+
+    async def encode(self, items, request_id):
+        self.calls.append([it.item_id for it in items])
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise EncoderFailed(f"{self.name} down")
+        return {it.item_id: {"by": self.name} for it in items}
+
+
+def items(n: int) -> list[MediaItem]:
+    return [MediaItem(f"i{k}", "image", 1, {}) for k in range(n)]
+
+
+def test_router_groups_items_one_call_per_encoder():
+    a, b = FakeEncoder("a"), FakeEncoder("b")
+    out, errors = asyncio.run(EncoderRouter([a, b]).encode(items(5), "r"))
+    assert not errors and not out.failed and out.calls == 2
+    assert sorted(len(c) for c in a.calls + b.calls) == [2, 3]
+    assert set(out.hints) == {f"i{k}" for k in range(5)}
+
+
+def test_router_prefers_the_least_loaded_encoder():
+    a, b = FakeEncoder("a", delay=0.3), FakeEncoder("b", delay=0.3)
+    router = EncoderRouter([a, b])
+
+    async def run():
+        first = asyncio.create_task(router.encode(items(1), "r1"))
+        await asyncio.sleep(0.05)  # one encoder now has a call in flight
+        await router.encode(items(1), "r2")
+        await first
+
+    asyncio.run(run())
+    assert len(a.calls) == 1 and len(b.calls) == 1  # the second went to the idle one
+
+
+def test_router_retries_once_then_reports_failed_items_and_cools_down():
+    a, b, c = FakeEncoder("a", fail=True), FakeEncoder("b", fail=True), FakeEncoder("c")
+    router = EncoderRouter([a, b], cooldown_s=60)
+    out, errors = asyncio.run(router.encode(items(1), "r"))
+    assert out.retries == 1 and out.failed == ["i0"] and len(errors) == 2
+    assert len(a.calls) + len(b.calls) == 2  # once each, never a third call
+    router = EncoderRouter([a, c], cooldown_s=60)
+    for _ in range(3):
+        out, _ = asyncio.run(router.encode(items(1), "r"))
+        assert not out.failed
+    assert len(a.calls) <= 2  # after one failure, a cools down and c takes the work
+
+
+# -- config --------------------------------------------------------------------------------
+def test_config_errors_name_the_key():
+    with pytest.raises(GatewayConfigError, match="decoders"):
+        GatewayConfig.build({"encoders": []})
+    with pytest.raises(GatewayConfigError, match="limits.max_media_byte"):
+        GatewayConfig.build({"decoders": ["http://a:1"], "limits": {"max_media_byte": 1}})
+    with pytest.raises(GatewayConfigError, match="base URL"):
+        GatewayConfig.build({"decoders": ["ftp://a"]})
+    with pytest.raises(GatewayConfigError, match="allowed_hosts"):
+        GatewayConfig.build({"decoders": ["http://a:1"], "media": {"allowed_hosts": ["1.2/99"]}})
+    cfg = GatewayConfig.build({"decoders": ["http://a:1/"]})
+    assert cfg.decoders == ["http://a:1"] and not cfg.media.allow_http_urls
+
+
+def test_b64_helper_rejects_padding_garbage():
+    from encoder_service.gateway.errors import GatewayError
+    from encoder_service.gateway.parsing import _b64
+
+    assert _b64(base64.b64encode(b"abc").decode(), "x") == b"abc"
+    with pytest.raises(GatewayError):
+        _b64("YWJj\x00", "x")
+
+
+def test_text_only_chat_goes_straight_to_a_decoder(gw, stubs):
+    enc, dec = stubs
+    calls = len(enc.calls)
+    r = post(gw, {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200 and r.json()["seen"] == []
+    assert len(enc.calls) == calls and "ec_transfer_params" not in dec.calls[-1]
+
+
+def test_completions_checks_the_model_before_any_upstream_call(gw, stubs):
+    enc, dec = stubs
+    before = (len(enc.calls), len(dec.calls))
+    r = httpx.post(gw.url + "/v1/completions", json={"model": "other", "prompt": "x"})
+    assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
+    assert (len(enc.calls), len(dec.calls)) == before

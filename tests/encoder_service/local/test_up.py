@@ -1,0 +1,245 @@
+"""`epd up` without vLLM: config validation and the checks that fail fast before minutes of
+vLLM start-up. (Starting and stopping a real deployment: tests/test_gateway_e2e.py.)"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from encoder_service.local.up import Deployment, UpConfig, UpError, load_up_config
+from tests.helpers import ROOT
+
+
+def test_defaults_and_clear_errors(tmp_path):
+    cfg = load_up_config(None)
+    assert (cfg.encoders, cfg.decoders, cfg.base_port, cfg.transport) == (1, 1, 18100,
+                                                                          "safetensors")
+    bad = tmp_path / "up.json"
+    bad.write_text(json.dumps({"encoder": 2}))
+    with pytest.raises(UpError, match="encoder: Extra inputs"):
+        load_up_config(bad)
+    bad.write_text(json.dumps({"decoders": 0}))
+    with pytest.raises(UpError, match="decoders"):
+        load_up_config(bad)
+    toml = tmp_path / "up.toml"
+    toml.write_text('encoders = 2\n[gateway.limits]\nmax_media_items = 4\n')
+    cfg = load_up_config(toml)
+    assert cfg.encoders == 2 and cfg.gateway == {"limits": {"max_media_items": 4}}
+
+
+def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
+    dep = Deployment(UpConfig(encoders=2, decoders=1, base_port=18510, cpu_cores=[0, 1, 1],
+                              storage_path=str(tmp_path / "ec"),
+                              gateway={"limits": {"max_media_items": 4}}), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert [s.port for s in dep.servers] == [18511, 18512, 18513]
+    assert [s.cpu_core for s in dep.servers] == [0, 1, 1]
+    assert [s.ec_config["ec_role"] for s in dep.servers] == ["ec_producer"] * 2 + ["ec_consumer"]
+    g = dep.gateway_cfg
+    assert g.port == 18510 and g.encoders == [dep.servers[0].url, dep.servers[1].url]
+    assert g.availability.storage_path == str(tmp_path / "ec")
+    assert g.limits.max_media_items == 4
+    with pytest.raises(UpError, match="cpu_cores lists 1"):
+        Deployment(UpConfig(cpu_cores=[0]), tmp_path).plan(tmp_path / "model")
+    with pytest.raises(UpError, match="max_media_itemz"):
+        Deployment(UpConfig(gateway={"limits": {"max_media_itemz": 1}}),
+                   tmp_path).plan(tmp_path / "m")
+
+
+def test_a_taken_port_fails_fast_with_no_server_started():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 18517))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--base-port",
+                            "18515"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "port 18517" in r.stdout and "not free" in r.stdout
+    assert "starting encoder" not in r.stdout
+
+
+def test_plan_mooncake_wires_a_side_channel_per_encoder_and_all_to_every_decoder(tmp_path):
+    dep = Deployment(UpConfig(encoders=2, decoders=2, base_port=18630, transport="mooncake",
+                              mooncake_base_port=16670, cpu_cores=[0, 1, 0, 1],
+                              connector_extra={"memory_pool_bytes": 64 << 20,
+                                               "base_port": 1234, "host": "10.0.0.1"}),
+                     tmp_path)
+    dep.plan(tmp_path / "model")
+    extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
+    assert [e["transport"] for e in extra] == ["mooncake"] * 4
+    assert [e["host"] for e in extra] == ["127.0.0.1"] * 4  # wiring wins over connector_extra
+    assert [e["memory_pool_bytes"] for e in extra] == [64 << 20] * 4  # the rest is the user's
+    assert [e["base_port"] for e in extra[:2]] == [16670, 16680]
+    producers = ["127.0.0.1:16670", "127.0.0.1:16680"]
+    assert [e["producers"] for e in extra[2:]] == [producers, producers]
+    assert all(s.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} for s in dep.servers)
+    g = dep.gateway_cfg
+    assert g.availability.kind == "mooncake" and g.availability.producers == producers
+    assert g.encoder_backend == "vllm"
+    # safetensors (the default) sets no mooncake env or keys
+    dep = Deployment(UpConfig(base_port=18630), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert all(s.env == {} for s in dep.servers)
+    assert dep.servers[1].ec_config["ec_connector_extra_config"]["transport"] == "safetensors"
+    with pytest.raises(UpError, match="memory_pool_bytez"):
+        Deployment(UpConfig(transport="mooncake", connector_extra={"memory_pool_bytez": 1}),
+                   tmp_path).plan(tmp_path / "model")
+
+
+def test_plan_pool_backend_starts_epd_encoder_processes(tmp_path):
+    from encoder_service.local.processes import PoolServer
+
+    dep = Deployment(UpConfig(encoders=1, decoders=1, base_port=18630, transport="mooncake",
+                              mooncake_base_port=16670, encoder_backend="pool",
+                              pool={"max_batch_size": 4}), tmp_path)
+    dep.plan(tmp_path / "model")
+    (enc,) = dep.encoders
+    assert isinstance(enc, PoolServer) and enc.port == 18631
+    assert enc.pool_config["max_batch_size"] == 4
+    assert enc.pool_config["transport"]["base_port"] == 16670
+    assert enc.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    cmd = enc.command()
+    assert cmd[cmd.index("-m") + 1] == "encoder_service.encoder_pool.server"
+    assert dep.gateway_cfg.encoder_backend == "pool"
+    from encoder_service.encoder_pool.config import PoolConfig
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    pc = PoolConfig.from_dict(json.loads(enc.write_config().read_text()))  # what it is given
+    assert pc.transport_config().transport == "mooncake" and pc.namespace == "tiny-llava"
+
+
+def test_a_taken_mooncake_port_fails_fast(tmp_path):
+    dep = Deployment(UpConfig(base_port=18630, transport="mooncake", mooncake_base_port=16675),
+                     tmp_path)
+    dep.plan(tmp_path / "model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 17675))  # encoder 0's announcement port
+        with pytest.raises(UpError, match="17675.*mooncake_base_port"):
+            dep.check_ports()
+
+
+STORE_MASTER = 19960  # this module's Mooncake Store master ports: 19960-19962 (never started)
+
+
+def test_plan_mooncake_store_starts_a_master_and_wires_every_server_to_it(tmp_path):
+    from ec_connectors.config import EPDConfig
+
+    dep = Deployment(UpConfig(encoders=2, decoders=2, base_port=18630,
+                              transport="mooncake_store", master_port=STORE_MASTER,
+                              cpu_cores=[0, 1, 0, 1],
+                              connector_extra={"store_buffer_bytes": 64 << 20,
+                                               "store_master": "10.0.0.1:1",
+                                               "host": "10.0.0.2"}), tmp_path)
+    dep.plan(tmp_path / "model")
+    m = dep.master
+    assert m is not None and (m.port, m.http_port, m.metrics_port) == (19960, 19961, 19962)
+    assert m.address == "127.0.0.1:19960" and m.log_path.parent == tmp_path / "up" / "logs"
+    assert m.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
+    assert [e["transport"] for e in extra] == ["mooncake_store"] * 4
+    # wiring wins over connector_extra; sizes are the user's
+    assert {(e["store_master"], e["store_metadata"], e["host"]) for e in extra} == {
+        (m.address, m.metadata_url, "127.0.0.1")}
+    assert m.metadata_url == "http://127.0.0.1:19961/metadata"
+    assert [e["store_segment_bytes"] for e in extra] == [256 << 20] * 2 + [0] * 2
+    assert [e["store_buffer_bytes"] for e in extra] == [64 << 20] * 4
+    assert not any("base_port" in e or "producers" in e for e in extra)  # no TE tier
+    for e in extra:
+        c = EPDConfig.from_dict(e)
+        assert c.tiers == ["mooncake_store"] and c.store_metadata_url == m.metadata_url
+    assert all(s.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} for s in dep.servers)
+    assert dep.gateway_cfg.availability.kind == "none"  # the store has no catalog to follow
+    with pytest.raises(UpError, match="store_segment_bytez"):
+        Deployment(UpConfig(transport="mooncake_store",
+                            connector_extra={"store_segment_bytez": 1}),
+                   tmp_path).plan(tmp_path / "model")
+    # transports without the store start no master
+    for transport in ("safetensors", "mooncake"):
+        dep = Deployment(UpConfig(base_port=18630, transport=transport), tmp_path)
+        dep.plan(tmp_path / "model")
+        assert dep.master is None
+        assert not any("store_master" in s.ec_config["ec_connector_extra_config"]
+                       for s in dep.servers)
+
+
+def test_plan_tiered_wires_transfer_engine_store_and_directory(tmp_path):
+    from ec_connectors.config import EPDConfig
+
+    dep = Deployment(UpConfig(encoders=2, decoders=1, base_port=18630, transport="tiered",
+                              mooncake_base_port=16670, master_port=STORE_MASTER,
+                              storage_path=str(tmp_path / "ec"), cpu_cores=[0, 1, 0],
+                              connector_extra={"memory_pool_bytes": 64 << 20}), tmp_path)
+    dep.plan(tmp_path / "model")
+    tiers = ["mooncake", "mooncake_store", "safetensors"]
+    extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
+    assert [e["transport"] for e in extra] == [tiers] * 3
+    assert [e["base_port"] for e in extra[:2]] == [16670, 16680]
+    assert extra[2]["producers"] == ["127.0.0.1:16670", "127.0.0.1:16680"]
+    assert [e["store_segment_bytes"] for e in extra] == [256 << 20, 256 << 20, 0]
+    assert [e["memory_pool_bytes"] for e in extra] == [64 << 20] * 3
+    assert {e["storage_path"] for e in extra} == {str(tmp_path / "ec")}
+    assert {e["store_master"] for e in extra} == {"127.0.0.1:19960"}
+    for e in extra:
+        assert EPDConfig.from_dict(e).tiers == tiers
+    assert dep.master is not None and dep.master.port == STORE_MASTER
+    g = dep.gateway_cfg  # the TE producers' announcements: the most the gateway can know
+    assert g.availability.kind == "mooncake"
+    assert g.availability.producers == ["127.0.0.1:16670", "127.0.0.1:16680"]
+
+
+def test_plan_pool_backend_with_store_tiers_validates(tmp_path):
+    from encoder_service.encoder_pool.config import PoolConfig
+
+    dep = Deployment(UpConfig(base_port=18630, transport="tiered", mooncake_base_port=16670,
+                              master_port=STORE_MASTER, encoder_backend="pool"), tmp_path)
+    dep.plan(tmp_path / "model")
+    (enc,) = dep.encoders
+    assert enc.pool_config["transport"]["store_master"] == "127.0.0.1:19960"
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"dtype": "bfloat16"}')
+    pc = PoolConfig.from_dict(json.loads(enc.write_config().read_text()))
+    tc = pc.transport_config()
+    assert tc.tiers == ["mooncake", "mooncake_store", "safetensors"]
+    assert (tc.base_port, tc.store_segment_bytes) == (16670, 256 << 20)
+    # the store key's dtype label: the model's, like a vLLM consumer of that model
+    assert tc.embedding_dtype == "bfloat16" and tc.namespace == "tiny-llava"
+
+
+def test_a_taken_master_port_fails_fast(tmp_path):
+    dep = Deployment(UpConfig(base_port=18630, transport="mooncake_store",
+                              master_port=STORE_MASTER), tmp_path)
+    dep.plan(tmp_path / "model")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", STORE_MASTER + 1))  # the master's metadata port
+        taken.listen()
+        with pytest.raises(UpError, match="19961.*master_port"):
+            dep.check_ports()
+    dep = Deployment(UpConfig(base_port=18630, transport="mooncake_store",
+                              master_port=18630), tmp_path)
+    dep.plan(tmp_path / "model")
+    with pytest.raises(UpError, match="18630 is both a base_port port and a master_port"):
+        dep.check_ports()
+    with socket.socket() as taken:  # the command line: exit 1, nothing started
+        taken.bind(("127.0.0.1", STORE_MASTER + 2))
+        taken.listen()
+        r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--base-port",
+                            "18700", "--transport", "mooncake_store", "--master-port",
+                            str(STORE_MASTER)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "port 19962" in r.stdout and "master_port" in r.stdout
+    assert "starting mooncake-master" not in r.stdout and "starting encoder" not in r.stdout
+
+
+def test_epd_master_and_the_new_transports_are_on_the_command_line():
+    r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "master", "--help"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--http-port" in r.stdout and "--metrics-port" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--help"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "mooncake_store" in r.stdout and "tiered" in r.stdout
+    assert "--master-port" in r.stdout
