@@ -4,7 +4,7 @@ device, without HTTP: what cross-request batching can buy at most.
     .venv/bin/python benchmarks/encoder_batch_bench.py [--spec large] [--device cuda]
         [--batch-sizes 1 2 4 8 16] [--seconds 3]
 
-Builds the random LLaVA of `--spec` locally (encoder_service/testmodel.py) once; prints
+Builds the random LLaVA of `--spec` locally (encoder_service/local/testmodel.py) once; prints
 images/s per batch size and the ratio to batch 1 (the GPU reference point: about 3.8x at
 batch 8 for a SigLIP-L on an A100).
 """

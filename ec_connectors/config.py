@@ -1,4 +1,10 @@
-"""The connector's configuration: `ec_connector_extra_config`, validated in one place."""
+"""The connector's configuration: `ec_connector_extra_config`, validated in one place.
+
+Users write flat keys (`{"transport": "mooncake", "memory_pool_bytes": ...}`) and code reads
+flat attributes (`config.memory_pool_bytes`); the keys are declared in groups by what uses
+them (CommonSettings, SafetensorsSettings, MooncakeSettings, StoreSettings,
+ProducerSettings, ConsumerSettings), which EPDConfig combines.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ec_connectors.config_files import InvalidConfig, explain, model_keys
+from ec_connectors.protocol import ports
+from ec_connectors.protocol.names import TransportName
 from ec_connectors.protocol.net import Endpoint, EndpointList
 
 if TYPE_CHECKING:
@@ -18,7 +27,7 @@ MiB = 1 << 20
 KiB = 1 << 10
 
 
-class ConfigError(ValueError):
+class ConfigError(InvalidConfig):
     """A bad `ec_connector_extra_config`; the message names every offending key."""
 
 
@@ -26,13 +35,14 @@ def default_storage_path() -> str:
     return os.path.join(tempfile.gettempdir(), "epd-ec-cache")
 
 
-TransportName = Literal["safetensors", "mooncake", "mooncake_store"]
-
-
-class EPDConfig(BaseModel):
-    """Settings of EPDConnector. Unknown keys are errors, not silently ignored."""
+class _Settings(BaseModel):
+    """Unknown keys are errors, not silently ignored; a config never changes once made."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CommonSettings(_Settings):
+    """Every role and transport: which transport (or tiers), and the items' namespace."""
 
     # One transport, or tiers tried in order on load and all written on save, e.g.
     # ["mooncake", "mooncake_store", "safetensors"]: the producer's pool first, then the
@@ -42,20 +52,39 @@ class EPDConfig(BaseModel):
     # Default: the served model name.
     namespace: str | None = None
 
-    # --- safetensors transport (shared filesystem) ---
+    @field_validator("transport")
+    @classmethod
+    def _tiers_unique(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
+            raise ValueError("transport tiers must be a non-empty list without repeats")
+        return value
+
+    @property
+    def tiers(self) -> list[str]:
+        """The transports in load order (one element for a single transport)."""
+        return [self.transport] if isinstance(self.transport, str) else list(self.transport)
+
+
+class SafetensorsSettings(_Settings):
+    """The `safetensors` transport: one file per item in a shared directory."""
+
     storage_path: str = Field(default_factory=default_storage_path)
     max_storage_bytes: int = Field(default=16 * GiB, gt=0)
     fsync: bool = False  # rename is atomic for readers; fsync adds crash durability
     verify_checksum: bool = True
     scan_interval_s: float = Field(default=0.25, gt=0, le=60)
 
-    # --- mooncake transport (Transfer Engine, P2P pulls into a registered pool) ---
+
+class MooncakeSettings(_Settings):
+    """The `mooncake` transport: the Mooncake Transfer Engine; consumers pull items P2P from
+    the producer's registered pool into their own."""
+
     protocol: Literal["tcp", "rdma"] = "tcp"
     host: str = "auto"  # this node's address for peers: "auto" = probe, hostname, 127.0.0.1
     device_name: str | None = None  # RDMA device(s); default $RDMA_DEVICE_NAME, else all
     # Producer side-channel port = base_port + stage_offset + dp_rank * world + rank;
-    # announcements on that + 1000 (see ec_connectors/net.py).
-    base_port: int = Field(default=15500, ge=1024, le=64000)
+    # announcements on that + 1000 (the port scheme: ec_connectors/protocol/ports.py).
+    base_port: int = Field(default=ports.MOONCAKE_BASE_PORT, ge=1024, le=64000)
     stage_offset: int = Field(default=0, ge=0, le=999)
     # Producer side channels ("host:port") a consumer subscribes to and pulls from when a
     # request carries no location; with a list, params may only name these producers.
@@ -79,9 +108,13 @@ class EPDConfig(BaseModel):
     # until the producer answers or disconnects, at most this long.
     quarantine_ttl_s: float = Field(default=300.0, gt=0)
 
-    # --- mooncake_store transport (Mooncake Store: a master plus segments of its clients) ---
+
+class StoreSettings(_Settings):
+    """The `mooncake_store` transport: the Mooncake Store, a master plus the memory segments
+    its clients contribute."""
+
     store_master: Endpoint = "127.0.0.1:50051"  # the master's RPC address (host:port)
-    # The master's HTTP metadata server; default http://<master host>:8080/metadata.
+    # The master's HTTP metadata server; default http://<master host>:<its port + 1>/metadata.
     store_metadata: str | None = None
     # Memory this instance contributes to the store (0: contribute none, only use it).
     store_segment_bytes: int = Field(default=512 * MiB, ge=0)
@@ -99,50 +132,46 @@ class EPDConfig(BaseModel):
     store_probe_timeout_s: float = Field(default=0.5, gt=0, le=30)
     store_probe_ttl_s: float = Field(default=2.0, gt=0, le=600)
 
-    # --- producer side ---
+
+class ProducerSettings(_Settings):
+    """ec_producer instances (encoders): the queue of saves to the transport."""
+
     max_pending_saves: int = Field(default=16, ge=1)
     save_queue_timeout_s: float = Field(default=10.0, gt=0)
 
-    # --- consumer side ---
+
+class ConsumerSettings(_Settings):
+    """ec_consumer instances (prefill/decode): loads, staged items, and what happens to a
+    request whose item cannot be loaded."""
+
     load_timeout_s: float = Field(default=10.0, gt=0)
     load_threads: int = Field(default=2, ge=1, le=64)
     max_staged_bytes: int = Field(default=4 * GiB, gt=0)
     staged_ttl_s: float = Field(default=120.0, gt=0)
     on_unavailable: Literal["local_encode", "fail"] = "local_encode"
 
+
+class EPDConfig(ConsumerSettings, ProducerSettings, StoreSettings, MooncakeSettings,
+                SafetensorsSettings, CommonSettings):
+    """Settings of EPDConnector: the keys of every group, flat, and the connector's own
+    wiring. (pydantic orders fields from the last base to the first: CommonSettings' keys
+    come first, then each group in turn, then this class's own.)"""
+
     # Directory of the scheduler<->worker control sockets (unix domain sockets).
     control_dir: str = Field(default_factory=lambda: os.path.join(tempfile.gettempdir(), "epd-ctl"))
 
-    @field_validator("transport")
-    @classmethod
-    def _tiers_unique(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and (not value or len(set(value)) != len(value)):
-            raise ValueError("transport tiers must be a non-empty list without repeats")
-        return value
-
-    @property
-    def tiers(self) -> list[str]:
-        """The transports in load order (one element for a single transport)."""
-        return [self.transport] if isinstance(self.transport, str) else list(self.transport)
-
     @property
     def store_metadata_url(self) -> str:
-        host = self.store_master.rsplit(":", 1)[0]
-        return self.store_metadata or f"http://{host}:8080/metadata"
+        """`store_metadata`, else the master's metadata server: its RPC port + 1."""
+        return self.store_metadata or ports.store_metadata_url(self.store_master)
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any] | None) -> EPDConfig:
         try:
             return cls.model_validate(extra or {})
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-                for err in exc.errors()
-            )
-            raise ConfigError(
-                f"invalid ec_connector_extra_config for EPDConnector: {problems}. "
-                f"Known keys: {', '.join(sorted(cls.model_fields))}"
-            ) from None
+            raise ConfigError(explain(exc, "invalid ec_connector_extra_config for EPDConnector",
+                                      model_keys(cls))) from None
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> EPDConfig:

@@ -25,17 +25,16 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import control_address
 from ec_connectors.log import get_logger
+from ec_connectors.scheduler import EPDSchedulerSide
 from ec_connectors.stats import EPDPromMetrics, EPDStats
 from ec_connectors.transports import Placement, make_transport
+from ec_connectors.worker import EPDWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
-
-    from ec_connectors.scheduler import EPDSchedulerSide
-    from ec_connectors.worker import EPDWorker
 
 logger = get_logger(__name__)
 
@@ -90,8 +89,6 @@ class EPDConnector(ECConnectorBase):
         self._sched: EPDSchedulerSide | None = None
         self._worker: EPDWorker | None = None
         if role == ECConnectorRole.SCHEDULER:
-            from ec_connectors.scheduler import EPDSchedulerSide
-
             self._sched = EPDSchedulerSide(
                 self.config, transport, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, address=address, engine_id=ec.engine_id,
@@ -100,8 +97,6 @@ class EPDConnector(ECConnectorBase):
                         ec.ec_role, transport.name, self.config.namespace,
                         self.config.model_dump(exclude={"namespace"}))
         else:
-            from ec_connectors.worker import EPDWorker
-
             self._worker = EPDWorker(
                 self.config, transport, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, address=address, rank=_worker_rank(),

@@ -1,8 +1,10 @@
-"""Scheduler-role logic of EPDConnector (runs in vLLM's EngineCore process).
+"""Scheduler role of EPDConnector (runs in vLLM's EngineCore process): wires the pure policy
+of `scheduler_hooks/` (availability index, staging state machine, decisions) to vLLM's
+scheduler API, the control channel to the workers and the transports.
 
 Consumer flow for one item:
   ensure_cache_available: the item is known (index or the request's ec_transfer_params)
-      -> send Prefetch to every worker, defer the request (status LOADING, with a deadline)
+      -> send Prefetch to every worker, defer the request (LOADING, with a deadline)
   Staged from all workers (control thread) -> READY; any failure -> FAILED
   has_cache_item: True only for READY items (O(1) dict lookup)
   update_state_after_alloc -> the item goes into this step's metadata; the worker places it
@@ -13,11 +15,9 @@ them as ec_transfer_params; `has_cache_item` answers "already stored" so nothing
 
 from __future__ import annotations
 
-import enum
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
@@ -27,13 +27,13 @@ from ec_connectors.messages import (
     ControlMessage,
     Drop,
     Hello,
-    ItemInfo,
     Prefetch,
     Renew,
     Saved,
     Staged,
     WorkerStats,
 )
+from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import safe_key
 from ec_connectors.protocol.params import (
     BadParams,
@@ -44,7 +44,9 @@ from ec_connectors.protocol.params import (
 )
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
+from scheduler_hooks.decisions import Verdict, covered, decide, pull_location, unavailable_action
 from scheduler_hooks.index import AvailabilityIndex
+from scheduler_hooks.staging import DEADLINE_PASSED, StagingTable, Status
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -56,23 +58,9 @@ _SCHEDULER_GRACE_S = 1.0  # scheduler deadline = worker deadline + this (dead-wo
 _MAX_SAVED_INFOS = 65536
 
 
-class Status(enum.Enum):
-    LOADING = "loading"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass
-class Staging:
-    status: Status
-    started: float
-    deadline: float
-    ranks_ok: set[int] = field(default_factory=set)
-    num_embeds: int = 0
-    error: str = ""
-
-
 class EPDSchedulerSide:
+    """SCHEDULER role, one per engine: answers vLLM's scheduler hooks, never blocking."""
+
     def __init__(
         self,
         config: EPDConfig,
@@ -92,9 +80,9 @@ class EPDSchedulerSide:
         self.stats = StatsRecorder()
         self.index = AvailabilityIndex(transport.list_keys, config.scan_interval_s,
                                        start=start_index)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # workers, endpoints, saved infos (control thread)
         self._workers: dict[int, bytes] = {}
-        self._staging: dict[str, Staging] = {}
+        self.staging = StagingTable(_FAILED_MEMORY_S, config.staged_ttl_s)
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
@@ -134,57 +122,47 @@ class EPDSchedulerSide:
 
     def _on_staged(self, msg: Staged) -> None:
         with self._lock:
-            st = self._staging.get(msg.item_id)
-            if st is None or st.status is not Status.LOADING:
-                return
-            if not msg.ok:
-                st.status, st.error = Status.FAILED, msg.error
-                st.deadline = time.monotonic()
-                peers = list(self._workers.values())
-            else:
-                st.ranks_ok.add(msg.rank)
-                st.num_embeds = msg.num_embeds
-                if st.ranks_ok >= set(self._workers):
-                    st.status = Status.READY
-                    self.stats.observe("load_s", time.monotonic() - st.started)
-                return
-        for peer in peers:  # another rank may have staged it: free that memory
-            self.channel.send(Drop(item_id=msg.item_id), to=peer)
+            ranks, peers = set(self._workers), list(self._workers.values())
+        now = time.monotonic()
+        status = self.staging.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
+                                     ranks, now)
+        if status is Status.READY:
+            st = self.staging.get(msg.item_id)
+            if st is not None:
+                self.stats.observe("load_s", now - st.started)
+        elif status is Status.FAILED:
+            for peer in peers:  # another rank may have staged it: free that memory
+                self.channel.send(Drop(item_id=msg.item_id), to=peer)
 
     def _source(self, item_id: str, key: str, hints: dict[str, Source]) -> Source:
         """Where to pull from: the request's params (only configured producers, when a list
         is configured: params are client-controlled), else the producers' announcements."""
         source = hints.get(item_id, Source())
-        allowed = self.config.producers
-        if source.location and allowed and source.location not in allowed:
+        location = pull_location(source.location, self.config.producers)
+        if location != source.location:
             logger.warning("EPD: ignoring location %r for item %r: not a configured producer",
                            source.location, item_id)
-            source = Source("", source.nbytes)
+            source = Source(location, source.nbytes)
         if not source.location:
             found = self.transport.locate(key)
             if found is not None:
                 return Source(found[0], source.nbytes or found[1])
         return source
 
-    def _prefetch(self, item_id: str, source: Source = Source()) -> Staging:
-        now = time.monotonic()
-        st = Staging(Status.LOADING, now,
-                     now + self.config.load_timeout_s + _SCHEDULER_GRACE_S)
+    def _prefetch(self, item_id: str, source: Source, now: float) -> None:
         with self._lock:
             peers = list(self._workers.values())
-            if not peers:
-                st.status, st.error = Status.FAILED, "no worker connected"
-            self._staging[item_id] = st
+        self.staging.begin(item_id, now, self.config.load_timeout_s + _SCHEDULER_GRACE_S,
+                           have_workers=bool(peers))
         for peer in peers:
             self.channel.send(Prefetch(item_id=item_id, timeout_s=self.config.load_timeout_s,
                                        location=source.location, nbytes=source.nbytes),
                               to=peer)
-        return st
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
         if self.is_consumer:
-            st = self._staging.get(identifier)
+            st = self.staging.get(identifier)
             if st is not None and st.status is Status.READY:
                 self._said_yes.add(identifier)
                 return True
@@ -222,7 +200,10 @@ class EPDSchedulerSide:
         if not self.is_consumer:
             # Producer: wait (bounded by store_probe_timeout_s) for a store's answer, so
             # has_cache_item can say "already stored" for what another instance encoded.
-            if any([self._stored(f.identifier) is None for f in request.mm_features]):
+            # Every item is asked (a list, not a short-circuiting generator): one step starts
+            # the store probes of all of them.
+            asking = [self._stored(f.identifier) is None for f in request.mm_features]
+            if any(asking):
                 self.stats.inc("deferrals")
                 return False
             return True
@@ -234,15 +215,9 @@ class EPDSchedulerSide:
         for i, feature in enumerate(request.mm_features):
             item_id = feature.identifier
             pos = feature.mm_position
-            if pos.offset + pos.length <= num_computed_tokens or item_id in placed:
+            if covered(pos.offset, pos.length, num_computed_tokens) or item_id in placed:
                 continue  # already in the KV cache, or already handed to the worker
-            st = self._staging.get(item_id)
-            expired = st is not None and st.status is Status.FAILED
-            if expired and now - st.deadline > _FAILED_MEMORY_S:
-                with self._lock:
-                    self._staging.pop(item_id, None)
-                st = None
-            if st is None:
+            if self.staging.current(item_id, now) is None:
                 key = safe_key(item_id)
                 known = key is not None and (item_id in hints or key in self.index)
                 if key is not None and not known:
@@ -254,31 +229,23 @@ class EPDSchedulerSide:
                     logger.debug("EPD: request %s item %r is not in the transport; vLLM "
                                  "encodes it locally", req_id, item_id)
                     continue
-                st = self._prefetch(item_id, self._source(item_id, key, hints))
-            if st.status is Status.LOADING and now > st.deadline:
-                with self._lock:
-                    if st.status is Status.LOADING:
-                        st.status, st.error, st.deadline = Status.FAILED, "deadline passed", now
-                        self.stats.inc("timeouts")
-                logger.warning("EPD: item %r for request %s missed its %.1f s deadline",
-                               item_id, req_id, self.config.load_timeout_s)
-            if st.status is Status.READY:
-                expected = request.get_num_encoder_embeds(i)
-                if st.num_embeds and st.num_embeds != expected:
-                    logger.warning("EPD: item %r holds %d embeddings but request %s expects %d; "
-                                   "encoding locally", item_id, st.num_embeds, req_id, expected)
-                    with self._lock:
-                        st.status, st.error, st.deadline = Status.FAILED, "token count", now
-            if st.status is Status.LOADING:
+                self._prefetch(item_id, self._source(item_id, key, hints), now)
+            d = decide(self.staging, item_id, request.get_num_encoder_embeds(i), now)
+            if d.verdict is Verdict.WAIT:
                 ready = False
-            elif st.status is Status.FAILED:
-                self._on_unavailable(request, item_id, item_id in hints, st.error)
+            elif d.verdict is Verdict.UNAVAILABLE:
+                if d.just_failed:
+                    if d.why == DEADLINE_PASSED:
+                        self.stats.inc("timeouts")
+                    logger.warning("EPD: item %r for request %s: %s; not loaded", item_id,
+                                   req_id, d.why)
+                self._on_unavailable(request, item_id, item_id in hints, d.why)
         if not ready:
             self.stats.inc("deferrals")
         return ready
 
     def _on_unavailable(self, request: Request, item_id: str, promised: bool, why: str) -> None:
-        if promised and self.config.on_unavailable == "fail":
+        if unavailable_action(promised, self.config.on_unavailable) == "fail":
             if request.request_id not in self._unavailable:
                 logger.error("EPD: failing request %s: item %r unavailable (%s)",
                              request.request_id, item_id, why)
@@ -300,8 +267,7 @@ class EPDSchedulerSide:
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
             self._req_placed.setdefault(request.request_id, set()).add(item_id)
-            with self._lock:
-                self._staging.pop(item_id, None)
+            self.staging.forget(item_id)
             self.stats.inc("hits")
 
     def build_connector_meta(self) -> dict[str, int]:
@@ -318,15 +284,8 @@ class EPDSchedulerSide:
         if now - self._last_sweep < 1.0:
             return
         self._last_sweep = now
-        stale: list[str] = []
+        stale = self.staging.sweep(now)
         with self._lock:
-            for item_id, st in list(self._staging.items()):
-                if st.status is Status.READY and now - st.started > self.config.staged_ttl_s:
-                    stale.append(item_id)
-                elif st.status is Status.FAILED and now - st.deadline > _FAILED_MEMORY_S:
-                    self._staging.pop(item_id, None)
-            for item_id in stale:
-                self._staging.pop(item_id, None)
             peers = list(self._workers.values())
         for item_id in stale:
             for peer in peers:

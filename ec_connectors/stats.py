@@ -11,6 +11,8 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorStats,
 )
 
+from ec_connectors.protocol.names import TRANSPORT_NAMES
+
 COUNTERS = {
     # name: help
     "saves": "Embeddings written to the transport",
@@ -32,7 +34,7 @@ COUNTERS = {
     "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
     "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
 }
-TIERS = ("mooncake", "mooncake_store", "safetensors")  # transport tiers (config.transport)
+TIERS = TRANSPORT_NAMES  # every transport can be a tier (config.transport)
 for _tier in TIERS:
     COUNTERS.update({
         f"tier_{_tier}_hits": f"Loads the {_tier} tier delivered",

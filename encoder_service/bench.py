@@ -6,6 +6,8 @@ short prompt, `ignore_eos` so every answer has exactly `max_tokens` tokens. A `r
 of the requests repeat an image already sent (placed at random, seeded); the others bring a
 new image. Arrivals: as fast as `concurrency` allows, or Poisson at `request_rate`.
 Reports throughput, TTFT, TPOT and end-to-end latency (p50/p90/p99); writes JSON and a PNG.
+The progress bar (tqdm) and the PNG (matplotlib) come with `pip install epd-serve[bench]`;
+without them progress is plain lines and the PNG is skipped with a note.
 """
 
 from __future__ import annotations
@@ -53,6 +55,36 @@ class Record:
     e2e: float | None = None
     tokens: int = 0
     error: str = ""
+
+
+class _Progress:
+    """A tqdm bar when tqdm is installed, else a plain line per tenth of the work (stderr)."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.done, self._next = total, desc, 0, 0
+        self.t0 = time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+            print(f"{desc}: {total} requests (install epd-serve[bench] for a progress bar)",
+                  file=sys.stderr, flush=True)
+        else:
+            self.bar = tqdm(total=total, desc=desc, unit="req", file=sys.stderr)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        self.done += n
+        if self.done >= self._next or self.done == self.total:
+            self._next = self.done + max(1, self.total // 10)
+            print(f"{self.desc}: {self.done}/{self.total} requests, "
+                  f"{time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 @dataclass
@@ -140,11 +172,7 @@ async def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
     seq = image_sequence(spec)
     urls = {i: data_url(sample_image_png(seed=10_000 + spec.seed * 1000 + i, size=spec.image_size))
             for i in sorted(set(seq))}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(seq), desc=spec.label or spec.url, unit="req", file=sys.stderr)
+    bar = _Progress(len(seq), spec.label or spec.url) if progress else None
     sem = asyncio.Semaphore(spec.concurrency)
     rng = random.Random(spec.seed + 1)
     limits = httpx.Limits(max_connections=spec.concurrency * 2)
@@ -188,9 +216,15 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, BenchResult], path: Path) -> None:
-    """CDFs of TTFT and end-to-end latency, one line per run."""
-    import matplotlib
+def plot(results: dict[str, BenchResult], path: Path) -> bool:
+    """CDFs of TTFT and end-to-end latency, one line per run, and throughput per run.
+    Returns False (with a note on stderr, nothing written) when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"epd bench: no plot written to {path}: install epd-serve[bench] for the plot",
+              file=sys.stderr, flush=True)
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -215,6 +249,7 @@ def plot(results: dict[str, BenchResult], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def write_json(results: dict[str, BenchResult], path: Path, extra: dict | None = None) -> None:
@@ -255,6 +290,6 @@ def main(argv: list[str]) -> int:
     res = asyncio.run(run_bench(spec, progress=not a.no_progress))
     print(format_table({a.label: res.summary}))
     write_json({a.label: res}, a.json)
-    plot({a.label: res}, a.png)
-    print(f"wrote {a.json} and {a.png}")
+    plotted = plot({a.label: res}, a.png)
+    print(f"wrote {a.json} and {a.png}" if plotted else f"wrote {a.json}")
     return 0 if res.summary["errors"] == 0 else 1

@@ -7,13 +7,13 @@ events (our own saves, producer announcements) add keys immediately.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 
-from ec_connectors.log import get_logger
-
-logger = get_logger(__name__)
+# Under vLLM's logger (as ec_connectors/log.py does), so messages show in vLLM's log stream.
+logger = logging.getLogger(f"vllm.epd.{__name__}")
 
 _EVENT_GRACE_S = 5.0  # keep an announced key this long even if a scan has not seen it yet
 

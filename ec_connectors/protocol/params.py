@@ -48,11 +48,6 @@ def item_entry(item_id: str, num_embeds: int, info: ItemInfo | None,
     return entry
 
 
-def hinted_items(params: Any) -> set[str]:
-    """Item ids a consumer request says a producer made (see `item_sources`)."""
-    return set(item_sources(params))
-
-
 def _location(value: Any) -> str:
     if value in (None, ""):
         return ""

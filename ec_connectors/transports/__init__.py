@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.names import TRANSPORT_NAMES
 from ec_connectors.transports.base import Placement, Transport
 
 logger = get_logger(__name__)
@@ -20,17 +21,17 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
         )
     if name == "mooncake":
         if placement.role == "scheduler":
-            from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
+            from ec_connectors.transports.mooncake_te.catalog import MooncakeCatalog
 
             return MooncakeCatalog(config, placement)
-        from ec_connectors.transports.mooncake_te import MooncakeTransport
+        from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
 
         return MooncakeTransport(config, placement)
     if name == "mooncake_store":
         from ec_connectors.transports.mooncake_store import MooncakeStoreTransport
 
         return MooncakeStoreTransport(config, placement)
-    raise ValueError(f"unknown transport {name!r}")
+    raise ValueError(f"unknown transport {name!r} (known: {', '.join(TRANSPORT_NAMES)})")
 
 
 def make_transport(config: EPDConfig, placement: Placement | None = None) -> Transport:

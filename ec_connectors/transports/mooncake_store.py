@@ -8,7 +8,7 @@ raw tensor bytes. Puts and gets go from/to a buffer registered with the store on
 (`register_buffer`, `upsert_from`, `get_into`): one copy into the pool on put, none on get (the
 pool block is handed over as the tensor).
 
-Store behaviour designed around (see shared/docs/environment.md):
+Store behaviour designed around (see docs/architecture.md, "Store quirks"):
 - `put` of an existing key keeps the old value: puts use `upsert_from`, the newest value wins;
 - a full segment evicts objects silently, and `get` fails the same way for every cause: a
   missing, evicted, foreign or damaged object is a miss (header and checksum are verified),

@@ -8,19 +8,21 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ec_connectors.config_files import InvalidConfig, explain, model_keys
+
 MiB = 1 << 20
 GiB = 1 << 30
 
 
-class PoolConfigError(ValueError):
+class PoolConfigError(InvalidConfig):
     """A bad pool configuration; the message names every offending key."""
 
 
 class PoolConfig(BaseModel):
     """Settings of the encoder pool and its HTTP server.
 
-    Budgets are bytes of finished embeddings (features) per tier; a feature's bytes are
-    reserved from its estimated token count before it is encoded, so the CPU tier never holds
+    The budget is bytes of embeddings (features) held in memory; a feature's bytes are
+    reserved from its estimated token count before it is encoded, so the pool never holds
     more than `cpu_budget_bytes`, queued or finished.
     """
 
@@ -38,10 +40,9 @@ class PoolConfig(BaseModel):
     max_queue_items: int = Field(default=256, ge=1)  # per modality; beyond it: HTTP 429
     retry_after_s: float = Field(default=1.0, gt=0)
 
-    # --- budgets and lifecycle ---
+    # --- budget and lifecycle ---
     cpu_budget_bytes: int = Field(default=2 * GiB, gt=0)
-    gpu_budget_bytes: int = Field(default=1 * GiB, gt=0)
-    retain: Literal["discard", "keep"] = "discard"  # after prefill: free it, or keep for reuse
+    retain: Literal["discard", "keep"] = "discard"  # on release: free it, or keep for reuse
 
     # --- failure handling ---
     item_timeout_s: float = Field(default=30.0, gt=0, le=3600)
@@ -76,7 +77,7 @@ class PoolConfig(BaseModel):
     @property
     def embedding_dtype(self) -> str:
         """The dtype of published embeddings (the encoder's: "auto" = the model config's, as
-        in encoders._dtype). Mooncake Store keys carry it, as vLLM consumers' keys carry
+        in models._dtype). Mooncake Store keys carry it, as vLLM consumers' keys carry
         their model dtype: a pool labelling its items "any" would never be found there."""
         if self.dtype != "auto":
             return self.dtype
@@ -102,8 +103,5 @@ class PoolConfig(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
-                for err in exc.errors()
-            )
-            raise PoolConfigError(f"invalid encoder pool config: {problems}") from None
+            raise PoolConfigError(explain(exc, "invalid encoder pool config",
+                                          model_keys(cls))) from None

@@ -1,18 +1,16 @@
-"""Feature lifecycle: one state machine per embedding, byte budgets per memory tier.
+"""Feature lifecycle: one state machine per embedding, one byte budget (CPU memory).
 
-    ENCODING -> ENCODED_CPU -> STAGED_GPU -> MERGED -> PREFILLED -> DISCARDED
+    ENCODING -> ENCODED_CPU -> DISCARDED
 
-Side exits: any live state may go to DISCARDED (failure, abort, eviction, release);
-STAGED_GPU may fall back to ENCODED_CPU (unstaged under accelerator pressure); PREFILLED
-goes back to ENCODED_CPU when the feature is kept for multi-turn reuse. Anything else raises
-`IllegalTransition`.
+Either live state may go to DISCARDED (failure, abort, eviction, release: the decode side
+has prefilled it); a released ENCODED_CPU feature stays when kept for multi-turn reuse.
+Anything else raises `IllegalTransition`.
 
-Bytes: a feature reserves its *estimated* size in the CPU tier when encoding starts (so a
-full budget is known before any work is done), is re-accounted at its real size when
-encoded, moves to the accelerator ("gpu") tier when staged, and frees everything when
-discarded. When the CPU tier is full, the least recently used unpinned ENCODED_CPU features
-are evicted; if that is not enough, `BudgetExceeded` is raised and nothing changes.
-All methods are thread-safe.
+Bytes: a feature reserves its *estimated* size when encoding starts (so a full budget is
+known before any work is done), is re-accounted at its real size when encoded, and frees
+everything when discarded. When the budget is full, the least recently used unpinned
+ENCODED_CPU features are evicted; if that is not enough, `BudgetExceeded` is raised and
+nothing changes. All methods are thread-safe.
 """
 
 from __future__ import annotations
@@ -22,29 +20,20 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-
-Tier = Literal["cpu", "gpu"]
 
 
 class FeatureState(str, enum.Enum):
     ENCODING = "encoding"
     ENCODED_CPU = "encoded_cpu"
-    STAGED_GPU = "staged_gpu"
-    MERGED = "merged"
-    PREFILLED = "prefilled"
     DISCARDED = "discarded"
 
 
 S = FeatureState
 TRANSITIONS: dict[FeatureState, frozenset[FeatureState]] = {
     S.ENCODING: frozenset({S.ENCODED_CPU, S.DISCARDED}),
-    S.ENCODED_CPU: frozenset({S.STAGED_GPU, S.DISCARDED}),
-    S.STAGED_GPU: frozenset({S.MERGED, S.ENCODED_CPU, S.DISCARDED}),
-    S.MERGED: frozenset({S.PREFILLED, S.DISCARDED}),
-    S.PREFILLED: frozenset({S.DISCARDED, S.ENCODED_CPU}),
+    S.ENCODED_CPU: frozenset({S.DISCARDED}),
     S.DISCARDED: frozenset(),
 }
 
@@ -54,7 +43,7 @@ class IllegalTransition(RuntimeError):
 
 
 class BudgetExceeded(RuntimeError):
-    """A tier cannot take the bytes even after evicting everything evictable."""
+    """The budget cannot take the bytes even after evicting everything evictable."""
 
 
 class UnknownFeature(KeyError):
@@ -68,17 +57,9 @@ class Feature:
     state: FeatureState
     nbytes: int  # reserved (ENCODING) or actual bytes
     tensor: torch.Tensor | None = None
-    keep: bool = False  # keep for reuse after prefill
+    keep: bool = False  # keep for reuse after release
     pins: int = 0  # users that must not see it evicted (e.g. an in-flight publish)
     created: float = field(default_factory=time.monotonic)
-
-    @property
-    def tier(self) -> Tier | None:
-        if self.state in (S.ENCODING, S.ENCODED_CPU):
-            return "cpu"
-        if self.state in (S.STAGED_GPU, S.MERGED, S.PREFILLED):
-            return "gpu"
-        return None
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -86,16 +67,17 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 class FeatureStore:
-    """Features by item id, their states and the bytes each tier holds."""
+    """Features by item id, their states and the bytes they hold (`used`, at most `budget`;
+    `peak`: the most ever held)."""
 
-    def __init__(self, cpu_budget: int, gpu_budget: int, retain: str = "discard") -> None:
-        if cpu_budget <= 0 or gpu_budget <= 0:
-            raise ValueError("budgets must be positive")
+    def __init__(self, budget: int, retain: str = "discard") -> None:
+        if budget <= 0:
+            raise ValueError("the budget must be positive")
         if retain not in ("discard", "keep"):
             raise ValueError(f"retain must be 'discard' or 'keep', not {retain!r}")
-        self.budget: dict[Tier, int] = {"cpu": cpu_budget, "gpu": gpu_budget}
-        self.used: dict[Tier, int] = {"cpu": 0, "gpu": 0}
-        self.peak: dict[Tier, int] = {"cpu": 0, "gpu": 0}
+        self.budget = budget
+        self.used = 0
+        self.peak = 0
         self.retain = retain
         self.evictions = 0
         self.discarded = 0
@@ -128,41 +110,37 @@ class FeatureStore:
             return f.tensor
 
     # -- internals -------------------------------------------------------------------------
-    def _need(self, f: Feature, to: FeatureState, *, only_from: FeatureState | None = None
-              ) -> None:
-        if to not in TRANSITIONS[f.state] or (only_from is not None and f.state is not only_from):
+    def _need(self, f: Feature, to: FeatureState) -> None:
+        if to not in TRANSITIONS[f.state]:
             raise IllegalTransition(
                 f"feature {f.item_id!r}: illegal transition {f.state.name} -> {to.name}")
 
-    def _make_room(self, tier: Tier, nbytes: int, exclude: str | None = None) -> None:
-        """Evict LRU unpinned ENCODED_CPU features (cpu tier only) until `nbytes` fit."""
-        free = self.budget[tier] - self.used[tier]
+    def _make_room(self, nbytes: int, exclude: str | None = None) -> None:
+        """Evict LRU unpinned ENCODED_CPU features until `nbytes` fit."""
+        free = self.budget - self.used
         if nbytes <= free:
             return
         victims: list[Feature] = []
-        if tier == "cpu":
-            for f in self._features.values():
-                if free >= nbytes:
-                    break
-                if f.state is S.ENCODED_CPU and f.pins == 0 and f.item_id != exclude:
-                    victims.append(f)
-                    free += f.nbytes
+        for f in self._features.values():
+            if free >= nbytes:
+                break
+            if f.state is S.ENCODED_CPU and f.pins == 0 and f.item_id != exclude:
+                victims.append(f)
+                free += f.nbytes
         if free < nbytes:
             raise BudgetExceeded(
-                f"{tier} budget {self.budget[tier]} bytes cannot take {nbytes} more bytes "
-                f"({self.used[tier]} in use, nothing more evictable)")
+                f"cpu budget {self.budget} bytes cannot take {nbytes} more bytes "
+                f"({self.used} in use, nothing more evictable)")
         for f in victims:
             self._discard(f)
             self.evictions += 1
 
-    def _charge(self, tier: Tier, nbytes: int) -> None:
-        self.used[tier] += nbytes
-        self.peak[tier] = max(self.peak[tier], self.used[tier])
+    def _charge(self, nbytes: int) -> None:
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
 
     def _discard(self, f: Feature) -> None:
-        tier = f.tier
-        if tier is not None:
-            self.used[tier] -= f.nbytes
+        self.used -= f.nbytes
         f.state = S.DISCARDED
         f.tensor = None
         self._features.pop(f.item_id, None)
@@ -176,85 +154,29 @@ class FeatureStore:
 
     # -- transitions -----------------------------------------------------------------------
     def begin(self, item_id: str, modality: str, est_bytes: int, keep: bool = False) -> Feature:
-        """New feature in ENCODING with `est_bytes` reserved in the CPU tier."""
+        """New feature in ENCODING with `est_bytes` reserved."""
         with self._lock:
             if item_id in self._features:
                 raise IllegalTransition(f"feature {item_id!r} already exists "
                                         f"({self._features[item_id].state.name})")
-            self._make_room("cpu", est_bytes)
+            self._make_room(est_bytes)
             f = Feature(item_id, modality, S.ENCODING, est_bytes, keep=keep)
             self._features[item_id] = f
-            self._charge("cpu", est_bytes)
+            self._charge(est_bytes)
             return f
 
     def encoded(self, item_id: str, tensor: torch.Tensor) -> Feature:
         """ENCODING -> ENCODED_CPU; the reservation becomes the tensor's real size."""
         with self._lock:
             f = self._live(item_id)
-            self._need(f, S.ENCODED_CPU, only_from=S.ENCODING)
+            self._need(f, S.ENCODED_CPU)
             actual = tensor_nbytes(tensor)
             if actual > f.nbytes:
-                self._make_room("cpu", actual - f.nbytes, exclude=item_id)
-            self.used["cpu"] += actual - f.nbytes
-            self.peak["cpu"] = max(self.peak["cpu"], self.used["cpu"])
+                self._make_room(actual - f.nbytes, exclude=item_id)
+            self._charge(actual - f.nbytes)
             f.nbytes, f.tensor, f.state = actual, tensor, S.ENCODED_CPU
             self._features.move_to_end(item_id)
             return f
-
-    def stage(self, item_id: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """ENCODED_CPU -> STAGED_GPU: bytes move from the CPU tier to the accelerator tier."""
-        with self._lock:
-            f = self._live(item_id)
-            self._need(f, S.STAGED_GPU)
-            self._make_room("gpu", f.nbytes)
-            assert f.tensor is not None
-            f.tensor = f.tensor.to(device, non_blocking=False)
-            self.used["cpu"] -= f.nbytes
-            self._charge("gpu", f.nbytes)
-            f.state = S.STAGED_GPU
-            return f.tensor
-
-    def unstage(self, item_id: str) -> None:
-        """STAGED_GPU -> ENCODED_CPU (accelerator pressure)."""
-        with self._lock:
-            f = self._live(item_id)
-            self._need(f, S.ENCODED_CPU, only_from=S.STAGED_GPU)
-            self._make_room("cpu", f.nbytes, exclude=item_id)
-            assert f.tensor is not None
-            f.tensor = f.tensor.cpu()
-            self.used["gpu"] -= f.nbytes
-            self._charge("cpu", f.nbytes)
-            f.state = S.ENCODED_CPU
-
-    def merged(self, item_id: str) -> None:
-        with self._lock:
-            f = self._live(item_id)
-            self._need(f, S.MERGED)
-            f.state = S.MERGED
-
-    def prefilled(self, item_id: str, keep: bool | None = None) -> FeatureState:
-        """MERGED -> PREFILLED, then the cache-or-discard policy: DISCARDED by default, back
-        to ENCODED_CPU when kept (per call, per feature, or `retain="keep"`) and it fits.
-        Returns the resulting state."""
-        with self._lock:
-            f = self._live(item_id)
-            self._need(f, S.PREFILLED)
-            f.state = S.PREFILLED
-            if not self._keeps(f, keep):
-                self._discard(f)
-                return S.DISCARDED
-            try:
-                self._make_room("cpu", f.nbytes, exclude=item_id)
-            except BudgetExceeded:
-                self._discard(f)
-                return S.DISCARDED
-            assert f.tensor is not None
-            f.tensor = f.tensor.cpu()
-            self.used["gpu"] -= f.nbytes
-            self._charge("cpu", f.nbytes)
-            f.state = S.ENCODED_CPU
-            self._features.move_to_end(item_id)
-            return S.ENCODED_CPU
 
     def _keeps(self, f: Feature, keep: bool | None) -> bool:
         if keep is not None:

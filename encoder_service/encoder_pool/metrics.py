@@ -27,14 +27,13 @@ class PoolCollector(Collector):
         for state, n in store.counts().items():
             g.add_metric([state.value], n)
         yield g
-        for name, doc, values in (
+        for name, doc, value in (  # one tier, "cpu": features live in host memory
             ("epd_pool_feature_bytes", "Feature bytes held per tier", store.used),
             ("epd_pool_feature_budget_bytes", "Feature byte budget per tier", store.budget),
             ("epd_pool_feature_peak_bytes", "Peak feature bytes per tier", store.peak),
         ):
             g = GaugeMetricFamily(name, doc, labels=["tier"])
-            for tier, v in values.items():
-                g.add_metric([tier], v)
+            g.add_metric(["cpu"], value)
             yield g
         g = GaugeMetricFamily("epd_pool_queue_depth", "Queued items per modality",
                               labels=["modality"])

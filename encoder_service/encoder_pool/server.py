@@ -5,8 +5,8 @@ POST /v1/encode   {"items": [{"id", "modality": "image", "data": base64 | data U
   200: {"items": {id: {"status": "ok", "num_embeds", "shape", "dtype", ...}
                   | {"status": "failed", "code", "error"}},
         "ec_transfer_params": {...}, "fallback": null | "text_only"}
-       (failed items appear only under the text-only policy; the gateway then sends the
-       request without them, see `fallback.text_only_body`)
+       (failed items appear only under the text-only policy; the gateway then sends those
+       items raw, and the decode instance encodes them itself)
   400: bad request or, under on_failure=fail, bad media (names the item)
   429 / 503 + Retry-After: queue full / memory budget full
   500 / 504: under on_failure=fail, an item failed to encode / missed its deadline
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from ec_connectors.config_files import read_config_file
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
@@ -75,7 +75,7 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
                     for d in config.devices]
     workers = [Worker(enc, name=f"{getattr(enc, 'device', 'dev')}-{i}-{j}")
                for i, enc in enumerate(encoders) for j in range(config.workers_per_device)]
-    store = FeatureStore(config.cpu_budget_bytes, config.gpu_budget_bytes, config.retain)
+    store = FeatureStore(config.cpu_budget_bytes, config.retain)
     return EncoderPool(workers, store, max_batch_size=config.max_batch_size,
                        max_wait_ms=config.max_wait_ms, max_queue_items=config.max_queue_items,
                        max_oom_retries=config.max_oom_retries,
@@ -210,7 +210,8 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
                 "mean_batch_size": (sum(s.batch_sizes) / len(s.batch_sizes)
                                     if s.batch_sizes else 0.0),
                 "states": {k.value: v for k, v in store.counts().items()},
-                "bytes": store.used, "peak_bytes": store.peak, "budget_bytes": store.budget,
+                "bytes": {"cpu": store.used}, "peak_bytes": {"cpu": store.peak},
+                "budget_bytes": {"cpu": store.budget},
                 "evictions": store.evictions,
                 "workers": {w.name: {"batches": w.batches, "items": w.items}
                             for w in pool.workers}}
@@ -219,9 +220,10 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
 
 
 def parse_config(argv: list[str] | None = None) -> PoolConfig:
-    """CLI flags over an optional JSON config file; one validated PoolConfig."""
+    """CLI flags over an optional config file (JSON, or TOML with suffix .toml); one
+    validated PoolConfig."""
     p = argparse.ArgumentParser(prog="epd encoder", description="Batching encoder pool server")
-    p.add_argument("--config", type=Path, help="JSON file with PoolConfig fields")
+    p.add_argument("--config", type=Path, help="PoolConfig fields (.json or .toml file)")
     p.add_argument("--model", type=Path)
     p.add_argument("--served-model-name")
     p.add_argument("--host")
@@ -235,7 +237,7 @@ def parse_config(argv: list[str] | None = None) -> PoolConfig:
     p.add_argument("--storage-path", help="safetensors transport directory (shared with the "
                                           "vLLM consumers)")
     args = p.parse_args(argv)
-    values: dict[str, Any] = json.loads(args.config.read_text()) if args.config else {}
+    values = read_config_file(args.config, error=PoolConfigError) if args.config else {}
     for key in ("model", "served_model_name", "host", "port", "max_batch_size", "max_wait_ms",
                 "max_queue_items", "cpu_budget_bytes", "retain", "on_failure"):
         v = getattr(args, key)

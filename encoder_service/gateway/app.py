@@ -1,7 +1,7 @@
 """The gateway's ASGI app: an OpenAI-compatible endpoint in front of EPD vLLM instances.
 
 POST /v1/chat/completions: validate + tag media (parsing.py), skip items already available
-(availability.py), encode the rest (encoders.py), send the request with its
+(availability.py), encode the rest (encoder_clients.py), send the request with its
 ec_transfer_params to a prefill/decode instance (decoders.py) and pass the answer through
 (SSE chunks are forwarded as they arrive). POST /v1/completions and GET /v1/models are passed
 through. GET /health, GET /metrics. A client disconnect cancels the upstream calls.
@@ -33,6 +33,7 @@ from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
 from encoder_service.gateway.encoder_clients import (
     EncodeOutcome,
+    EncoderClient,
     EncoderRouter,
     PoolEncoderClient,
     VllmEncoderClient,
@@ -109,8 +110,8 @@ class Gateway:
             connect=t.connect_s, read=t.decode_s, write=t.decode_s, pool=t.connect_s))
         self.fetch_client = httpx.AsyncClient(trust_env=False)
         if self.cfg.encoder_backend == "pool":
-            clients: list[Any] = [PoolEncoderClient(u, self.client, t.encoder_s)
-                                  for u in self.cfg.encoders]
+            clients: list[EncoderClient] = [PoolEncoderClient(u, self.client, t.encoder_s)
+                                            for u in self.cfg.encoders]
         else:
             clients = [VllmEncoderClient(u, self.cfg.model, self.client, t.encoder_s)
                        for u in self.cfg.encoders]

@@ -72,7 +72,7 @@ class MooncakeAvailability(NoAvailability):
     def __init__(self, producers: list[str], announce_interval_s: float | None = None) -> None:
         from ec_connectors.config import EPDConfig
         from ec_connectors.transports.base import Placement
-        from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
+        from ec_connectors.transports.mooncake_te.catalog import MooncakeCatalog
 
         extra: dict[str, Any] = {"transport": "mooncake", "producers": list(producers)}
         if announce_interval_s is not None:

@@ -1,33 +1,28 @@
 """Gateway configuration: one validated place, embedded defaults, clear errors.
 
-Load with `GatewayConfig.model_validate(dict)` or `load_gateway_config(path)` (JSON or TOML).
-Unknown keys are errors, so a typo never silently falls back to a default.
+Build with `GatewayConfig.build(dict)` (raises GatewayConfigError naming each bad key), from
+`read_config_file(path)` (JSON or TOML) and/or flags. Unknown keys are errors, so a typo
+never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import json
-from pathlib import Path
+import os
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ec_connectors import config_files
+from ec_connectors.config_files import InvalidConfig, explain, model_keys
 from ec_connectors.protocol.net import EndpointList
+from ec_connectors.protocol.ports import GATEWAY_PORT
 
 MiB = 1 << 20
 
 
-class GatewayConfigError(ValueError):
+class GatewayConfigError(InvalidConfig):
     """The gateway configuration is invalid; the message says which key and why."""
 
 
@@ -91,7 +86,9 @@ class AvailabilityConfig(_Strict):
     `safetensors`: the shared directory of the safetensors transport (same `storage_path`
     and `namespace` as the vLLM servers' EPDConnector). `mooncake`: the announcements of the
     Mooncake TE producers in `producers` (their side channels, `host:port`, as in the
-    consumers' `producers`). `none`: always encode."""
+    consumers' `producers`). `none`: always encode. (The kinds are transport names,
+    ec_connectors.protocol.names, with a catalog the gateway can follow; the Mooncake Store
+    has none.)"""
 
     kind: Literal["safetensors", "mooncake", "none"] = "none"
     storage_path: str | None = None
@@ -112,7 +109,7 @@ class GatewayConfig(_Strict):
     """The whole gateway: where it listens, its upstreams, limits and policies."""
 
     host: str = "127.0.0.1"
-    port: int = Field(18000, ge=1, le=65535)
+    port: int = Field(GATEWAY_PORT, ge=1, le=65535)
     model: str = Field("tiny-llava", min_length=1,
                        description="served model name; namespace of content-derived item ids")
     encoders: list[str] = Field(default_factory=list,
@@ -121,8 +118,7 @@ class GatewayConfig(_Strict):
                                             "empty = decode instances encode locally")
     decoders: list[str] = Field(min_length=1, description="vLLM ec_consumer base URLs")
     encoder_backend: Literal["vllm", "pool"] = Field(
-        "vllm", validation_alias=AliasChoices("encoder_backend", "encoder_transport"),
-        description="what `encoders` are: vLLM ec_producers, or `epd encoder` pools")
+        "vllm", description="what `encoders` are: vLLM ec_producers, or `epd encoder` pools")
     cooldown_s: float = Field(5.0, ge=0,
                                       description="try an encoder or decode instance last for "
                                                   "this long after it failed")
@@ -147,35 +143,11 @@ class GatewayConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise GatewayConfigError(_explain(exc, "gateway")) from None
+            raise GatewayConfigError(explain(exc, "invalid gateway configuration",
+                                             model_keys(cls))) from None
 
 
-def _explain(exc: ValidationError, where: str) -> str:
-    lines = [f"invalid {where} configuration:"]
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        lines.append(f"  {loc}: {err['msg']}")
-    return "\n".join(lines)
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """A JSON (.json) or TOML (.toml) file as a dict; errors name the file."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise GatewayConfigError(f"cannot read config file {path}: {exc}") from None
-    try:
-        if path.suffix == ".toml":
-            import tomllib
-
-            return tomllib.loads(text)
-        data = json.loads(text)
-    except Exception as exc:  # noqa: BLE001 - any parse error becomes one clear message
-        raise GatewayConfigError(f"cannot parse config file {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise GatewayConfigError(f"config file {path} must hold an object")
-    return data
-
-
-def load_gateway_config(path: Path) -> GatewayConfig:
-    return GatewayConfig.build(read_config_file(path))
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A gateway config file (JSON, or TOML with suffix .toml) as a dict; errors name the
+    file (GatewayConfigError)."""
+    return config_files.read_config_file(path, error=GatewayConfigError)

@@ -3,8 +3,9 @@
 `EncoderClient.encode(items, request_id)` makes the items' embeddings available to decode
 instances and returns `{item_id: info}` to forward as `ec_transfer_params`; it raises
 EncoderFailed on any error or deadline; items it leaves out of the answer failed alone (bad
-media for that encoder) and go raw. A client may also have `release(item_ids)`: called once
-the decode instance is done with the items (first token, or the request's end).
+media for that encoder) and go raw. A client may also be `Releasing` (have
+`release(item_ids)`): called once the decode instance is done with the items (first token,
+or the request's end).
 `VllmEncoderClient` talks to a vLLM ec_producer over HTTP; `PoolEncoderClient` to the
 batching encoder pool (`epd encoder`: `/v1/encode`, `/v1/release`).
 
@@ -21,12 +22,12 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
 from ec_connectors.protocol.params import PARAMS_KEY
-from encoder_service.gateway.parsing import MediaItem
+from encoder_service.gateway.parsing import MediaPart
 
 
 class EncoderFailed(Exception):
@@ -36,9 +37,10 @@ class EncoderFailed(Exception):
 class EncoderClient(Protocol):
     name: str
 
-    async def encode(self, items: Sequence[MediaItem], request_id: str) -> dict[str, Any]: ...
+    async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]: ...
 
 
+@runtime_checkable
 class Releasing(Protocol):
     """An EncoderClient that holds items until told the decode side has them."""
 
@@ -72,7 +74,7 @@ class VllmEncoderClient:
         self.client = client
         self.timeout_s = timeout_s
 
-    async def encode(self, items: Sequence[MediaItem], request_id: str) -> dict[str, Any]:
+    async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
         content = [*(it.part for it in items), {"type": "text", "text": "."}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": 1, "temperature": 0.0}
@@ -101,7 +103,7 @@ class PoolEncoderClient:
         self.client = client
         self.timeout_s = timeout_s
 
-    async def encode(self, items: Sequence[MediaItem], request_id: str) -> dict[str, Any]:
+    async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
         todo = [it for it in items if it.modality in self.modalities]
         if not todo:
             return {}
@@ -135,7 +137,7 @@ class EncodeOutcome:
     retries: int = 0
     calls: int = 0
     # (client, item ids it encoded) for clients that want `release` once the decode is done
-    holders: list[tuple[Any, list[str]]] = field(default_factory=list)
+    holders: list[tuple[Releasing, list[str]]] = field(default_factory=list)
 
     async def release(self) -> None:
         """Tell every holding encoder the decode side is done (once; never raises)."""
@@ -165,7 +167,7 @@ class EncoderRouter:
         order = {c.name: (i - start) % max(len(up), 1) for i, c in enumerate(up)}
         return sorted(up, key=lambda c: (self.inflight[c.name], order[c.name]))
 
-    async def _call(self, client: EncoderClient, items: Sequence[MediaItem],
+    async def _call(self, client: EncoderClient, items: Sequence[MediaPart],
                     request_id: str) -> dict[str, Any]:
         self.inflight[client.name] += 1
         try:
@@ -178,7 +180,7 @@ class EncoderRouter:
         self.down_until[client.name] = 0.0
         return out
 
-    async def _group(self, first: EncoderClient, items: Sequence[MediaItem], request_id: str,
+    async def _group(self, first: EncoderClient, items: Sequence[MediaPart], request_id: str,
                      outcome: EncodeOutcome, errors: list[str]) -> None:
         tried = {first.name}
         client: EncoderClient | None = first
@@ -196,7 +198,7 @@ class EncoderRouter:
                     missing = [it.item_id for it in items if it.item_id not in made]
                     outcome.failed.extend(missing)
                     errors.append(f"{client.name}: {len(missing)} item(s) not encoded")
-                if done and hasattr(client, "release"):
+                if done and isinstance(client, Releasing):
                     outcome.holders.append((client, done))
                 return
             others = self.candidates(exclude=tried)
@@ -208,7 +210,7 @@ class EncoderRouter:
                 break
         outcome.failed.extend(it.item_id for it in items)
 
-    async def encode(self, items: Sequence[MediaItem], request_id: str
+    async def encode(self, items: Sequence[MediaPart], request_id: str
                      ) -> tuple[EncodeOutcome, list[str]]:
         """Encode `items`; returns the outcome and the error messages seen."""
         outcome, errors = EncodeOutcome(), []

@@ -31,7 +31,7 @@ _TEXT_PARTS = {"text"}
 
 
 @dataclass
-class MediaItem:
+class MediaPart:
     """One distinct media item of a request. `part` is a JSON-ready content part (with uuid)
     that an encoder can be sent as is."""
 
@@ -44,7 +44,7 @@ class MediaItem:
 @dataclass
 class PreparedRequest:
     body: dict[str, Any]
-    items: list[MediaItem]
+    items: list[MediaPart]
     stream: bool
 
 
@@ -148,7 +148,7 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list")
     body.pop("ec_transfer_params", None)  # the gateway decides what decode instances get
-    items: dict[str, MediaItem] = {}
+    items: dict[str, MediaPart] = {}
     n_parts = 0
     for msg in messages:
         if not isinstance(msg, dict):
@@ -188,6 +188,6 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
                 _validated.add(verdict)
             part["uuid"] = item_id
             if item_id not in items:
-                items[item_id] = MediaItem(item_id, modality, len(data), part)
+                items[item_id] = MediaPart(item_id, modality, len(data), part)
     return PreparedRequest(body=body, items=list(items.values()),
                            stream=body.get("stream") is True)

@@ -1,8 +1,9 @@
 """The Mooncake Store master (`mooncake_master` from the Mooncake wheel), started by the project
 where a deployment needs one: `epd up`, tests, benchmarks, `epd master` in compose/k8s.
 
-It serves the store's RPC (`rpc_port`), the HTTP metadata server clients register their
-segments with (`http_port`) and Prometheus metrics (`metrics_port`).
+It serves the store's RPC (`rpc_port`, default 50051), the HTTP metadata server clients
+register their segments with (`http_port`, default RPC + 1) and Prometheus metrics
+(`metrics_port`, default RPC + 2): `ec_connectors.protocol.ports`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ import argparse
 import os
 import shutil
 import socket
+import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Self
 
 import httpx
 
-from encoder_service.local.processes import ServerFailed, VllmServer
+from ec_connectors.protocol import ports
+from encoder_service.local.processes import ManagedProcess, ServerFailed
 
 
 class MasterMissing(ServerFailed):
@@ -54,17 +58,24 @@ def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 @dataclass
-class MasterServer(VllmServer):
-    """One `mooncake_master` process, managed like a VllmServer (start/wait/stop, log file).
-    `port` is the RPC port; healthy = RPC port accepts and the metadata server answers."""
+class MasterServer(ManagedProcess):
+    """One `mooncake_master` process (start/wait/stop, log file). `port` is the RPC port;
+    healthy = RPC port accepts and the metadata server answers."""
 
+    name: str
+    port: int
+    work_dir: Path
     host: str = "127.0.0.1"
     http_port: int = 0  # default port + 1
     metrics_port: int = 0  # default port + 2
+    env: dict[str, str] = field(default_factory=dict)  # on top of os.environ
+    proc: subprocess.Popen | None = None
+
+    startup_timeout_s: ClassVar[float] = 30.0
 
     def __post_init__(self) -> None:
-        self.http_port = self.http_port or self.port + 1
-        self.metrics_port = self.metrics_port or self.port + 2
+        self.http_port = self.http_port or ports.master_http_port(self.port)
+        self.metrics_port = self.metrics_port or ports.master_metrics_port(self.port)
 
     @property
     def address(self) -> str:
@@ -83,7 +94,7 @@ class MasterServer(VllmServer):
     def command(self) -> list[str]:
         return master_command(self.host, self.port, self.http_port, self.metrics_port)
 
-    def start(self) -> MasterServer:
+    def start(self) -> Self:
         for port in (self.port, self.http_port, self.metrics_port):
             if port_open(self.host, port, 0.2):
                 raise ServerFailed(f"{self.name}: {self.host}:{port} is already in use; "
@@ -100,27 +111,28 @@ class MasterServer(VllmServer):
         except httpx.HTTPError:
             return False
 
-    def wait(self, timeout_s: float = 30.0) -> None:
-        super().wait(timeout_s)
 
-
-def master_server(work_dir: Path, port: int, host: str = "127.0.0.1",
+def master_server(work_dir: Path, port: int = ports.MASTER_RPC_PORT, host: str = "127.0.0.1",
                   name: str = "mooncake-master") -> MasterServer:
     """A master with RPC on `port`, metadata on port+1, metrics on port+2 (log in work_dir)."""
-    return MasterServer(name, Path(os.devnull), port, work_dir, host=host)
+    return MasterServer(name, port, work_dir, host=host)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`epd master`: run the store master in the foreground (compose, k8s)."""
     parser = argparse.ArgumentParser(prog="epd master", description=__doc__)
     parser.add_argument("--host", default=os.environ.get("EPD_MASTER_HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=50051, help="RPC port (store_master)")
-    parser.add_argument("--http-port", type=int, default=8080,
-                        help="HTTP metadata server port (store_metadata)")
-    parser.add_argument("--metrics-port", type=int, default=9003)
+    parser.add_argument("--port", type=int, default=ports.MASTER_RPC_PORT,
+                        help=f"RPC port (store_master; default {ports.MASTER_RPC_PORT})")
+    parser.add_argument("--http-port", type=int, help="HTTP metadata server port "
+                        "(store_metadata; default: the RPC port + 1)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="Prometheus metrics port (default: the RPC port + 2)")
     args, extra = parser.parse_known_args(argv)
+    http_port = args.http_port or ports.master_http_port(args.port)
+    metrics_port = args.metrics_port or ports.master_metrics_port(args.port)
     try:
-        cmd = master_command(args.host, args.port, args.http_port, args.metrics_port)
+        cmd = master_command(args.host, args.port, http_port, metrics_port)
     except MasterMissing as exc:
         print(f"epd master: {exc}", file=sys.stderr)
         return 2

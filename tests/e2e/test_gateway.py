@@ -102,14 +102,15 @@ def test_answers_equal_the_aggregated_server_streamed_and_not(cluster):
     image2 = sample_image_png(seed=502)  # a fresh image, streamed
     ref2 = reference(c, image2)
     body = {**chat_body(MODEL_NAME, image2, PROMPT, max_tokens=8), "stream": True}
-    tokens, chunks = [], 0
+    tokens = []
     with c["client"].stream("POST", GW + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                chunks += 1
                 tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
-    assert tokens == ref2 and chunks >= len(ref2)
+    # Not one chunk per token: under load vLLM may put several tokens in one chunk.
+    assert tokens == ref2
     models = c["client"].get(GW + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL_NAME]
 

@@ -1,17 +1,17 @@
 import pytest
 
-from ec_connectors.protocol.params import BadParams, hinted_items, producer_params
+from ec_connectors.protocol.params import BadParams, item_sources, producer_params
 
 
 def test_producer_params_round_trip():
     params = producer_params("safetensors", "m", "eng", {"a": {"num_embeds": 64}, "b": {}})
-    assert hinted_items(params) == {"a", "b"}
+    assert set(item_sources(params)) == {"a", "b"}
 
 
 def test_list_form_and_absent():
-    assert hinted_items({"epd": {"items": ["x"]}}) == {"x"}
-    assert hinted_items(None) == set()
-    assert hinted_items({"other_connector": {}}) == set()
+    assert set(item_sources({"epd": {"items": ["x"]}})) == {"x"}
+    assert item_sources(None) == {}
+    assert item_sources({"other_connector": {}}) == {}
 
 
 @pytest.mark.parametrize("bad", [
@@ -20,4 +20,4 @@ def test_list_form_and_absent():
 ])
 def test_malformed_params_raise(bad):
     with pytest.raises(BadParams):
-        hinted_items(bad)
+        item_sources(bad)

@@ -14,9 +14,10 @@ import torch
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import control_address
-from ec_connectors.scheduler import EPDSchedulerSide, Status
+from ec_connectors.scheduler import EPDSchedulerSide
 from ec_connectors.transports import make_transport
 from ec_connectors.worker import EPDWorker
+from scheduler_hooks.staging import Status
 from tests.helpers import wait_for
 
 NUM_EMBEDS = 16
@@ -151,7 +152,7 @@ def test_consumer_finds_items_without_params_through_the_index(pair_factory):
     produce(prod, request("p", "img"), {"img": x})
     req = request("c", "img")
     wait_until(lambda: cons.sched.ensure_cache_available(req, 0) is False
-             or cons.sched._staging.get("img") is not None)
+             or cons.sched.staging.get("img") is not None)
     cons.step_until_ready(req)
     _, cache = cons.schedule(req)
     assert torch.equal(cache["img"], x)
@@ -192,7 +193,7 @@ def test_corrupt_file_falls_back_to_local_encode(pair_factory):
     req = request("c", "img", params=params)
     cons.step_until_ready(req)
     assert not cons.sched.has_cache_item("img")
-    assert cons.sched._staging["img"].status is Status.FAILED
+    assert cons.sched.staging.get("img").status is Status.FAILED
 
 
 def test_token_count_mismatch_is_not_placed(pair_factory):
@@ -236,4 +237,4 @@ def test_garbled_control_message_is_dropped(pair_factory, ctl_dir):
     sock.close(0)
     req = request("c", "x", params={"epd": {"items": ["x"]}})
     cons.step_until_ready(req)  # still serving: the prefetch runs and times out normally
-    assert cons.sched._staging["x"].status is Status.FAILED
+    assert cons.sched.staging.get("x").status is Status.FAILED

@@ -4,8 +4,10 @@ stand-in server over real HTTP (the benchmark itself drives real vLLM servers)."
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -17,8 +19,10 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from encoder_service.bench import (
+    BenchResult,
     BenchSpec,
     Record,
+    _Progress,
     format_table,
     image_sequence,
     plot,
@@ -92,5 +96,25 @@ def test_run_bench_measures_a_streaming_server(tmp_path):
     assert s["ok"] == 20 and s["errors"] == 0
     assert len(set(seen)) == 10  # 50% reuse: 10 distinct images sent
     assert 2 <= s["tpot_ms_p50"] < 50 and s["ttft_ms_p50"] < s["e2e_ms_p50"]
-    plot({"stub": res}, tmp_path / "p.png")
-    assert (tmp_path / "p.png").stat().st_size > 5000
+    if plot({"stub": res}, tmp_path / "p.png"):
+        assert (tmp_path / "p.png").stat().st_size > 5000
+    else:  # without the [bench] extra
+        assert importlib.util.find_spec("matplotlib") is None
+
+
+def test_without_the_bench_extra_progress_is_plain_lines_and_no_plot(monkeypatch, capsys,
+                                                                     tmp_path):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    bar = _Progress(20, "run")
+    for _ in range(20):
+        bar.update(1)
+    bar.close()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "run: 20 requests (install epd-serve[bench] for a progress bar)"
+    assert err[1].startswith("run: 1/20 requests") and err[-1].startswith("run: 20/20 requests")
+    assert len(err) == 12  # the header, then one line per tenth (and the first)
+    res = BenchResult(spec={}, duration_s=1.0, summary={"req_per_s": 1.0})
+    assert plot({"run": res}, tmp_path / "p.png") is False
+    assert not (tmp_path / "p.png").exists()
+    assert "install epd-serve[bench] for the plot" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import zmq
 from ec_connectors.config import EPDConfig
 from ec_connectors.testing.peer_process import PeerClient
 from ec_connectors.transports import Placement
-from ec_connectors.transports.mooncake_catalog import MooncakeCatalog
+from ec_connectors.transports.mooncake_te.catalog import MooncakeCatalog
 from tests.helpers import expected, wait_for
 
 pytest.importorskip("mooncake.engine")
@@ -208,7 +208,7 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     for frame in garbage:
         sock.send(frame)
     # A well-formed pull with a forged session must be refused, not attempted.
-    from ec_connectors import messages
+    from ec_connectors.transports.mooncake_te import messages
 
     sock.send(messages.encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
                                             dst_addr=0, capacity=0)))
@@ -329,7 +329,8 @@ def test_transfer_across_a_veth_pair_between_two_namespaces(peers):
 
 
 def test_port_scheme_and_host_detection():
-    from ec_connectors.protocol.net import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for, resolve_host
+    from ec_connectors.protocol.net import resolve_host
+    from ec_connectors.protocol.ports import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for
 
     # dp 0..1 x tp 0..3 on one node: eight distinct ports per purpose, no cross-purpose clash
     serve = {port_for(15500, PURPOSE_SERVE, 0, dp, 4, tp) for dp in range(2) for tp in range(4)}

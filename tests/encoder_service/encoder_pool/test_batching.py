@@ -60,7 +60,7 @@ def image(item_id: str, side: int = 64) -> MediaItem:
 
 def make_pool(*encoders, budget=1 << 20, **kw) -> EncoderPool:
     workers = [Worker(e, name=f"w{i}") for i, e in enumerate(encoders)]
-    return EncoderPool(workers, FeatureStore(budget, budget), **kw)
+    return EncoderPool(workers, FeatureStore(budget), **kw)
 
 
 def run(coro_fn, pool):
@@ -155,7 +155,7 @@ def test_full_queue_refuses_at_once_and_budget_full_refuses():
         assert small.store.get("b0") is None and small.store.evictions == 1
 
     run(go2, small)
-    assert small.store.peak["cpu"] <= ITEM_BYTES * 2
+    assert small.store.peak <= ITEM_BYTES * 2
 
 
 def test_least_loaded_dispatch_sends_more_work_to_the_faster_worker():

@@ -20,7 +20,7 @@ from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
 from encoder_service.encoder_pool.media import decode_image
 from encoder_service.encoder_pool.models import LlavaEncoder
-from encoder_service.encoder_pool.server import build_pool, create_app
+from encoder_service.encoder_pool.server import build_pool, create_app, main, parse_config
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodel import SPECS, build
@@ -220,3 +220,23 @@ def test_config_errors_are_clear(model, tmp_path):
     cfg = PoolConfig.from_dict({"model": model, "transport": {"storage_pth": "/x"}})
     with pytest.raises(ValueError, match="storage_pth"):
         cfg.transport_config()
+    with pytest.raises(PoolConfigError, match="gpu_budget_bytes: Extra inputs.*Known keys: "
+                                              ".*cpu_budget_bytes"):
+        PoolConfig.from_dict({"model": model, "gpu_budget_bytes": 1})  # no GPU tier
+
+
+def test_config_file_json_or_toml_under_flags(model, tmp_path, capsys):
+    toml = tmp_path / "pool.toml"
+    toml.write_text(f'model = "{model}"\nmax_batch_size = 4\nretain = "keep"\n'
+                    f'[transport]\nstorage_path = "{tmp_path / "ec"}"\n')
+    cfg = parse_config(["--config", str(toml), "--max-batch-size", "2"])
+    assert cfg.max_batch_size == 2 and cfg.retain == "keep"  # flags win over the file
+    assert cfg.transport == {"storage_path": str(tmp_path / "ec")}
+    js = tmp_path / "pool.json"
+    js.write_text(f'{{"model": "{model}", "max_wait_ms": 7}}')
+    assert parse_config(["--config", str(js)]).max_wait_ms == 7
+    js.write_text("{")
+    with pytest.raises(PoolConfigError, match="cannot parse config file .*pool.json as JSON"):
+        parse_config(["--config", str(js)])
+    assert main(["--config", str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml does not exist" in capsys.readouterr().err

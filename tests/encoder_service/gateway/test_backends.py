@@ -18,14 +18,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ec_connectors import messages
-from ec_connectors.messages import Announce, Evicted, Snapshot
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import content_item_id, item_key
+from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
 from encoder_service.gateway.availability import MooncakeAvailability, make_availability
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
-from encoder_service.gateway.encoder_clients import EncoderRouter
-from encoder_service.gateway.parsing import MediaItem
+from encoder_service.gateway.encoder_clients import (
+    EncoderRouter,
+    PoolEncoderClient,
+    Releasing,
+    VllmEncoderClient,
+)
+from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.server import GatewayThread
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
@@ -187,9 +192,12 @@ def test_mooncake_availability_config():
             "kind": "safetensors"}})
     with pytest.raises(GatewayConfigError, match="encoder_backend"):
         GatewayConfig.build({"decoders": ["http://x:1"], "encoder_backend": "sglang"})
-    # the old, never-used key name still parses
-    assert GatewayConfig.build({"decoders": ["http://x:1"],
-                                "encoder_transport": "pool"}).encoder_backend == "pool"
+    # an unknown key is an error that names it and the known keys, nested ones dotted
+    with pytest.raises(GatewayConfigError,
+                       match=r"encoder_transport: Extra inputs.*Known keys: .*encoder_backend"):
+        GatewayConfig.build({"decoders": ["http://x:1"], "encoder_transport": "pool"})
+    with pytest.raises(GatewayConfigError, match=r"Known keys: .*availability\.producers"):
+        GatewayConfig.build({"decoders": ["http://x:1"], "availability": {"kindd": "none"}})
 
 
 def test_gateway_skips_encoding_items_a_mooncake_producer_holds(producer):
@@ -273,7 +281,7 @@ class PartialEncoder:
 def test_router_items_left_out_fail_alone_without_a_retry():
     a, b = PartialEncoder("a", {"i1"}), PartialEncoder("b", {"i1"})
     router = EncoderRouter([a])
-    todo = [MediaItem(f"i{k}", "image", 1, {}) for k in range(3)]
+    todo = [MediaPart(f"i{k}", "image", 1, {}) for k in range(3)]
     out, errors = asyncio.run(router.encode(todo, "r"))
     assert out.failed == ["i1"] and set(out.hints) == {"i0", "i2"} and out.retries == 0
     assert len(errors) == 1 and a.calls == 1
@@ -289,7 +297,23 @@ def test_release_never_raises():
             raise RuntimeError("gone")
 
     router = EncoderRouter([Broken("a", set())])
-    out, _ = asyncio.run(router.encode([MediaItem("i0", "image", 1, {})], "r"))
+    out, _ = asyncio.run(router.encode([MediaPart("i0", "image", 1, {})], "r"))
     t0 = time.monotonic()
     asyncio.run(out.release())
     assert time.monotonic() - t0 < 1
+
+
+def test_only_releasing_encoders_are_held():
+    class Plain:  # a vLLM producer: nothing to release
+        def __init__(self) -> None:
+            self.name = "plain"
+
+        async def encode(self, items, request_id):
+            return {it.item_id: {} for it in items}
+
+    client = httpx.AsyncClient()
+    assert isinstance(PoolEncoderClient("http://p:1", client, 1.0), Releasing)
+    assert not isinstance(VllmEncoderClient("http://v:1", "m", client, 1.0), Releasing)
+    asyncio.run(client.aclose())
+    out, _ = asyncio.run(EncoderRouter([Plain()]).encode([MediaPart("i0", "image", 1, {})], "r"))
+    assert set(out.hints) == {"i0"} and out.holders == []

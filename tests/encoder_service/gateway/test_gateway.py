@@ -21,7 +21,7 @@ from starlette.routing import Route
 from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
-from encoder_service.gateway.parsing import MediaItem
+from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.server import GatewayThread
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, data_url, sample_image_png
@@ -308,8 +308,8 @@ class FakeEncoder:
         return {it.item_id: {"by": self.name} for it in items}
 
 
-def items(n: int) -> list[MediaItem]:
-    return [MediaItem(f"i{k}", "image", 1, {}) for k in range(n)]
+def items(n: int) -> list[MediaPart]:
+    return [MediaPart(f"i{k}", "image", 1, {}) for k in range(n)]
 
 
 def test_router_groups_items_one_call_per_encoder():

@@ -20,8 +20,13 @@ def test_defaults_and_clear_errors(tmp_path):
                                                                           "safetensors")
     bad = tmp_path / "up.json"
     bad.write_text(json.dumps({"encoder": 2}))
-    with pytest.raises(UpError, match="encoder: Extra inputs"):
+    with pytest.raises(UpError, match="encoder: Extra inputs.*Known keys: .*encoders"):
         load_up_config(bad)
+    with pytest.raises(UpError, match="config file .*missing.toml does not exist"):
+        load_up_config(tmp_path / "missing.toml")
+    (tmp_path / "broken.toml").write_text("encoders = [")
+    with pytest.raises(UpError, match="cannot parse config file .*broken.toml as TOML"):
+        load_up_config(tmp_path / "broken.toml")
     bad.write_text(json.dumps({"decoders": 0}))
     with pytest.raises(UpError, match="decoders"):
         load_up_config(bad)

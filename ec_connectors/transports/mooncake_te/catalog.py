@@ -16,20 +16,15 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from ec_connectors import messages
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
-from ec_connectors.messages import Announce, Evicted, PeerMessage, Snapshot
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.protocol.net import (
-    PURPOSE_SERVE,
-    announce_endpoint,
-    parse_endpoint,
-    port_for,
-    resolve_host,
-)
+from ec_connectors.protocol.net import parse_endpoint, resolve_host
+from ec_connectors.protocol.ports import PURPOSE_SERVE, announce_endpoint, port_for
 from ec_connectors.transports.base import Placement, Transport
+from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, PeerMessage, Snapshot
 
 if TYPE_CHECKING:
     import torch

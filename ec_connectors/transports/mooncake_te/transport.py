@@ -16,7 +16,7 @@ until their deadline, then the item is encoded locally).
 A buffer whose pull timed out may still be written by a frozen producer: it is quarantined
 until that producer answers or disconnects (or `quarantine_ttl_s`), never reused early.
 
-Scheduler process: `mooncake_catalog.MooncakeCatalog` subscribes to producers'
+Scheduler process: `catalog.MooncakeCatalog` subscribes to producers'
 announcements and answers `list_keys` / `locate` from memory (the availability index).
 
 Routing, retries across tiers and request lifecycle live above (worker.py, scheduler_hooks/).
@@ -25,44 +25,22 @@ Routing, retries across tiers and request lifecycle live above (worker.py, sched
 from __future__ import annotations
 
 import contextlib
-import itertools
-import os
-import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import msgspec
 import torch
-import xxhash
 import zmq
 
-from ec_connectors import messages
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
 from ec_connectors.log import get_logger
-from ec_connectors.messages import (
-    Announce,
-    Evicted,
-    ItemInfo,
-    PeerMessage,
-    Progress,
-    Pull,
-    Pulled,
-    PullFailed,
-    Snapshot,
-)
+from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.protocol.net import (
-    PURPOSE_ANNOUNCE,
-    PURPOSE_SERVE,
-    parse_endpoint,
-    port_for,
-    resolve_host,
-)
+from ec_connectors.protocol.net import parse_endpoint, resolve_host
+from ec_connectors.protocol.ports import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for
 from ec_connectors.transports.base import (
     Placement,
     Transport,
@@ -71,354 +49,22 @@ from ec_connectors.transports.base import (
     dtype_name,
     tensor_bytes,
 )
-from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
+from ec_connectors.transports.memory import MemoryPool, PoolExhausted
+from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te.consumer import PeerLink, PendingPull, StreamVerifier
+from ec_connectors.transports.mooncake_te.engine import TransferEngineUnavailable, start_engine
+from ec_connectors.transports.mooncake_te.messages import (
+    PeerMessage,
+    Progress,
+    Pull,
+    Pulled,
+    PullFailed,
+)
+from ec_connectors.transports.mooncake_te.producer import Announcer, ProducerStore
 
 logger = get_logger(__name__)
 
-_RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 _UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save may still be queued
-
-
-class TransferEngineUnavailable(RuntimeError):
-    pass
-
-
-def _start_engine(config: EPDConfig, host: str):
-    os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(config.progress_timeout_s))
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:
-        raise TransferEngineUnavailable(
-            "transport 'mooncake' needs the Mooncake Transfer Engine: pip install "
-            "'epd-serve[cpu]' (mooncake-transfer-engine-non-cuda) or '[cuda]'; it needs "
-            f"libibverbs.so.1 (apt-get install libibverbs1). Import failed: {exc}") from exc
-    engine = TransferEngine()
-    device = config.device_name or os.environ.get("RDMA_DEVICE_NAME", "")
-    rc = engine.initialize(host, "P2PHANDSHAKE", config.protocol, device if
-                           config.protocol == "rdma" else "")
-    if rc != 0:
-        raise TransferEngineUnavailable(
-            f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {config.protocol!r}, "
-            f"{device!r}) failed with {rc}; check host/protocol/device_name")
-    return engine
-
-
-# --- producer -------------------------------------------------------------------------------
-
-
-@dataclass
-class Held:
-    info: ItemInfo
-    buf: PoolBuffer
-    lease_until: float
-    pins: int = 0
-
-
-class ProducerStore:
-    """Items held in the registered pool: leases, pins, LRU. Thread-safe."""
-
-    def __init__(self, pool: MemoryPool, lease_ttl_s: float) -> None:
-        self.pool = pool
-        self.lease_ttl_s = lease_ttl_s
-        self._items: OrderedDict[str, Held] = OrderedDict()  # LRU first
-        self._lock = threading.Lock()
-        self.recently_evicted: OrderedDict[str, None] = OrderedDict()
-
-    def get(self, key: str) -> Held | None:
-        with self._lock:
-            held = self._items.get(key)
-            if held is not None:
-                self._items.move_to_end(key)
-            return held
-
-    def pin(self, key: str) -> Held | None:
-        with self._lock:
-            held = self._items.get(key)
-            if held is not None:
-                held.pins += 1
-                self._items.move_to_end(key)
-            return held
-
-    def unpin(self, held: Held) -> None:
-        with self._lock:
-            held.pins -= 1
-        self.pool.notify()
-
-    def renew(self, key: str) -> bool:
-        with self._lock:
-            held = self._items.get(key)
-            if held is None:
-                return False
-            held.lease_until = time.monotonic() + self.lease_ttl_s
-            self._items.move_to_end(key)
-            return True
-
-    def add(self, info: ItemInfo, buf: PoolBuffer) -> None:
-        with self._lock:
-            self._items[info.key] = Held(info, buf, time.monotonic() + self.lease_ttl_s)
-            self.recently_evicted.pop(info.key, None)
-
-    def evict_one(self) -> Held | None:
-        """Release the least recently used unleased, unpinned item; None if there is none."""
-        now = time.monotonic()
-        with self._lock:
-            for key, held in self._items.items():
-                if held.pins == 0 and held.lease_until <= now:
-                    del self._items[key]
-                    self.recently_evicted[key] = None
-                    while len(self.recently_evicted) > _RECENT_EVICTIONS:
-                        self.recently_evicted.popitem(last=False)
-                    break
-            else:
-                return None
-        held.buf.release()
-        return held
-
-    def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[Held]]:
-        """A block for a new item: free space, else evict, else wait for leases to lapse or
-        pins to drop (backpressure) until `deadline`. Raises PoolExhausted."""
-        evicted: list[Held] = []
-        while True:
-            buf = self.pool.try_allocate(nbytes)
-            if buf is not None:
-                return buf, evicted
-            victim = self.evict_one()
-            if victim is not None:
-                evicted.append(victim)
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                with self._lock:
-                    n, leased = len(self._items), sum(1 for h in self._items.values()
-                                                      if h.lease_until > time.monotonic())
-                raise PoolExhausted(
-                    f"producer pool full: {self.pool.used_bytes} of {self.pool.capacity} bytes "
-                    f"hold {n} items, {leased} still leased (lease_ttl_s={self.lease_ttl_s}); "
-                    f"raise memory_pool_bytes or lower lease_ttl_s")
-            with self._lock:
-                soonest = min((h.lease_until for h in self._items.values() if h.pins == 0),
-                              default=time.monotonic() + 0.05)
-            self.pool.wait_for_change(max(0.001, min(left, soonest - time.monotonic(), 0.25)))
-
-    def catalog(self) -> tuple[list[str], list[int]]:
-        with self._lock:
-            return list(self._items), [h.info.nbytes for h in self._items.values()]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def clear(self) -> None:
-        with self._lock:
-            items, self._items = list(self._items.values()), OrderedDict()
-        for held in items:
-            if not held.buf.released:
-                held.buf.release()
-
-
-class Announcer:
-    """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
-
-    def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float,
-                 context: zmq.Context, namespace: str):
-        self.endpoint = endpoint
-        self.namespace = namespace
-        self._store = store
-        self._interval_s = interval_s
-        self._queue: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
-        self._sock = context.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.bind(bind)
-        self._thread = threading.Thread(target=self._run, name="epd-announce", daemon=True)
-        self._thread.start()
-
-    def stored(self, info: ItemInfo) -> None:
-        self._queue.put(Announce(endpoint=self.endpoint, items=[info], namespace=self.namespace))
-
-    def evicted(self, keys: list[str]) -> None:
-        if keys:
-            self._queue.put(Evicted(endpoint=self.endpoint, keys=keys, namespace=self.namespace))
-
-    def _run(self) -> None:
-        next_snapshot = 0.0
-        try:
-            while True:
-                try:
-                    msg = self._queue.get(timeout=max(0.0, next_snapshot - time.monotonic()))
-                except queue.Empty:
-                    keys, sizes = self._store.catalog()
-                    msg = Snapshot(endpoint=self.endpoint, keys=keys, nbytes=sizes,
-                                   interval_s=self._interval_s, namespace=self.namespace)
-                    next_snapshot = time.monotonic() + self._interval_s
-                if msg is None:
-                    return
-                self._sock.send(messages.encode(msg))
-        finally:
-            self._sock.close()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-
-
-# --- consumer ---------------------------------------------------------------------------------
-
-
-@dataclass
-class PendingPull:
-    buf: PoolBuffer | None
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    finished: bool = False
-    progress: int = 0  # bytes known to have landed (Progress messages)
-    reply: PeerMessage | None = None
-    payload: bytes | None = None
-    error: str = ""
-
-    def finish(self, reply: PeerMessage | None = None, payload: bytes | None = None,
-               error: str = "") -> None:
-        with self.cond:
-            self.reply, self.payload, self.error = reply, payload, error or self.error
-            self.finished = True
-            self.cond.notify_all()
-
-
-class PeerLink:
-    """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
-    flight to it and the buffers it may still write into."""
-
-    def __init__(self, endpoint: str, context: zmq.Context) -> None:
-        host, port = parse_endpoint(endpoint)
-        self.endpoint = endpoint
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: dict[int, PendingPull] = {}
-        self._quarantine: dict[int, tuple[PoolBuffer, float]] = {}
-        self.broken = False
-        self.channel = ControlEndpoint(f"tcp://{host}:{port}", bind=False,
-                                       on_message=self._on_message, name=f"epd-peer-{port}",
-                                       decode=messages.decode_peer,
-                                       on_disconnect=self._on_disconnect, context=context)
-
-    def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
-             on_progress: Callable[[int], None] | None = None, namespace: str = ""
-             ) -> PendingPull:
-        """Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
-        this thread) as chunks land. The returned pull is finished either way."""
-        pull_id = next(self._ids)
-        pending = PendingPull(buf)
-        with self._lock:
-            self._pending[pull_id] = pending
-        self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
-                               dst_addr=buf.addr if buf else 0,
-                               capacity=buf.nbytes if buf else 0, namespace=namespace))
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        seen = 0
-        while True:
-            with pending.cond:
-                pending.cond.wait_for(lambda s=seen: pending.finished or pending.progress > s,
-                                      max(0.0, deadline - time.monotonic()))
-                finished, progress = pending.finished, pending.progress
-            if progress > seen and on_progress is not None and not finished:
-                on_progress(progress)
-            seen = progress
-            if finished:
-                return pending
-            if time.monotonic() >= deadline:
-                break
-        with self._lock:
-            if self._pending.pop(pull_id, None) is not None:
-                if buf is not None and self.channel.connected:
-                    # It may still write into buf: hold it until it answers or dies.
-                    self._quarantine[pull_id] = (buf, time.monotonic())
-                    pending.buf = None
-                pending.finish(error=f"no answer from producer {self.endpoint} in "
-                                     f"{timeout_s:.2f} s")
-        return pending
-
-    def _on_message(self, msg: PeerMessage, _peer: bytes | None, payload: list[bytes]) -> None:
-        pull_id = getattr(msg, "pull_id", None)
-        if pull_id is None:
-            return
-        if isinstance(msg, Progress):
-            with self._lock:
-                pending = self._pending.get(pull_id)
-            if pending is not None:
-                with pending.cond:
-                    pending.progress = max(pending.progress, msg.done)
-                    pending.cond.notify_all()
-            return
-        with self._lock:
-            pending = self._pending.pop(pull_id, None)
-            late = self._quarantine.pop(pull_id, None) if pending is None else None
-        if late is not None:
-            logger.info("EPD: late answer from %s for pull %d; its buffer is free again",
-                        self.endpoint, pull_id)
-            late[0].release()
-        elif pending is not None:
-            pending.finish(msg, payload[0] if payload else None)
-
-    def _on_disconnect(self) -> None:
-        """The producer's process is gone: nothing can write into our buffers any more."""
-        with self._lock:
-            pending, self._pending = self._pending, {}
-            quarantined, self._quarantine = self._quarantine, {}
-            self.broken = True
-        for p in pending.values():
-            p.finish(error=f"producer {self.endpoint} disconnected")
-        for buf, _ in quarantined.values():
-            buf.release()
-        logger.warning("EPD: lost the connection to producer %s (%d pulls in flight)",
-                       self.endpoint, len(pending))
-
-    def reap(self, ttl_s: float) -> None:
-        cutoff = time.monotonic() - ttl_s
-        with self._lock:
-            stale = [k for k, (_, ts) in self._quarantine.items() if ts < cutoff]
-            bufs = [self._quarantine.pop(k)[0] for k in stale]
-        for buf in bufs:
-            logger.warning("EPD: releasing a buffer producer %s never answered for", self.endpoint)
-            buf.release()
-
-    @property
-    def quarantined(self) -> int:
-        return len(self._quarantine)
-
-    def close(self) -> None:
-        self.channel.close()
-        with self._lock:
-            quarantined, self._quarantine = self._quarantine, {}
-            pending, self._pending = self._pending, {}
-        for p in pending.values():
-            p.finish(error="closed")
-        for buf, _ in quarantined.values():
-            with contextlib.suppress(Exception):
-                buf.release()
-
-
-class _StreamVerifier:
-    """xxh3 over a pool block's bytes in order, as chunks land (same digest as one-shot).
-    Device pools hash a host copy of each chunk."""
-
-    def __init__(self, buf: PoolBuffer) -> None:
-        self._raw = buf.as_tensor(torch.uint8, (buf.nbytes,))
-        self._host = buf.as_bytes() if self._raw.device.type == "cpu" else None
-        self._hasher = xxhash.xxh3_64()
-        self.hashed = 0
-
-    def advance(self, upto: int) -> None:
-        upto = min(upto, self._raw.numel())
-        if upto > self.hashed:
-            if self._host is not None:
-                self._hasher.update(self._host[self.hashed:upto])
-            else:
-                self._hasher.update(memoryview(self._raw[self.hashed:upto].cpu().numpy()))
-            self.hashed = upto
-
-    def hexdigest(self) -> str:
-        return self._hasher.hexdigest()
-
-
-# --- the transport ----------------------------------------------------------------------------
 
 
 class MooncakeTransport(Transport):
@@ -432,7 +78,7 @@ class MooncakeTransport(Transport):
         self.placement = placement
         self.host = resolve_host(config.host)
         self.namespace = config.namespace or "default"  # one model per producer process
-        self.engine = _start_engine(config, self.host)
+        self.engine = start_engine(config, self.host)
         self._zmq = zmq.Context()  # ours alone, so close() can terminate it
         self.session = f"{self.host}:{self.engine.get_rpc_port()}"
         self.pool = MemoryPool(config.memory_pool_bytes, config.memory_pool_device,
@@ -473,7 +119,8 @@ class MooncakeTransport(Transport):
         try:
             self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
                                           on_message=self._on_pull, name="epd-peer-server",
-                                          decode=messages.decode_peer, context=self._zmq)
+                                          encode=messages.encode, decode=messages.decode_peer,
+                                          context=self._zmq)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
                                        self.store, c.announce_interval_s, self._zmq,
                                        self.namespace)
@@ -638,7 +285,7 @@ class MooncakeTransport(Transport):
         scaled = self.config.transfer_timeout_base_s + nbytes / self.config.min_transfer_bytes_per_s
         timeout = min(deadline - time.monotonic(), scaled)
         self.pull_stats["pulls"] += 1
-        verifier = _StreamVerifier(buf) if self.config.verify_checksum and buf is not None \
+        verifier = StreamVerifier(buf) if self.config.verify_checksum and buf is not None \
             else None
         p = link.pull(key, self.session, buf, timeout,
                       on_progress=verifier.advance if verifier else None,
@@ -666,7 +313,7 @@ class MooncakeTransport(Transport):
             if p.buf is not None:  # not quarantined: ours to free
                 p.buf.release()
 
-    def _receive(self, reply: Pulled, p: PendingPull, verifier: _StreamVerifier | None = None
+    def _receive(self, reply: Pulled, p: PendingPull, verifier: StreamVerifier | None = None
                  ) -> torch.Tensor | None:
         """A verified tensor from the reply: inline bytes, or our pool block itself (CPU
         pool: handed over without a copy, back to the pool when vLLM drops the tensor;

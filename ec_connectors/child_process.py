@@ -1,0 +1,152 @@
+"""Child processes that die with their parent, even when the parent is SIGKILLed (torch-free).
+
+Everything the project or its tests start as a long-lived child (vLLM servers, encoder pools,
+the Mooncake Store master, transport peers, `epd up` under test) goes through `popen()` or
+passes `preexec_fn=die_with_parent()` to `subprocess`: the child asks the kernel for a
+parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`, Linux; a no-op elsewhere) before it
+execs its program, so a parent killed by SIGKILL, which can clean up nothing, still takes its
+children along.
+
+Caveats:
+- The kernel sends the signal when the *thread* that forked the child exits, not the process.
+  Spawn only from threads that live as long as the children should (the project does: `epd up`
+  and `start_all` spawn from the main thread, pytest fixtures run in the main thread); a child
+  started from a short-lived worker thread would be SIGTERMed when that thread ends.
+- Only the direct child gets the signal (the setting is cleared in the children of a fork).
+  A child with children of its own must take them along itself. A `vllm serve` does so once it
+  serves (SIGTERM: its API server stops EngineCore and the workers, about 1 s), but a SIGTERM
+  that arrives while it is still starting up is lost (the API server, EngineCore and worker
+  all stay; checked with vLLM 0.32 on CPU). So the vLLM entry point (`encoder_service.local.
+  vllm_cli`) also runs `guard_process_group_from_env()`: when the parent named in
+  `$EPD_PARENT_PID` is gone and the process still runs after a grace period, it SIGTERMs, then
+  SIGKILLs, its whole process group (the managed processes lead their own sessions).
+- The setting does not survive exec of a set-user-ID or file-capability program; the commands
+  started here are plain programs (python, taskset, mooncake_master, `ip netns exec` as root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+PARENT_PID_ENV = "EPD_PARENT_PID"  # guard_process_group_from_env(): whose death to watch
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    """libc's prctl, looked up once in the parent (a child between fork and exec must not
+    load libraries)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+_prctl = _load_prctl()
+
+
+def supported() -> bool:
+    """Whether children here can get a parent-death signal (Linux with a usable libc)."""
+    return _prctl is not None
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A `preexec_fn` for `subprocess`: the child gets `sig` when this thread ends (see the
+    module docstring). Call it in the parent: `Popen(cmd, preexec_fn=die_with_parent())`.
+    Should the parent die between the fork and the prctl, the child signals itself."""
+    parent = os.getpid()
+    prctl = _prctl
+
+    def preexec() -> None:
+        if prctl is None:
+            return
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:  # the parent is already gone: nobody would signal us
+            os.kill(os.getpid(), sig)
+
+    return preexec
+
+
+def popen(cmd: list[str], *, death_signal: int = signal.SIGTERM,
+          preexec_fn: Callable[[], None] | None = None, **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **kwargs)` whose child dies with this thread (`die_with_parent`);
+    a caller's own `preexec_fn` runs after it."""
+    die = die_with_parent(death_signal)
+
+    def preexec() -> None:
+        die()
+        if preexec_fn is not None:
+            preexec_fn()
+
+    return subprocess.Popen(cmd, preexec_fn=preexec, **kwargs)
+
+
+def guard_process_group(parent_pid: int, grace_s: float = 5.0, kill_after_s: float = 3.0,
+                        interval_s: float = 0.25) -> threading.Thread | None:
+    """In a child that leads its own process group and has children of its own: a daemon
+    thread that waits for `parent_pid` to stop being this process's parent, then gives the
+    process `grace_s` to exit by itself (its parent-death signal has reached it), then sends
+    SIGTERM to the rest of the group and SIGKILL to the whole group once the rest is gone or
+    `kill_after_s` later. Nothing happens (None) off Linux, or when this process does not
+    lead its group (the group would be someone else's)."""
+    if not sys.platform.startswith("linux") or os.getpgrp() != os.getpid():
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        time.sleep(grace_s)  # still here: the parent-death signal did not end this process
+        me = os.getpid()
+        for pid in _group_members(me):  # not this process: its SIGTERM handling may exit it
+            with contextlib.suppress(OSError):  # before the SIGKILL below
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + kill_after_s
+        while time.monotonic() < deadline and _group_members(me):
+            time.sleep(0.1)
+        os.killpg(me, signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="epd-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _group_members(pgid: int) -> set[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc, except this one."""
+    out = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            out.add(int(entry.name))
+    out.discard(os.getpid())
+    return out
+
+
+def guard_process_group_from_env(grace_s: float = 5.0) -> threading.Thread | None:
+    """`guard_process_group($EPD_PARENT_PID)` when the variable is set (it is removed, so
+    this process's own children do not watch a grandparent)."""
+    value = os.environ.pop(PARENT_PID_ENV, "")
+    if not value.isdigit():
+        return None
+    return guard_process_group(int(value), grace_s)

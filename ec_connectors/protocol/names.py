@@ -1,0 +1,16 @@
+"""Transport names, the one list every process and config checks against (torch-free).
+
+`TransportName`: what `ec_connector_extra_config.transport` accepts (one name, or a list of
+them as tiers). `UpTransport`: what `epd up --transport` accepts: one transport, or the
+`tiered` preset, whose tiers are `TIERED` in load order (the producer's pool, then the
+store, then the shared directory).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+TransportName = Literal["safetensors", "mooncake", "mooncake_store"]
+TRANSPORT_NAMES: tuple[TransportName, ...] = get_args(TransportName)
+UpTransport = Literal[TransportName, "tiered"]
+TIERED: tuple[TransportName, ...] = ("mooncake", "mooncake_store", "safetensors")

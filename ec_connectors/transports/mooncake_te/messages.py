@@ -1,0 +1,93 @@
+"""Wire types of the Mooncake TE peer side channel and announcements (msgspec, never pickle):
+consumer <-> producer pulls, and producer -> catalog item announcements."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ec_connectors.protocol.items import ItemInfo
+
+# --- Peer side channel (Mooncake TE transport): consumer worker <-> producer worker ---------
+# Control only: the bytes of an item move through the transfer engine, except items up to
+# `inline_max_bytes`, which ride as one raw frame after the header (no pickle, ever).
+
+
+class Pull(msgspec.Struct, tag=True):
+    """consumer -> producer: write item `key` into my registered buffer `dst_addr` (of
+    `capacity` bytes) through the transfer engine session `session` ("host:rpc_port").
+    capacity 0 asks for the item's metadata first (or the item inline, if it is small)."""
+
+    pull_id: int
+    key: str
+    session: str
+    dst_addr: int
+    capacity: int
+    namespace: str = ""  # the model the item must belong to ("" = do not check)
+
+
+class Pulled(msgspec.Struct, tag=True):
+    """producer -> consumer: the item is in your buffer (or in the next frame, `inline`)."""
+
+    pull_id: int
+    info: ItemInfo
+    inline: bool = False
+
+
+class PullFailed(msgspec.Struct, tag=True):
+    """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
+    transfer | bad_request | namespace (the item belongs to another model)."""
+
+    pull_id: int
+    code: str
+    error: str = ""
+    info: ItemInfo | None = None
+
+
+class Progress(msgspec.Struct, tag=True):
+    """producer -> consumer: the first `done` bytes of pull `pull_id` have landed and will not
+    change (the consumer verifies them while the rest is still in flight)."""
+
+    pull_id: int
+    done: int
+
+
+class Announce(msgspec.Struct, tag=True):
+    """producer -> subscribers: items stored at `endpoint`."""
+
+    endpoint: str
+    items: list[ItemInfo]
+    namespace: str = ""
+
+
+class Evicted(msgspec.Struct, tag=True):
+    """producer -> subscribers: keys no longer held at `endpoint`."""
+
+    endpoint: str
+    keys: list[str]
+    namespace: str = ""
+
+
+class Snapshot(msgspec.Struct, tag=True):
+    """producer -> subscribers, periodically: everything held at `endpoint` (heals missed
+    events; a producer whose snapshots stop is forgotten after a few intervals)."""
+
+    endpoint: str
+    keys: list[str]
+    nbytes: list[int]
+    interval_s: float
+    namespace: str = ""
+
+
+PeerMessage = Pull | Pulled | PullFailed | Progress | Announce | Evicted | Snapshot
+
+_encoder = msgspec.msgpack.Encoder()
+_peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_peer(data: bytes) -> PeerMessage:
+    """Raises msgspec.DecodeError / ValidationError on garbage; callers drop such frames."""
+    return _peer_decoder.decode(data)

@@ -1,0 +1,175 @@
+"""Producer side of the Mooncake TE transport: the items a worker holds in its registered pool
+(leases, pins, LRU, backpressure) and the ZMQ PUB that announces them to catalogs."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+
+from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
+from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
+
+_RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
+
+
+@dataclass
+class Held:
+    info: ItemInfo
+    buf: PoolBuffer
+    lease_until: float
+    pins: int = 0
+
+
+class ProducerStore:
+    """Items held in the registered pool: leases, pins, LRU. Thread-safe."""
+
+    def __init__(self, pool: MemoryPool, lease_ttl_s: float) -> None:
+        self.pool = pool
+        self.lease_ttl_s = lease_ttl_s
+        self._items: OrderedDict[str, Held] = OrderedDict()  # LRU first
+        self._lock = threading.Lock()
+        self.recently_evicted: OrderedDict[str, None] = OrderedDict()
+
+    def get(self, key: str) -> Held | None:
+        with self._lock:
+            held = self._items.get(key)
+            if held is not None:
+                self._items.move_to_end(key)
+            return held
+
+    def pin(self, key: str) -> Held | None:
+        with self._lock:
+            held = self._items.get(key)
+            if held is not None:
+                held.pins += 1
+                self._items.move_to_end(key)
+            return held
+
+    def unpin(self, held: Held) -> None:
+        with self._lock:
+            held.pins -= 1
+        self.pool.notify()
+
+    def renew(self, key: str) -> bool:
+        with self._lock:
+            held = self._items.get(key)
+            if held is None:
+                return False
+            held.lease_until = time.monotonic() + self.lease_ttl_s
+            self._items.move_to_end(key)
+            return True
+
+    def add(self, info: ItemInfo, buf: PoolBuffer) -> None:
+        with self._lock:
+            self._items[info.key] = Held(info, buf, time.monotonic() + self.lease_ttl_s)
+            self.recently_evicted.pop(info.key, None)
+
+    def evict_one(self) -> Held | None:
+        """Release the least recently used unleased, unpinned item; None if there is none."""
+        now = time.monotonic()
+        with self._lock:
+            for key, held in self._items.items():
+                if held.pins == 0 and held.lease_until <= now:
+                    del self._items[key]
+                    self.recently_evicted[key] = None
+                    while len(self.recently_evicted) > _RECENT_EVICTIONS:
+                        self.recently_evicted.popitem(last=False)
+                    break
+            else:
+                return None
+        held.buf.release()
+        return held
+
+    def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[Held]]:
+        """A block for a new item: free space, else evict, else wait for leases to lapse or
+        pins to drop (backpressure) until `deadline`. Raises PoolExhausted."""
+        evicted: list[Held] = []
+        while True:
+            buf = self.pool.try_allocate(nbytes)
+            if buf is not None:
+                return buf, evicted
+            victim = self.evict_one()
+            if victim is not None:
+                evicted.append(victim)
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                with self._lock:
+                    n, leased = len(self._items), sum(1 for h in self._items.values()
+                                                      if h.lease_until > time.monotonic())
+                raise PoolExhausted(
+                    f"producer pool full: {self.pool.used_bytes} of {self.pool.capacity} bytes "
+                    f"hold {n} items, {leased} still leased (lease_ttl_s={self.lease_ttl_s}); "
+                    f"raise memory_pool_bytes or lower lease_ttl_s")
+            with self._lock:
+                soonest = min((h.lease_until for h in self._items.values() if h.pins == 0),
+                              default=time.monotonic() + 0.05)
+            self.pool.wait_for_change(max(0.001, min(left, soonest - time.monotonic(), 0.25)))
+
+    def catalog(self) -> tuple[list[str], list[int]]:
+        with self._lock:
+            return list(self._items), [h.info.nbytes for h in self._items.values()]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        with self._lock:
+            items, self._items = list(self._items.values()), OrderedDict()
+        for held in items:
+            if not held.buf.released:
+                held.buf.release()
+
+
+class Announcer:
+    """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
+
+    def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float,
+                 context: zmq.Context, namespace: str):
+        self.endpoint = endpoint
+        self.namespace = namespace
+        self._store = store
+        self._interval_s = interval_s
+        self._queue: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
+        self._sock = context.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.bind(bind)
+        self._thread = threading.Thread(target=self._run, name="epd-announce", daemon=True)
+        self._thread.start()
+
+    def stored(self, info: ItemInfo) -> None:
+        self._queue.put(Announce(endpoint=self.endpoint, items=[info], namespace=self.namespace))
+
+    def evicted(self, keys: list[str]) -> None:
+        if keys:
+            self._queue.put(Evicted(endpoint=self.endpoint, keys=keys, namespace=self.namespace))
+
+    def _run(self) -> None:
+        next_snapshot = 0.0
+        try:
+            while True:
+                try:
+                    msg = self._queue.get(timeout=max(0.0, next_snapshot - time.monotonic()))
+                except queue.Empty:
+                    keys, sizes = self._store.catalog()
+                    msg = Snapshot(endpoint=self.endpoint, keys=keys, nbytes=sizes,
+                                   interval_s=self._interval_s, namespace=self.namespace)
+                    next_snapshot = time.monotonic() + self._interval_s
+                if msg is None:
+                    return
+                self._sock.send(messages.encode(msg))
+        finally:
+            self._sock.close()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
