@@ -23,5 +23,9 @@ setup_env.write_vllm_launcher()
 PY
 ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=2
 # Models come from a volume (/models); build the tiny test model with `epd build-model --out /models/tiny-llava`.
+# Default ports (ec_connectors/protocol/ports.py): vLLM 8000; gateway 18100 (`epd gateway`,
+# `epd up`); Mooncake Transfer Engine side channel 15500, announcements 16500; Mooncake Store
+# master (`epd master`) RPC 50051, HTTP metadata 50052, metrics 50053.
+EXPOSE 8000 18100 15500 16500 50051 50052 50053
 ENTRYPOINT []
 CMD ["epd", "--help"]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from ec_connectors.child_process import popen
 from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodel import SPECS, build
 
@@ -71,9 +72,8 @@ def run_mode(model: Path, work: Path, name: str, batch: int, wait_ms: float,
     cfg_path = work / f"{name}.json"
     cfg_path.write_text(json.dumps(cfg))
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "encoder_service.encoder_pool.server",
-                             "--config", str(cfg_path)], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = popen([sys.executable, "-m", "encoder_service.encoder_pool.server",
+                  "--config", str(cfg_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{PORT}"
     try:
         deadline = time.monotonic() + 120

@@ -32,6 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from ec_connectors.child_process import popen  # noqa: E402
 from ec_connectors.protocol.keys import content_item_id  # noqa: E402
 from encoder_service.bench import BenchSpec, format_table, plot, run_bench, write_json  # noqa: E402
 from encoder_service.local.processes import VllmServer, start_all  # noqa: E402
@@ -65,7 +66,7 @@ class GatewayProcess:
             cmd += ["--storage-path", str(storage)]
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

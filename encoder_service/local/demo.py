@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from ec_connectors.protocol.ports import GATEWAY_PORT
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
-from encoder_service.local.up import epd_config  # noqa: F401 - re-exported for tests and users
+from encoder_service.local.up import Deployment, UpConfig, run_up
 
 MODEL_NAME = "tiny-llava"
 
@@ -27,8 +27,8 @@ def _gw_metric(client: httpx.Client, url: str, name: str) -> float:
     return metric_value(client.get(url + "/metrics").text, name)
 
 
-def demo_requests(dep: Any, prompt: str) -> int:
-    """Two requests through `dep`'s gateway (a `encoder_service.local.up.Deployment`)."""
+def demo_requests(dep: Deployment, prompt: str) -> int:
+    """Two requests through `dep`'s gateway."""
     url, consumer = dep.url, dep.decoders[0].url
     image = sample_image_png(seed=7)
     hits = 'epd_gateway_items_total{outcome="cache_hit"}'
@@ -76,9 +76,7 @@ def demo_requests(dep: Any, prompt: str) -> int:
     return 0 if same else 1
 
 
-def run_demo(work_dir: Path, model: Path, prompt: str, base_port: int = 18100) -> int:
+def run_demo(work_dir: Path, model: Path, prompt: str, base_port: int = GATEWAY_PORT) -> int:
     """`epd demo`: the same as `epd up --demo` with the given model and ports."""
-    from encoder_service.local.up import UpConfig, run_up
-
     cfg = UpConfig(model=str(model), base_port=base_port)
     return run_up(cfg, work_dir, lambda dep: demo_requests(dep, prompt))

@@ -21,20 +21,20 @@ store_buffer_bytes, ...), never the wiring (transport, host, ports, producers, s
 store_metadata). Waits for health with progress output, then serves the gateway in-process and
 prints the endpoint. Ctrl-C or SIGTERM stops everything: the gateway, then every vLLM server's
 whole process group (SIGTERM, then SIGKILL after a grace period), the store master last, so no
-process is left behind. (A SIGKILL of `epd up` itself cannot be handled; the servers then keep
-running in their own sessions.)
+process is left behind. A SIGKILL of `epd up` itself cannot be handled; its servers then get
+their parent-death signal and go too (`ec_connectors.child_process`: they are started from
+the main thread, which lives as long as `epd up`). The command line: up_cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
 import socket
-import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,16 +43,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.config_files import explain, model_keys, read_config_file
+from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.local.mooncake_master import MasterServer, master_server
-from encoder_service.local.processes import PoolServer, ServerFailed, VllmServer, start_all
+from encoder_service.local.processes import (
+    ManagedProcess,
+    PoolServer,
+    ServerFailed,
+    VllmServer,
+    start_all,
+)
 
-DEFAULT_BASE_PORT = 18100
-DEFAULT_MOONCAKE_BASE_PORT = 15500  # EPDConfig.base_port's default
-MOONCAKE_PORT_STRIDE = 10  # side-channel ports per encoder (rank offsets stay below it)
+# The port scheme: ec_connectors/protocol/ports.py
+DEFAULT_BASE_PORT = ports.GATEWAY_PORT  # the gateway; the servers take the next ports
+DEFAULT_MOONCAKE_BASE_PORT = ports.MOONCAKE_BASE_PORT  # encoder i: + MOONCAKE_ENCODER_STRIDE*i
+DEFAULT_MASTER_PORT = ports.MASTER_RPC_PORT  # Mooncake Store master: RPC; metadata +1, metrics +2
 MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)
-DEFAULT_MASTER_PORT = 50051  # Mooncake Store master: RPC; metadata +1, metrics +2
 STORE_SEGMENT_BYTES = 256 << 20  # what each encoder contributes to the store
 STORE_BUFFER_BYTES = 512 << 20  # registered buffer per process for puts/gets
 # `transport` -> EPDConnector's transport tiers, in load order
@@ -132,7 +139,7 @@ def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) ->
 
 def mooncake_endpoint(cfg: UpConfig, i: int) -> str:
     """Encoder i's side channel (`host:port`): its rank 0 serves items there."""
-    return f"127.0.0.1:{cfg.mooncake_base_port + MOONCAKE_PORT_STRIDE * i}"
+    return f"127.0.0.1:{ports.encoder_base_port(cfg.mooncake_base_port, i)}"
 
 
 def store_master_address(cfg: UpConfig) -> str:
@@ -142,7 +149,7 @@ def store_master_address(cfg: UpConfig) -> str:
 
 def store_metadata_url(cfg: UpConfig) -> str:
     """The master's HTTP metadata server: `store_metadata` of every client."""
-    return f"http://127.0.0.1:{cfg.master_port + 1}/metadata"
+    return ports.store_metadata_url(store_master_address(cfg))
 
 
 def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
@@ -162,7 +169,7 @@ def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
     if cfg.uses_te:
         defaults.update(protocol="tcp", memory_pool_bytes=MOONCAKE_POOL_BYTES)
         if producer:
-            wiring["base_port"] = cfg.mooncake_base_port + MOONCAKE_PORT_STRIDE * i
+            wiring["base_port"] = ports.encoder_base_port(cfg.mooncake_base_port, i)
         else:
             wiring["producers"] = [mooncake_endpoint(cfg, j) for j in range(cfg.encoders)]
     if cfg.uses_store:
@@ -179,14 +186,14 @@ class Deployment:
 
     cfg: UpConfig
     work_dir: Path
-    encoders: list[VllmServer] = field(default_factory=list)
+    encoders: list[ManagedProcess] = field(default_factory=list)  # VllmServer or PoolServer
     decoders: list[VllmServer] = field(default_factory=list)
     master: MasterServer | None = None  # the Mooncake Store master (mooncake_store, tiered)
     gateway: Any = None  # GatewayThread
     gateway_cfg: GatewayConfig | None = None
 
     @property
-    def servers(self) -> list[VllmServer]:
+    def servers(self) -> list[ManagedProcess]:
         return [*self.encoders, *self.decoders]
 
     @property
@@ -258,23 +265,23 @@ class Deployment:
 
     def check_ports(self) -> None:
         """Fail fast (before minutes of vLLM start-up) when a port is taken."""
-        ports = [(self.cfg.host, self.cfg.base_port, "base_port"),
-                 *(("127.0.0.1", s.port, "base_port") for s in self.servers)]
+        wanted = [(self.cfg.host, self.cfg.base_port, "base_port"),
+                  *(("127.0.0.1", s.port, "base_port") for s in self.servers)]
         if self.cfg.uses_te:
-            for endpoint in self.mooncake_producers:
-                port = int(endpoint.rsplit(":", 1)[1])
-                ports += [("127.0.0.1", port, "mooncake_base_port"),
-                          ("127.0.0.1", port + 1000, "mooncake_base_port")]
+            for i in range(self.cfg.encoders):
+                port = ports.encoder_base_port(self.cfg.mooncake_base_port, i)
+                wanted += [("127.0.0.1", port, "mooncake_base_port"),
+                           ("127.0.0.1", ports.announce_port(port), "mooncake_base_port")]
         if self.master is not None:
             m = self.master
-            ports += [(m.host, p, "master_port") for p in (m.port, m.http_port, m.metrics_port)]
+            wanted += [(m.host, p, "master_port") for p in (m.port, m.http_port, m.metrics_port)]
         seen: dict[int, str] = {}
-        for _, port, key in ports:
+        for _, port, key in wanted:
             if port in seen and seen[port] != key:
                 raise UpError(f"port {port} is both a {seen[port]} port and a {key} port; "
                               f"move one of them")
             seen[port] = key
-        for host, port, key in ports:
+        for host, port, key in wanted:
             with socket.socket() as sock:
                 # as the servers themselves bind (uvicorn, ZMQ): TIME_WAIT leftovers of a
                 # previous run are no conflict, a listener is
@@ -294,7 +301,7 @@ class Deployment:
                      f":{m.metrics_port}; log {m.log_path})")
             t0 = time.monotonic()
             m.start()
-            m.wait(timeout_s=30.0)
+            m.wait()
             progress(f"{m.name} healthy after {time.monotonic() - t0:.1f} s (store_master "
                      f"{m.address}, store_metadata {m.metadata_url})")
         start_all(self.servers, timeout_s=self.cfg.startup_timeout_s, progress=progress)
@@ -306,7 +313,7 @@ class Deployment:
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
-        alive = [s for s in self.servers if s.proc is not None and s.proc.poll() is None]
+        alive = [s for s in self.servers if s.running]
         if alive:
             progress(f"stopping {', '.join(s.name for s in alive)}")
         threads = [threading.Thread(target=s.stop) for s in alive]  # in parallel
@@ -315,7 +322,7 @@ class Deployment:
         for t in threads:
             t.join()
         m = self.master  # last: the servers' store clients unmount their segments from it
-        if m is not None and m.proc is not None and m.proc.poll() is None:
+        if m is not None and m.running:
             progress(f"stopping {m.name}")
             m.stop()
 
@@ -332,8 +339,10 @@ def _ignore(signum: int, frame: object) -> None:
     print("[up] already stopping; please wait", flush=True)
 
 
-def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
-    """Start everything, then serve until a signal (or run `demo(deployment)` and stop)."""
+def run_up(cfg: UpConfig, work_dir: Path,
+           demo: Callable[[Deployment], int] | None = None) -> int:
+    """Start everything, then serve until a signal (or run `demo(deployment)` and stop).
+    Call it from the main thread: the servers die with the thread that started them."""
     from encoder_service.local.testmodel import SPECS, build
 
     def say(msg: str) -> None:
@@ -357,11 +366,11 @@ def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
         if demo is not None:
             return demo(dep)
         say("serving; Ctrl-C or SIGTERM stops everything")
+        reported: set[str] = set()  # names of servers whose exit was reported
         while True:
             for s in (*dep.servers, *([dep.master] if dep.master else [])):
-                if s.proc is not None and s.proc.poll() is not None and not getattr(
-                        s, "_reported", False):
-                    s._reported = True  # type: ignore[attr-defined]
+                if s.proc is not None and s.proc.poll() is not None and s.name not in reported:
+                    reported.add(s.name)
                     routes = ("store loads miss from now on (other tiers, else local "
                               "encodes)" if s is dep.master else "the gateway routes around it")
                     say(f"WARNING: {s.name} exited with code {s.proc.returncode}; {routes} "
@@ -381,41 +390,3 @@ def run_up(cfg: UpConfig, work_dir: Path, demo: Any = None) -> int:
             signal.signal(s, h)
         say("stopped")
 
-
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="epd up", description="start a local EPD deployment: "
-                                "encoder(s) + vLLM prefill/decode instance(s) + gateway")
-    p.add_argument("--config", type=Path, help="deployment config (.json or .toml); "
-                   "every key has a default")
-    p.add_argument("--base-port", type=int, help=f"gateway port (default {DEFAULT_BASE_PORT});"
-                   " vLLM servers take the next ports")
-    p.add_argument("--encoders", type=int)
-    p.add_argument("--decoders", type=int)
-    p.add_argument("--transport", choices=list(TIERS),
-                   help="tiered = mooncake, then mooncake_store, then safetensors; with "
-                   "mooncake_store or tiered, `epd up` starts a Mooncake Store master")
-    p.add_argument("--master-port", type=int, help=f"Mooncake Store master RPC port "
-                   f"(default {DEFAULT_MASTER_PORT}; metadata +1, metrics +2)")
-    p.add_argument("--encoder-backend", choices=["vllm", "pool"])
-    p.add_argument("--demo", action="store_true",
-                   help="send a real image request through the gateway, print it, stop")
-    p.add_argument("--prompt", default="describe the image")
-    args = p.parse_args(argv)
-    overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
-                                   ("decoders", args.decoders), ("transport", args.transport),
-                                   ("encoder_backend", args.encoder_backend),
-                                   ("master_port", args.master_port))
-                 if v is not None}
-    try:
-        cfg = load_up_config(args.config, overrides)
-    except (UpError, GatewayConfigError) as exc:
-        print(f"epd up: {exc}", file=sys.stderr)
-        return 2
-    work = Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
-    demo = None
-    if args.demo:
-        from encoder_service.local.demo import demo_requests
-
-        def demo(dep: Deployment) -> int:
-            return demo_requests(dep, args.prompt)
-    return run_up(cfg, work, demo)

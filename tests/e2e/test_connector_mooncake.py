@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from encoder_service.local.demo import epd_config
 from encoder_service.local.processes import VllmServer, start_all
 from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.up import epd_config
 from tests.e2e.client import ask, ask_before_encoding, case, encode, tokens, wait_metric
 from tests.e2e.client import metric as cons_metric
 from tests.helpers import LOOPBACK, WORK

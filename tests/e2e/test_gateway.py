@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ec_connectors import child_process
 from encoder_service.local.demo import MODEL_NAME
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
@@ -41,9 +42,9 @@ def cluster(tmp_path_factory):
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0).start()
     work.mkdir(parents=True, exist_ok=True)
     up_log = open(work / "epd-up.log", "wb")  # noqa: SIM115 - closed at teardown
-    up = subprocess.Popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
-                           str(conf)], cwd=ROOT, stdout=up_log, stderr=subprocess.STDOUT,
-                          env=dict(os.environ, EPD_WORK_DIR=str(work)))
+    up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
+                              str(conf)], cwd=ROOT, stdout=up_log, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, EPD_WORK_DIR=str(work)))
     client = httpx.Client(timeout=120)
 
     def ready() -> bool:

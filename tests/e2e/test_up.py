@@ -20,6 +20,7 @@ import sys
 import httpx
 import pytest
 
+from ec_connectors import child_process
 from encoder_service.local.demo import MODEL_NAME
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
@@ -66,10 +67,10 @@ def epd_up(name: str, conf: dict, client: httpx.Client, agg: VllmServer):
     gw = f"http://127.0.0.1:{conf['base_port']}"
     log_path = work / "epd-up.log"
     with open(log_path, "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
-                               str(work / "up.json")], cwd=ROOT, stdout=log,
-                              stderr=subprocess.STDOUT, env=dict(os.environ,
-                                                                 EPD_WORK_DIR=str(work)))
+        up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up",
+                                  "--config", str(work / "up.json")], cwd=ROOT, stdout=log,
+                                 stderr=subprocess.STDOUT,
+                                 env=dict(os.environ, EPD_WORK_DIR=str(work)))
 
     def ready() -> bool:
         if up.poll() is not None:

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from ec_connectors.child_process import die_with_parent
 from encoder_service.local.up import Deployment, UpConfig, UpError, load_up_config
 from tests.helpers import ROOT
 
@@ -60,7 +61,8 @@ def test_a_taken_port_fails_fast_with_no_server_started():
         taken.bind(("127.0.0.1", 18517))
         taken.listen()
         r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--base-port",
-                            "18515"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                            "18515"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           preexec_fn=die_with_parent())
     assert r.returncode == 1
     assert "port 18517" in r.stdout and "not free" in r.stdout
     assert "starting encoder" not in r.stdout
@@ -234,7 +236,7 @@ def test_a_taken_master_port_fails_fast(tmp_path):
         r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--base-port",
                             "18700", "--transport", "mooncake_store", "--master-port",
                             str(STORE_MASTER)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+                           timeout=120, preexec_fn=die_with_parent())
     assert r.returncode == 1, r.stdout + r.stderr
     assert "port 19962" in r.stdout and "master_port" in r.stdout
     assert "starting mooncake-master" not in r.stdout and "starting encoder" not in r.stdout

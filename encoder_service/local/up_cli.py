@@ -1,0 +1,62 @@
+"""`epd up` command line: flags over the config file (up.py), and `--demo`: the demo's requests
+(demo.py) once the deployment is ready, then stop. It imports both; up.py imports neither."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from encoder_service.gateway.config import GatewayConfigError
+from encoder_service.local.demo import demo_requests
+from encoder_service.local.up import (
+    DEFAULT_BASE_PORT,
+    DEFAULT_MASTER_PORT,
+    TIERS,
+    Deployment,
+    UpError,
+    load_up_config,
+    run_up,
+)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="epd up", description="start a local EPD deployment: "
+                                "encoder(s) + vLLM prefill/decode instance(s) + gateway")
+    p.add_argument("--config", type=Path, help="deployment config (.json or .toml); "
+                   "every key has a default")
+    p.add_argument("--base-port", type=int, help=f"gateway port (default {DEFAULT_BASE_PORT});"
+                   " vLLM servers take the next ports")
+    p.add_argument("--encoders", type=int)
+    p.add_argument("--decoders", type=int)
+    p.add_argument("--transport", choices=list(TIERS),
+                   help="tiered = mooncake, then mooncake_store, then safetensors; with "
+                   "mooncake_store or tiered, `epd up` starts a Mooncake Store master")
+    p.add_argument("--master-port", type=int, help=f"Mooncake Store master RPC port "
+                   f"(default {DEFAULT_MASTER_PORT}; metadata +1, metrics +2)")
+    p.add_argument("--encoder-backend", choices=["vllm", "pool"])
+    p.add_argument("--demo", action="store_true",
+                   help="send a real image request through the gateway, print it, stop")
+    p.add_argument("--prompt", default="describe the image")
+    args = p.parse_args(argv)
+    overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
+                                   ("decoders", args.decoders), ("transport", args.transport),
+                                   ("encoder_backend", args.encoder_backend),
+                                   ("master_port", args.master_port))
+                 if v is not None}
+    try:
+        cfg = load_up_config(args.config, overrides)
+    except (UpError, GatewayConfigError) as exc:
+        print(f"epd up: {exc}", file=sys.stderr)
+        return 2
+    work = Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
+
+    def demo(dep: Deployment) -> int:
+        return demo_requests(dep, args.prompt)
+
+    return run_up(cfg, work, demo if args.demo else None)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,161 @@
+"""Managed processes die with their parent, even when the parent is SIGKILLed (no vLLM here;
+the same check with a real `vllm serve` tree is in the project's notes). A parent Python
+process starts children through the project's helpers (a ManagedProcess subclass, the Mooncake
+Store master, a transport peer), reports ready, and is SIGKILLed: its children must go."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ec_connectors import child_process
+from encoder_service.local.mooncake_master import MasterServer, master_server
+from encoder_service.local.processes import ManagedProcess, PoolServer, VllmServer
+from tests.helpers import ROOT, WORK, alive, descendants, free_port, wait_for
+
+pytestmark = pytest.mark.skipif(not child_process.supported(),
+                                reason="parent-death signals are Linux-only")
+_ports = iter(range(19900, 19940, 5))  # this module's master ports (rpc, +1, +2)
+
+# A child like `vllm serve` during start-up: it ignores SIGTERM (so its parent-death signal
+# does nothing) and has a child of its own that ignores it too; it runs the group guard.
+STUBBORN = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    from ec_connectors.child_process import guard_process_group_from_env
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    guard_process_group_from_env(grace_s=1.0)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    time.sleep(600)
+""")
+
+PARENT = textwrap.dedent("""
+    import json, subprocess, sys, time
+    from dataclasses import dataclass, field
+    from pathlib import Path
+    from typing import ClassVar
+
+    from ec_connectors import child_process
+    from encoder_service.local.processes import ManagedProcess
+
+    kind, work, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+
+    @dataclass
+    class Stubborn(ManagedProcess):
+        name: str
+        port: int
+        work_dir: Path
+        env: dict = field(default_factory=dict)
+        proc: subprocess.Popen | None = None
+        guards_group: ClassVar[bool] = True
+
+        def command(self):
+            return [sys.executable, "-c", sys.argv[4]]
+
+        def healthy(self):
+            return True
+
+    out = {}
+    if kind == "stubborn":
+        s = Stubborn("stubborn", port, work).start()
+        out["children"] = [s.proc.pid]
+        out["tree"] = 2  # it and its own child
+    elif kind == "master":
+        from encoder_service.local.mooncake_master import master_server
+        m = master_server(work, port).start()
+        m.wait()
+        out["children"] = [m.proc.pid]
+    elif kind == "peer":
+        from ec_connectors.testing.peer_process import PeerClient
+        out["children"] = [PeerClient().proc.pid]
+    elif kind == "plain":  # control: without the helper the child outlives its parent
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                             start_new_session=True)
+        out["children"] = [p.pid]
+    print(json.dumps(out), flush=True)
+    time.sleep(600)
+""")
+
+
+def run_parent(kind: str, port: int = 0) -> tuple[subprocess.Popen, set[int]]:
+    """The parent process (itself dying with this test process), once its children run;
+    returns it and every process of its tree but itself."""
+    work = WORK / "test-processes"
+    parent = child_process.popen(
+        [sys.executable, "-c", PARENT, kind, str(work), str(port), STUBBORN], cwd=ROOT,
+        stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    line = parent.stdout.readline()
+    assert line, f"the {kind} parent exited (rc={parent.wait()})"
+    info = json.loads(line)
+    want = info.get("tree", len(info["children"]))
+    assert wait_for(lambda: len(descendants(parent.pid)) >= want, timeout=15)
+    return parent, descendants(parent.pid)
+
+
+def sigkill(parent: subprocess.Popen) -> None:
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    assert parent.stdout is not None
+    parent.stdout.close()
+
+
+def _reap(pids: set[int]) -> None:
+    for pid in pids:  # processes this test started, should the check fail
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("kind", ["stubborn", "peer", "master"])
+def test_children_die_with_a_sigkilled_parent(kind):
+    port = 0
+    if kind == "master":
+        pytest.importorskip("mooncake.store")
+        port = free_port(_ports)
+    parent, tree = run_parent(kind, port)
+    try:
+        assert tree and all(alive(p) for p in tree)
+        sigkill(parent)
+        # stubborn: grace 1 s, then SIGTERM (ignored), SIGKILL after 3 s
+        assert wait_for(lambda: not any(alive(p) for p in tree), timeout=15, interval=0.1), \
+            f"left behind: {[p for p in tree if alive(p)]}"
+    finally:
+        _reap(tree)
+
+
+def test_without_the_helper_a_child_outlives_its_parent():
+    parent, tree = run_parent("plain")
+    try:
+        sigkill(parent)
+        assert not wait_for(lambda: not any(alive(p) for p in tree), timeout=2, interval=0.1)
+    finally:
+        _reap(tree)
+
+
+def test_die_with_parent_composes_with_a_callers_preexec_fn(tmp_path):
+    mark = tmp_path / "ran"
+    p = child_process.popen([sys.executable, "-c", "pass"],
+                            preexec_fn=lambda: mark.write_text("yes"))
+    assert p.wait(30) == 0 and mark.read_text() == "yes"
+
+
+def test_managed_processes_are_siblings_with_their_own_signatures(tmp_path):
+    for cls in (VllmServer, PoolServer, MasterServer):
+        assert issubclass(cls, ManagedProcess)
+    assert not issubclass(MasterServer, VllmServer) and not issubclass(PoolServer, VllmServer)
+    m = master_server(tmp_path, 19990)
+    assert not hasattr(m, "model")
+    assert (m.name, m.port, m.http_port, m.metrics_port) == ("mooncake-master", 19990, 19991,
+                                                             19992)
+    assert m.metadata_url == "http://127.0.0.1:19991/metadata"
+    v = VllmServer("v", tmp_path / "model", 18990, tmp_path, {"ec_role": "ec_producer"}, 1)
+    assert (v.port, v.cpu_core, v.url) == (18990, 1, "http://127.0.0.1:18990")
+    assert v.log_path == tmp_path / "logs" / "v.log" and not v.running
+    v.stop()  # never started: nothing to do
+    pool = PoolServer("p", tmp_path / "model", 18991, tmp_path, cpu_core=0)
+    assert pool.child_env()["OMP_NUM_THREADS"] == "1" and pool.env == {}
