@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # The two commands of the README. Both run the idempotent setup first.
 #   ./run.sh demo   epd up --demo: vLLM encoder + vLLM prefill/decode + gateway; one image request through the gateway
-#   ./run.sh test   the whole test suite (lint, unit, real Mooncake/vLLM end-to-end)
+#   ./run.sh test   lint, then the whole test suite: the fast lane (no vLLM servers) on two
+#                   workers, then the end-to-end tests (real `vllm serve` processes) one at a time
+#   ./run.sh fast   lint + the fast lane only (tests marked e2e are left out)
+#   ./run.sh test ARGS...   lint + pytest ARGS (one process), e.g. -m "not e2e" or a test path
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 scripts/setup_env.py
+PYTEST=(.venv/bin/python -m pytest -q -rs)
+FAST=(-m "not e2e" -n 2 --dist loadfile)  # modules own their port ranges: one module per worker
 case "${1:-}" in
   demo) shift; exec .venv/bin/epd up --demo "$@" ;;
   test)
     shift
     .venv/bin/ruff check .
-    exec .venv/bin/python -m pytest -q -rs "$@" ;;
-  *) echo "usage: $0 demo|test [args...]" >&2; exit 2 ;;
+    if [ $# -gt 0 ]; then exec "${PYTEST[@]}" "$@"; fi
+    "${PYTEST[@]}" "${FAST[@]}"
+    exec "${PYTEST[@]}" -m e2e ;;
+  fast) shift; .venv/bin/ruff check .; exec "${PYTEST[@]}" "${FAST[@]}" "$@" ;;
+  *) echo "usage: $0 demo|test|fast [args...]" >&2; exit 2 ;;
 esac
