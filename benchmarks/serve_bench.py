@@ -176,10 +176,12 @@ def main() -> int:
     p.add_argument("--overhead-samples", type=int, default=400)
     p.add_argument("--overhead-only", action="store_true",
                    help="only the gateway overhead (one EPD deployment, no load runs)")
+    p.add_argument("--spec", choices=["tiny", "heavy"], default="tiny",
+                   help="heavy: a vision tower that costs far more than a decode step")
     p.add_argument("--out", type=Path, default=ROOT / ".work" / "bench")
     a = p.parse_args()
     work = a.out
-    model = build(ROOT / ".work" / "models" / "tiny-llava", SPECS["tiny"])
+    model = build(ROOT / ".work" / "models" / f"{a.spec}-llava", SPECS[a.spec])
     if a.overhead_only:
         a.num_requests = 8
         _, overhead = epd_run(model, work, "EPD gateway", epd_config, True, a, PORT + 3,
@@ -204,7 +206,7 @@ def main() -> int:
     summaries = {k: v.summary for k, v in results.items()}
     print()
     print(f"{a.num_requests} requests, concurrency {a.concurrency}, {a.reuse:.0%} image reuse, "
-          f"{a.max_tokens} output tokens, tiny LLaVA on CPU")
+          f"{a.max_tokens} output tokens, {a.spec} LLaVA on CPU")
     print(format_table(summaries))
     base = summaries["aggregated vLLM"]["req_per_s"]
     ex = summaries["EPD ECExampleConnector"]["req_per_s"]

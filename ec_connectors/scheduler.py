@@ -89,6 +89,7 @@ class EPDSchedulerSide:
         self._req_items: dict[str, dict[str, int]] = {}
         self._req_placed: dict[str, set[str]] = {}
         self._req_hints: dict[str, dict[str, Source]] = {}
+        self._req_deferred_since: dict[str, float] = {}  # consumer: first deferral of a request
         self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
         self._unavailable: set[str] = set()
         self._fallbacks_logged: set[tuple[str, str]] = set()
@@ -242,6 +243,11 @@ class EPDSchedulerSide:
                 self._on_unavailable(request, item_id, item_id in hints, d.why)
         if not ready:
             self.stats.inc("deferrals")
+            self._req_deferred_since.setdefault(req_id, now)
+        else:
+            since = self._req_deferred_since.pop(req_id, None)
+            if since is not None:
+                self.stats.observe("defer_s", now - since)
         return ready
 
     def _on_unavailable(self, request: Request, item_id: str, promised: bool, why: str) -> None:
@@ -267,6 +273,9 @@ class EPDSchedulerSide:
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
             self._req_placed.setdefault(request.request_id, set()).add(item_id)
+            st = self.staging.get(item_id)
+            if st is not None and st.ready_at:
+                self.stats.observe("staged_to_scheduled_s", time.monotonic() - st.ready_at)
             self.staging.forget(item_id)
             self.stats.inc("hits")
 
@@ -306,6 +315,7 @@ class EPDSchedulerSide:
         req_id = request.request_id
         self._req_placed.pop(req_id, None)
         self._req_hints.pop(req_id, None)
+        self._req_deferred_since.pop(req_id, None)
         if self._fallbacks_logged:
             self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != req_id}
         items = self._req_items.pop(req_id, None)

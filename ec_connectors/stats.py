@@ -43,9 +43,16 @@ for _tier in TIERS:
         f"tier_{_tier}_skipped": f"Loads that skipped the {_tier} tier because it was down",
         f"tier_{_tier}_put_failures": f"Saves the {_tier} tier did not take",
     })
+# One request's path, stage by stage (producer: save_wait, save; consumer: loader_wait, get,
+# load = prefetch -> staged on every rank, staged_to_scheduled, defer = the whole wait).
 LATENCIES = {
-    "save_s": "Seconds to write one embedding",
-    "load_s": "Seconds from prefetch to staged, per item",
+    "save_wait_s": "Producer: seconds an encoder output waited for the writer thread",
+    "save_s": "Producer: seconds to write one embedding into the transport",
+    "loader_wait_s": "Consumer worker: seconds a prefetch waited for a loader thread",
+    "get_s": "Consumer worker: seconds the transport took to deliver (and verify) one item",
+    "load_s": "Consumer: seconds from prefetch sent to staged on every worker, per item",
+    "staged_to_scheduled_s": "Consumer: seconds from an item staged to its request scheduled",
+    "defer_s": "Consumer: seconds a request was deferred waiting for its items",
     **{f"tier_{t}_get_s": f"Seconds the {t} tier took to deliver one item" for t in TIERS},
 }
 

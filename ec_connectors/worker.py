@@ -63,7 +63,7 @@ class EPDWorker:
         self._saves_done: set[str] = set()
         self._loads_done: set[str] = set()
         self._events_seen: dict[str, int] = {}
-        self._wanted: list[Prefetch] = []  # prefetches not yet picked up by a loader
+        self._wanted: list[tuple[Prefetch, float]] = []  # (prefetch, received) not yet loading
         self._drain_queued = False
         self._save_slots = threading.BoundedSemaphore(config.max_pending_saves)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-writer")
@@ -88,12 +88,13 @@ class EPDWorker:
                               error="save queue full"))
             return
         try:
-            self._writer.submit(self._write, item_id, tensor)
+            self._writer.submit(self._write, item_id, tensor, time.perf_counter())
         except RuntimeError:  # shutting down
             self._save_slots.release()
 
-    def _write(self, item_id: str, tensor: torch.Tensor) -> None:
+    def _write(self, item_id: str, tensor: torch.Tensor, queued_at: float) -> None:
         t0 = time.perf_counter()
+        self.stats.observe("save_wait_s", t0 - queued_at)
         try:
             info = self.transport.put(item_id, tensor)
         except Exception as exc:
@@ -127,13 +128,14 @@ class EPDWorker:
     # -- consumer --------------------------------------------------------------------------
     def _on_control(self, msg: ControlMessage, _peer: bytes | None, _payload: list) -> None:
         if isinstance(msg, Prefetch):
+            received = time.perf_counter()
             if not self.transport.batches_loads:  # one loader thread per item, in parallel
-                self._loaders.submit(self._prefetch, [msg])
+                self._loaders.submit(self._prefetch, [msg], received)
                 return
             # Prefetches that arrive together (one request's items) are loaded together:
             # transports with a batch call (the store's batch_get_into) move them in one go.
             with self._lock:
-                self._wanted.append(msg)
+                self._wanted.append((msg, received))
                 if self._drain_queued:
                     return
                 self._drain_queued = True
@@ -148,9 +150,10 @@ class EPDWorker:
             batch, self._wanted = self._wanted, []
             self._drain_queued = False
         if batch:
-            self._prefetch(batch)
+            self._prefetch([m for m, _ in batch], min(t for _, t in batch))
 
-    def _prefetch(self, msgs: list[Prefetch]) -> None:
+    def _prefetch(self, msgs: list[Prefetch], received: float) -> None:
+        self.stats.observe("loader_wait_s", time.perf_counter() - received)
         self._reap()
         wanted: list[Prefetch] = []
         for msg in msgs:
@@ -165,9 +168,11 @@ class EPDWorker:
         if not wanted:
             return
         deadline = time.monotonic() + min(m.timeout_s for m in wanted)
+        t0 = time.perf_counter()
         try:
             tensors = self.transport.get_many(
                 [Want(m.item_id, m.location, m.nbytes) for m in wanted], deadline)
+            self.stats.observe("get_s", (time.perf_counter() - t0) / len(wanted))
             error = "not available (missing, corrupt or timed out)"
         except Exception as exc:  # a transport bug must cost these items, not the worker
             tensors, error = [None] * len(wanted), f"{type(exc).__name__}: {exc}"

@@ -50,6 +50,7 @@ class Staging:
     ranks_ok: set[int] = field(default_factory=set)
     num_embeds: int = 0
     error: str = ""
+    ready_at: float = 0.0  # when it became READY (latency of the staged -> scheduled stage)
 
     def move(self, to: Status, now: float, why: str = "") -> None:
         if to not in TRANSITIONS[self.status]:
@@ -57,6 +58,8 @@ class Staging:
         self.status = to
         if to is Status.FAILED:
             self.error, self.deadline = why, now
+        elif to is Status.READY:
+            self.ready_at = now
 
 
 class StagingTable:

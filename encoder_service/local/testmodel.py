@@ -66,6 +66,12 @@ SPECS = {
         name="vitl32", image_size=224, patch_size=32, vision_hidden=1024, vision_layers=12,
         vision_heads=16, lm_hidden=2048, lm_layers=1, lm_heads=16,
     ),
+    # The regime EPD exists for: a vision tower that costs far more than a decode step (tens
+    # of ms per image on one CPU core) in front of the tiny language model.
+    "heavy": ModelSpec(
+        name="heavy", image_size=224, patch_size=14, vision_hidden=384, vision_layers=8,
+        vision_heads=6,
+    ),
 }
 
 
