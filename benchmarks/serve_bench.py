@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from ec_connectors.child_process import popen  # noqa: E402
 from ec_connectors.protocol.keys import content_item_id  # noqa: E402
 from encoder_service.bench import BenchSpec, format_table, plot, run_bench, write_json  # noqa: E402
-from encoder_service.local.processes import VllmServer, start_all  # noqa: E402
+from encoder_service.local.processes import VllmServer, metric_value, start_all  # noqa: E402
 from encoder_service.local.requests import chat_body, sample_image_png  # noqa: E402
 from encoder_service.local.testmodel import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
@@ -143,6 +143,34 @@ def format_overhead(o: dict) -> str:
             f"{o['paired_median_added_ms']:.2f} ms; target < 2 ms)")
 
 
+CONNECTOR_STAGES = ("save_wait", "save", "loader_wait", "get", "load", "staged_to_scheduled",
+                    "defer")
+GATEWAY_STAGES = ("parse", "encode", "first_token", "total")
+
+
+def stage_means(gw_url: str, servers: list[VllmServer]) -> dict[str, dict[str, float]]:
+    """Mean milliseconds per stage over the run, from /metrics: the gateway's
+    `epd_gateway_stage_seconds{stage}` and each server's `vllm:epd_<stage>_seconds`."""
+    out: dict[str, dict[str, float]] = {}
+    with httpx.Client(timeout=10) as c:
+        text = c.get(gw_url + "/metrics").text
+        out["gateway"] = {}
+        for st in GATEWAY_STAGES:
+            n = metric_value(text, f'epd_gateway_stage_seconds_count{{stage="{st}"}}')
+            if n:
+                total = metric_value(text, f'epd_gateway_stage_seconds_sum{{stage="{st}"}}')
+                out["gateway"][st] = round(total / n * 1e3, 2)
+        for s in servers:
+            text = c.get(s.url + "/metrics").text
+            out[s.name] = {}
+            for st in CONNECTOR_STAGES:
+                n = metric_value(text, f"vllm:epd_{st}_seconds_count")
+                if n:
+                    total = metric_value(text, f"vllm:epd_{st}_seconds_sum")
+                    out[s.name][st] = round(total / n * 1e3, 2)
+    return out
+
+
 def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
             a: argparse.Namespace, port: int, overhead: bool):
     storage = work / f"store-{port}"
@@ -158,6 +186,10 @@ def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
         gw = GatewayProcess(port, [enc.url], [dec.url], storage if availability else None,
                             work / "logs" / f"gateway-{port}.log")
         res = bench(gw.url, label, a)
+        time.sleep(1.5)  # vLLM publishes connector stats with its next metrics update
+        stages = stage_means(gw.url, [enc, dec])
+        say(f"{label}: mean ms per stage: {json.dumps(stages)}")
+        res.summary["stages_ms"] = stages
         ovh = gateway_overhead(gw.url, dec.url, a.overhead_samples) if overhead else None
         return res, ovh
     finally:
