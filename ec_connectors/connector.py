@@ -152,7 +152,8 @@ class EPDConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EPDConnectorMetadata:
         """SCHEDULER, once per step: this step's placements; resets per-step state."""
         assert self._sched is not None
-        return EPDConnectorMetadata(place=self._sched.build_connector_meta())
+        return EPDConnectorMetadata(place=self._sched.build_connector_meta(
+            getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()))
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         """SCHEDULER, after each executed step: completion feedback from the workers."""

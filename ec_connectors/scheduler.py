@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
@@ -45,6 +46,7 @@ from ec_connectors.protocol.params import (
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
 from scheduler_hooks.decisions import Verdict, covered, decide, pull_location, unavailable_action
+from scheduler_hooks.encoder_cache import EncoderCacheView
 from scheduler_hooks.index import AvailabilityIndex
 from scheduler_hooks.staging import DEADLINE_PASSED, StagingTable, Status
 
@@ -90,6 +92,9 @@ class EPDSchedulerSide:
         self._req_placed: dict[str, set[str]] = {}
         self._req_hints: dict[str, dict[str, Source]] = {}
         self._req_deferred_since: dict[str, float] = {}  # consumer: first deferral of a request
+        self._req_waits: dict[str, set[str]] = {}  # consumer: items a request waited for
+        self._unwanted: set[str] = set()  # staged items whose last waiter left (end of step)
+        self.engine_cache = EncoderCacheView()  # consumer: items vLLM's encoder cache holds
         self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
         self._unavailable: set[str] = set()
         self._fallbacks_logged: set[tuple[str, str]] = set()
@@ -211,13 +216,23 @@ class EPDSchedulerSide:
         req_id = request.request_id
         hints = self._hints(request)
         placed = self._req_placed.get(req_id, ())
+        waits = self._req_waits.get(req_id, ())
         ready = True
         now = time.monotonic()
         for i, feature in enumerate(request.mm_features):
             item_id = feature.identifier
             pos = feature.mm_position
             if covered(pos.offset, pos.length, num_computed_tokens) or item_id in placed:
-                continue  # already in the KV cache, or already handed to the worker
+                # In the KV cache, handed to the worker, or taken from vLLM's own encoder
+                # cache: a copy staged for this request is not needed any more.
+                if item_id in waits and self.staging.release(item_id, req_id):
+                    self._unwanted.add(item_id)
+                continue
+            if item_id in self.engine_cache:
+                self.stats.inc("engine_cache_hits")  # vLLM serves it: no load, no wait
+                if item_id in waits and self.staging.release(item_id, req_id):
+                    self._unwanted.add(item_id)
+                continue
             if self.staging.current(item_id, now) is None:
                 key = safe_key(item_id)
                 known = key is not None and (item_id in hints or key in self.index)
@@ -231,6 +246,8 @@ class EPDSchedulerSide:
                                  "encodes it locally", req_id, item_id)
                     continue
                 self._prefetch(item_id, self._source(item_id, key, hints), now)
+            self.staging.want(item_id, req_id)
+            self._req_waits.setdefault(req_id, set()).add(item_id)
             d = decide(self.staging, item_id, request.get_num_encoder_embeds(i), now)
             if d.verdict is Verdict.WAIT:
                 ready = False
@@ -270,6 +287,8 @@ class EPDSchedulerSide:
         num_embeds = request.get_num_encoder_embeds(index)
         if self.is_producer:
             self._req_items.setdefault(request.request_id, {})[item_id] = num_embeds
+        if self.is_consumer:
+            self.engine_cache.allocated(item_id)
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
             self._req_placed.setdefault(request.request_id, set()).add(item_id)
@@ -279,12 +298,28 @@ class EPDSchedulerSide:
             self.staging.forget(item_id)
             self.stats.inc("hits")
 
-    def build_connector_meta(self) -> dict[str, int]:
+    def build_connector_meta(self, evicted: Iterable[str] = ()) -> dict[str, int]:
+        """This step's placements (`evicted`: what vLLM's encoder cache evicted this step)."""
+        self.engine_cache.evicted(evicted)
         place, self._to_place = self._to_place, {}
         self._said_yes.clear()
         self._renewed.clear()
+        if self._unwanted:  # staged copies nobody waits for: free their memory now
+            dropped = self.staging.unwanted(self._unwanted, place)
+            if dropped:
+                self.stats.inc("unwanted_drops", len(dropped))
+                self._drop(dropped)
         self._sweep()
         return place
+
+    def _drop(self, item_ids: list[str]) -> None:
+        if not item_ids:
+            return
+        with self._lock:
+            peers = list(self._workers.values())
+        for item_id in item_ids:
+            for peer in peers:
+                self.channel.send(Drop(item_id=item_id), to=peer)
 
     def _sweep(self) -> None:
         """Once a second: forget READY items nobody scheduled (request aborted) so memory
@@ -293,12 +328,7 @@ class EPDSchedulerSide:
         if now - self._last_sweep < 1.0:
             return
         self._last_sweep = now
-        stale = self.staging.sweep(now)
-        with self._lock:
-            peers = list(self._workers.values())
-        for item_id in stale:
-            for peer in peers:
-                self.channel.send(Drop(item_id=item_id), to=peer)
+        self._drop(self.staging.sweep(now))
 
     def update_connector_output(self, finished_saves: set[str] | None) -> None:
         # The control channel normally told us already; this is the vLLM-sanctioned path.
@@ -316,6 +346,9 @@ class EPDSchedulerSide:
         self._req_placed.pop(req_id, None)
         self._req_hints.pop(req_id, None)
         self._req_deferred_since.pop(req_id, None)
+        for item_id in self._req_waits.pop(req_id, ()):
+            if self.staging.release(item_id, req_id):
+                self._unwanted.add(item_id)
         if self._fallbacks_logged:
             self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != req_id}
         items = self._req_items.pop(req_id, None)

@@ -25,6 +25,9 @@ COUNTERS = {
     "corrupt": "Stored items rejected by integrity checks",
     "evictions": "Stored items evicted by the byte budget",
     "hits": "Scheduler lookups that found an item ready",
+    "engine_cache_hits": "Items a request took from vLLM's encoder cache (held for another "
+                         "request): no load, no wait",
+    "unwanted_drops": "Staged items dropped because no request waits for them any more",
     "deferrals": "Scheduler steps a request waited for its items",
     "timeouts": "Items that missed their load deadline",
     "pull_timeouts": "Pulls a producer did not answer in time (frozen or overloaded peer)",

@@ -4,8 +4,10 @@
        |                                         |
        +--(a rank failed, deadline passed)--> FAILED <--(wrong token count, never placed)
     FAILED is answered "encode locally" for `failed_memory_s`, then forgotten (a later
-    request may try again); READY items never placed (request aborted) are forgotten after
-    `ready_ttl_s` and their staged memory dropped on the workers.
+    request may try again). Each staging counts the requests waiting for it; a READY copy
+    nobody waits for any more (its requests got the item from vLLM's own encoder cache,
+    finished or were aborted) is dropped at the end of the step (`unwanted`), and any READY
+    item never placed is dropped after `ready_ttl_s` at the latest.
 
 Pure logic over plain values (times are passed in): no vLLM, no sockets, no transports.
 The table is shared by two threads (the scheduler's and the control channel's), so every
@@ -51,6 +53,7 @@ class Staging:
     num_embeds: int = 0
     error: str = ""
     ready_at: float = 0.0  # when it became READY (latency of the staged -> scheduled stage)
+    waiters: set[str] = field(default_factory=set)  # requests deferred on this item
 
     def move(self, to: Status, now: float, why: str = "") -> None:
         if to not in TRANSITIONS[self.status]:
@@ -137,6 +140,40 @@ class StagingTable:
     def forget(self, item_id: str) -> None:
         with self.lock:
             self._items.pop(item_id, None)
+
+    def want(self, item_id: str, req_id: str) -> None:
+        """`req_id` waits for the item (it is deferred until the item is READY)."""
+        with self.lock:
+            st = self._items.get(item_id)
+            if st is not None:
+                st.waiters.add(req_id)
+
+    def release(self, item_id: str, req_id: str) -> bool:
+        """`req_id` no longer needs the item. True when that leaves a live staging (LOADING
+        or READY) nobody waits for: the caller passes it to `unwanted` at the end of the step."""
+        with self.lock:
+            st = self._items.get(item_id)
+            if st is None or req_id not in st.waiters:
+                return False
+            st.waiters.discard(req_id)
+            return not st.waiters and st.status is not Status.FAILED
+
+    def unwanted(self, candidates: set[str], placed: set[str] | dict[str, int]) -> list[str]:
+        """Forget the READY candidates nobody waits for and that were not placed this step
+        (returned: their staged copies must be dropped on the workers). Candidates still
+        LOADING stay in `candidates` until they land or fail; the rest leave it."""
+        dropped: list[str] = []
+        with self.lock:
+            for item_id in list(candidates):
+                st = self._items.get(item_id)
+                if st is not None and st.status is Status.LOADING and not st.waiters:
+                    continue
+                candidates.discard(item_id)
+                if (st is not None and st.status is Status.READY and not st.waiters
+                        and item_id not in placed):
+                    del self._items[item_id]
+                    dropped.append(item_id)
+        return dropped
 
     def sweep(self, now: float) -> list[str]:
         """Forget READY items nobody placed within `ready_ttl_s` (returned: their staged

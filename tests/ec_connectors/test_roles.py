@@ -238,3 +238,44 @@ def test_garbled_control_message_is_dropped(pair_factory, ctl_dir):
     req = request("c", "x", params={"epd": {"items": ["x"]}})
     cons.step_until_ready(req)  # still serving: the prefetch runs and times out normally
     assert cons.sched.staging.get("x").status is Status.FAILED
+
+
+def test_second_request_for_an_item_in_vllms_cache_neither_waits_nor_loads(pair_factory):
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    first = request("c1", "img", params=params)
+    cons.step_until_ready(first)
+    cons.schedule(first)  # placed: vLLM's encoder cache now holds it
+    second = request("c2", "img", params=params)
+    assert cons.sched.ensure_cache_available(second, 0)  # no deferral, no prefetch
+    assert cons.sched.staging.get("img") is None
+    assert cons.sched.stats.totals["engine_cache_hits"] == 1
+    cons.sched.build_connector_meta(evicted=["img"])  # vLLM evicted it: load it again
+    third = request("c3", "img", params=params)
+    assert not cons.sched.ensure_cache_available(third, 0)
+
+
+def test_a_staged_copy_the_request_did_not_use_is_freed(pair_factory):
+    """vLLM took the item from its own cache (the request was scheduled without asking the
+    connector): the copy staged for it is dropped at the end of the step, not after
+    staged_ttl_s."""
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    req = request("c", "img", params=params)
+    cons.step_until_ready(req)
+    wait_until(lambda: cons.worker.staged_bytes > 0)
+    pos = req.mm_features[0].mm_position
+    assert cons.sched.ensure_cache_available(req, pos.offset + pos.length)  # running, past it
+    assert cons.sched.build_connector_meta() == {}
+    wait_until(lambda: cons.worker.staged_bytes == 0)
+    assert cons.sched.staging.get("img") is None
+
+
+def test_an_aborted_request_frees_its_staged_copy(pair_factory):
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    req = request("c", "img", params=params)
+    cons.step_until_ready(req)
+    cons.sched.request_finished(req)
+    cons.sched.build_connector_meta()
+    wait_until(lambda: cons.worker.staged_bytes == 0)

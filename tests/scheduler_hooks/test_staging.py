@@ -151,3 +151,31 @@ def test_decisions_on_plain_values():
     assert unavailable_action(promised=True, policy="fail") == "fail"
     assert unavailable_action(promised=False, policy="fail") == "local_encode"
     assert unavailable_action(promised=True, policy="local_encode") == "local_encode"
+
+
+def test_a_copy_nobody_waits_for_is_dropped_at_the_end_of_the_step():
+    t = table()
+    t.begin("x", 0.0, 10.0, True)
+    t.want("x", "r1")
+    t.want("x", "r2")
+    assert not t.release("x", "r1")  # r2 still waits
+    assert t.release("x", "r2")  # the last waiter left a LOADING copy
+    candidates = {"x"}
+    assert t.unwanted(candidates, placed={}) == []  # still loading: kept as a candidate
+    assert candidates == {"x"}
+    t.staged("x", 0, True, 16, "", {0}, 0.1)
+    assert t.unwanted(candidates, placed={}) == ["x"]  # landed: dropped, forgotten
+    assert t.get("x") is None and candidates == set()
+
+
+def test_an_unwanted_copy_placed_this_step_or_wanted_again_is_kept():
+    t = table()
+    for item in ("placed", "again"):
+        t.begin(item, 0.0, 10.0, True)
+        t.want(item, "r1")
+        t.staged(item, 0, True, 16, "", {0}, 0.1)
+        assert t.release(item, "r1")
+    t.want("again", "r2")
+    candidates = {"placed", "again"}
+    assert t.unwanted(candidates, placed={"placed": 16}) == []
+    assert t.get("again") is not None and candidates == set()
