@@ -206,6 +206,8 @@ def main() -> int:
     p.add_argument("--reuse", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--overhead-samples", type=int, default=400)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="repetitions of the three runs, interleaved; the table shows medians")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the gateway overhead (one EPD deployment, no load runs)")
     p.add_argument("--spec", choices=["tiny", "heavy"], default="tiny",
@@ -220,34 +222,50 @@ def main() -> int:
                               overhead=True)
         print(format_overhead(overhead))
         return 0
-    results = {}
-    say("1/3 aggregated vLLM (one server, all cores)")
-    agg = VllmServer("aggregated", model, PORT, work, None)
-    start_all([agg], progress=say)
-    try:
-        results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a)
-    finally:
-        agg.stop()
-    say("2/3 EPD through the gateway (EPDConnector, safetensors; encoder core 0, decode 1)")
-    results["EPD gateway"], overhead = epd_run(model, work, "EPD gateway", epd_config, True,
-                                               a, PORT + 3, overhead=True)
-    say("3/3 EPD with vLLM's ECExampleConnector (same gateway, same cores)")
-    results["EPD ECExampleConnector"], _ = epd_run(model, work, "EPD ECExampleConnector",
-                                                   example_config, False, a, PORT + 6,
-                                                   overhead=False)
-    summaries = {k: v.summary for k, v in results.items()}
+    runs: list[dict] = []
+    overhead = None
+    for rep in range(1, a.repeat + 1):
+        tag = f"[{rep}/{a.repeat}] " if a.repeat > 1 else ""
+        results = {}
+        say(f"{tag}1/3 aggregated vLLM (one server, all cores)")
+        agg = VllmServer("aggregated", model, PORT, work, None)
+        start_all([agg], progress=say)
+        try:
+            results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a)
+        finally:
+            agg.stop()
+        say(f"{tag}2/3 EPD through the gateway (EPDConnector, safetensors; encoder core 0, "
+            "decode 1)")
+        results["EPD gateway"], ovh = epd_run(model, work, "EPD gateway", epd_config, True,
+                                              a, PORT + 3, overhead=overhead is None)
+        overhead = overhead or ovh
+        say(f"{tag}3/3 EPD with vLLM's ECExampleConnector (same gateway, same cores)")
+        results["EPD ECExampleConnector"], _ = epd_run(model, work, "EPD ECExampleConnector",
+                                                       example_config, False, a, PORT + 6,
+                                                       overhead=False)
+        runs.append(results)
+        if a.repeat > 1:
+            print(format_table({k: v.summary for k, v in results.items()}))
+    labels = list(runs[0])
+    keys = [k for k, v in runs[0][labels[0]].summary.items() if isinstance(v, int | float)]
+    summaries = {label: {k: statistics.median(r[label].summary[k] for r in runs) for k in keys}
+                 for label in labels}
     print()
     print(f"{a.num_requests} requests, concurrency {a.concurrency}, {a.reuse:.0%} image reuse, "
-          f"{a.max_tokens} output tokens, {a.spec} LLaVA on CPU")
+          f"{a.max_tokens} output tokens, {a.spec} LLaVA on CPU"
+          + (f"; medians of {a.repeat} interleaved repetitions" if a.repeat > 1 else ""))
     print(format_table(summaries))
-    base = summaries["aggregated vLLM"]["req_per_s"]
-    ex = summaries["EPD ECExampleConnector"]["req_per_s"]
-    print(f"req/s ratios: EPD gateway / aggregated = {summaries['EPD gateway']['req_per_s'] / base:.2f}; "  # noqa: E501
-          f"EPD gateway / ECExampleConnector = {summaries['EPD gateway']['req_per_s'] / ex:.2f}")
+    ours, ex, agg_s = (summaries["EPD gateway"], summaries["EPD ECExampleConnector"],
+                       summaries["aggregated vLLM"])
+    print(f"ratios: EPD (ours) / ECExampleConnector: req/s {ours['req_per_s'] / ex['req_per_s']:.2f}, "  # noqa: E501
+          f"TTFT p50 {ours['ttft_ms_p50'] / ex['ttft_ms_p50']:.2f}, "
+          f"TTFT p99 {ours['ttft_ms_p99'] / ex['ttft_ms_p99']:.2f}; "
+          f"EPD (ours) / aggregated: req/s {ours['req_per_s'] / agg_s['req_per_s']:.2f}")
     assert overhead is not None
     print(format_overhead(overhead))
-    write_json(results, work / "serve-bench.json", {"gateway_overhead": overhead})
-    plot(results, work / "serve-bench.png")
+    write_json(runs[-1], work / "serve-bench.json",
+               {"gateway_overhead": overhead, "medians": summaries, "repeat": a.repeat})
+    plot(runs[-1], work / "serve-bench.png")
     print(f"wrote {work / 'serve-bench.json'} and {work / 'serve-bench.png'}")
     print(json.dumps(overhead))
     return 0
