@@ -44,6 +44,7 @@ TENSOR_NAME = "ec_cache"
 FORMAT = "epd-1"
 MAX_HEADER_BYTES = 1 << 20
 _STALE_TMP_S = 600.0
+_RESCAN_S = 5.0  # longest a put trusts the byte account before listing the directory again
 
 # safetensors dtype codes <-> torch dtype names
 _ST_DTYPES = {
@@ -76,6 +77,11 @@ class SafetensorsTransport(Transport):
         self.fsync = fsync
         self.verify_checksum = verify_checksum
         self._evict_lock = threading.Lock()
+        # Bytes in the directory as of the last scan plus this process's writes since: a put
+        # rescans (O(files)) only when that passes the budget or the last scan is
+        # `_RESCAN_S` old, so files other instances write count within that period.
+        self._approx_bytes = 0
+        self._scanned_at = float("-inf")
 
     # -- paths ---------------------------------------------------------------------------
     def path_for(self, item_id: str) -> Path:
@@ -129,7 +135,10 @@ class SafetensorsTransport(Transport):
             item_id=item_id, key=key, shape=tuple(tensor.shape), dtype=name,
             nbytes=data.nbytes, checksum=digest, location=str(final),
         )
-        self.evict(keep=final)
+        self._approx_bytes += 8 + len(raw) + data.nbytes
+        if (self._approx_bytes > self.max_bytes
+                or time.monotonic() - self._scanned_at > _RESCAN_S):
+            self.evict(keep=final)
         return info
 
     # -- read ----------------------------------------------------------------------------
@@ -242,6 +251,8 @@ class SafetensorsTransport(Transport):
                         total += st.st_size
                         files.append((st.st_mtime, st.st_size, e.path))
             removed = 0
+            self._scanned_at = time.monotonic()
+            self._approx_bytes = total
             if total <= self.max_bytes:
                 return 0
             files.sort()
@@ -255,6 +266,7 @@ class SafetensorsTransport(Transport):
                 except FileNotFoundError:
                     continue
                 total -= size
+                self._approx_bytes = total
                 removed += 1
                 self.events.evictions += 1
                 self.events.evicted_bytes += size

@@ -165,3 +165,18 @@ def test_list_keys_ignores_temp_files(tmp_path):
     t.put("a", torch.ones(2))
     (t.dir / f"{TMP_PREFIX}junk").write_bytes(b"partial")
     assert list(t.list_keys()) == [item_key("a")]
+
+
+def test_puts_under_budget_do_not_list_the_directory_each_time(tmp_path, monkeypatch):
+    """The byte budget is kept from one scan plus our own writes: a put lists the directory
+    again only when the account passes the budget or the last scan is old."""
+    t = make(tmp_path)
+    scans = []
+    real = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p: scans.append(p) or real(p))
+    for i in range(20):
+        t.put(f"item-{i}", torch.zeros(64, 64))
+    assert len(scans) == 1  # the first put scans; the next 19 trust the account
+    t._scanned_at -= 10  # the scan is old: files others wrote must be counted again
+    t.put("late", torch.zeros(64, 64))
+    assert len(scans) == 2
