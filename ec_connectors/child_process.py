@@ -47,11 +47,14 @@ def _load_prctl() -> Callable[..., int] | None:
     load libraries)."""
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        prctl = libc.prctl
+    try:  # the running program's own symbols hold libc's prctl: no ldconfig subprocess
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # (as find_library would start)
     except (OSError, AttributeError):
-        return None
+        try:
+            prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6",
+                                use_errno=True).prctl
+        except (OSError, AttributeError):
+            return None
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                       ctypes.c_ulong]
     prctl.restype = ctypes.c_int
