@@ -12,9 +12,9 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ec_connectors.config_files import InvalidConfig, explain, model_keys
+from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TransportName
 from ec_connectors.protocol.net import Endpoint, EndpointList
@@ -167,11 +167,8 @@ class EPDConfig(ConsumerSettings, ProducerSettings, StoreSettings, MooncakeSetti
 
     @classmethod
     def from_dict(cls, extra: dict[str, Any] | None) -> EPDConfig:
-        try:
-            return cls.model_validate(extra or {})
-        except ValidationError as exc:
-            raise ConfigError(explain(exc, "invalid ec_connector_extra_config for EPDConnector",
-                                      model_keys(cls))) from None
+        return validate(cls, extra or {}, "invalid ec_connector_extra_config for EPDConnector",
+                        ConfigError)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig) -> EPDConfig:

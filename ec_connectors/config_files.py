@@ -6,7 +6,8 @@
   that is missing, unreadable, unparsable or not a table raises an error naming the path.
 - `explain(exc, what, known_keys)`: a pydantic ValidationError as one line,
   `<what>: key.path: message; key.path: message. Known keys: a, b, ...` (`<root>` for errors
-  of the whole object); `model_keys(model)` lists a model's keys, nested ones dotted.
+  of the whole object); `model_keys(model)` lists a model's keys, nested ones dotted;
+  `validate(model, data, what, error)` validates and raises `error` with that message.
 - `InvalidConfig`: the base of every config error class (ConfigError, GatewayConfigError,
   PoolConfigError), a ValueError.
 """
@@ -18,7 +19,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,6 +27,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class InvalidConfig(ValueError):
@@ -64,6 +68,15 @@ def explain(exc: ValidationError, what: str, known_keys: Iterable[str] = ()) -> 
     )
     keys = sorted(known_keys)
     return f"{what}: {problems}" + (f". Known keys: {', '.join(keys)}" if keys else "")
+
+
+def validate(model: type[M], data: Any, what: str, error: type[Exception]) -> M:
+    """`model.model_validate(data)`; a ValidationError becomes `error` with `explain`'s
+    message (every bad key, then the keys `model` knows)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise error(explain(exc, what, model_keys(model))) from None
 
 
 def model_keys(model: type[BaseModel]) -> list[str]:

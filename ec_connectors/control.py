@@ -40,9 +40,9 @@ class ControlEndpoint:
     `bind=True`: ROUTER (scheduler side, or a producer's peer server); `bind=False`: DEALER.
     `on_message(msg, peer, payload)` runs on the endpoint's thread: `peer` is the ROUTER
     identity of the sender (None on a DEALER), `payload` the raw frames after the header
-    (inline item bytes on the peer channel). `encode`/`decode` are the channel's wire (default:
-    the control messages); frames that `decode` rejects are counted and dropped. A DEALER
-    reports a lost connection to `on_disconnect` (the peer process died).
+    (inline item bytes on the peer channel). `decode` is the channel's wire (default: the
+    control messages); frames it rejects are counted and dropped. A DEALER reports a lost
+    connection to `on_disconnect` (the peer process died).
     """
 
     def __init__(
@@ -54,12 +54,10 @@ class ControlEndpoint:
         decode: Callable[[bytes], Any] = messages.decode,
         on_disconnect: Callable[[], None] | None = None,
         context: zmq.Context | None = None,
-        encode: Callable[[msgspec.Struct], bytes] = messages.encode,
     ) -> None:
         self.address = address
         self.bind = bind
         self._on_message = on_message
-        self._encode = encode
         self._decode = decode
         self._on_disconnect = on_disconnect
         self._ctx = context or zmq.Context.instance()
@@ -81,7 +79,7 @@ class ControlEndpoint:
 
     def send(self, msg: msgspec.Struct, to: bytes | None = None,
              payload: bytes | memoryview | None = None) -> None:
-        frames: list[bytes | memoryview] = [self._encode(msg)]
+        frames: list[bytes | memoryview] = [messages.encode(msg)]
         if payload is not None:
             frames.append(payload)
         self._outbox.append((to, frames))

@@ -76,6 +76,8 @@ _decoder = msgspec.msgpack.Decoder(ControlMessage)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack of any tagged message, this wire's or the Mooncake peer channel's: the tag
+    travels with it, so each wire differs only in what its decoder accepts."""
     return _encoder.encode(msg)
 
 

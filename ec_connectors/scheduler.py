@@ -222,16 +222,14 @@ class EPDSchedulerSide:
         for i, feature in enumerate(request.mm_features):
             item_id = feature.identifier
             pos = feature.mm_position
-            if covered(pos.offset, pos.length, num_computed_tokens) or item_id in placed:
-                # In the KV cache, handed to the worker, or taken from vLLM's own encoder
-                # cache: a copy staged for this request is not needed any more.
-                if item_id in waits and self.staging.release(item_id, req_id):
-                    self._unwanted.add(item_id)
-                continue
-            if item_id in self.engine_cache:
-                self.stats.inc("engine_cache_hits")  # vLLM serves it: no load, no wait
-                if item_id in waits and self.staging.release(item_id, req_id):
-                    self._unwanted.add(item_id)
+            done = covered(pos.offset, pos.length, num_computed_tokens) or item_id in placed
+            if done or item_id in self.engine_cache:
+                # In the KV cache, handed to the worker, or in vLLM's own encoder cache (vLLM
+                # serves it: no load, no wait): a copy staged for this request is not needed.
+                if not done:
+                    self.stats.inc("engine_cache_hits")
+                if item_id in waits:  # (no lock taken for the usual running request)
+                    self._release(item_id, req_id)
                 continue
             if self.staging.current(item_id, now) is None:
                 key = safe_key(item_id)
@@ -266,6 +264,12 @@ class EPDSchedulerSide:
             if since is not None:
                 self.stats.observe("defer_s", now - since)
         return ready
+
+    def _release(self, item_id: str, req_id: str) -> None:
+        """The request no longer waits for the item; a staged copy nobody waits for any
+        more is dropped at the end of the step (build_connector_meta)."""
+        if self.staging.release(item_id, req_id):
+            self._unwanted.add(item_id)
 
     def _on_unavailable(self, request: Request, item_id: str, promised: bool, why: str) -> None:
         if unavailable_action(promised, self.config.on_unavailable) == "fail":
@@ -347,8 +351,7 @@ class EPDSchedulerSide:
         self._req_hints.pop(req_id, None)
         self._req_deferred_since.pop(req_id, None)
         for item_id in self._req_waits.pop(req_id, ()):
-            if self.staging.release(item_id, req_id):
-                self._unwanted.add(item_id)
+            self._release(item_id, req_id)
         if self._fallbacks_logged:
             self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != req_id}
         items = self._req_items.pop(req_id, None)

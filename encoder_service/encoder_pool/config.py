@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ec_connectors.config_files import InvalidConfig, explain, model_keys
+from ec_connectors.config_files import InvalidConfig, validate
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -100,8 +100,4 @@ class PoolConfig(BaseModel):
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> PoolConfig:
-        try:
-            return cls.model_validate(values)
-        except ValidationError as exc:
-            raise PoolConfigError(explain(exc, "invalid encoder pool config",
-                                          model_keys(cls))) from None
+        return validate(cls, values, "invalid encoder pool config", PoolConfigError)

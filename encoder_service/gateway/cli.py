@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ec_connectors.config_files import read_config_file
 from ec_connectors.protocol.ports import GATEWAY_PORT
-from encoder_service.gateway.config import GatewayConfig, GatewayConfigError, read_config_file
+from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 
 
 def main(argv: list[str]) -> int:
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
                    "skipping items that are already encoded)")
     args = p.parse_args(argv)
     try:
-        data = read_config_file(args.config) if args.config else {}
+        data = read_config_file(args.config, error=GatewayConfigError) if args.config else {}
         for key in ("host", "port", "model"):
             if getattr(args, key) is not None:
                 data[key] = getattr(args, key)

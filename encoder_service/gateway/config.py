@@ -1,21 +1,19 @@
 """Gateway configuration: one validated place, embedded defaults, clear errors.
 
 Build with `GatewayConfig.build(dict)` (raises GatewayConfigError naming each bad key), from
-`read_config_file(path)` (JSON or TOML) and/or flags. Unknown keys are errors, so a typo
-never silently falls back to a default.
+`ec_connectors.config_files.read_config_file(path)` (JSON or TOML) and/or flags. Unknown keys
+are errors, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ec_connectors import config_files
-from ec_connectors.config_files import InvalidConfig, explain, model_keys
+from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol.net import EndpointList
 from ec_connectors.protocol.ports import GATEWAY_PORT
 
@@ -140,14 +138,4 @@ class GatewayConfig(_Strict):
     @classmethod
     def build(cls, data: dict[str, Any]) -> GatewayConfig:
         """Validate `data`; raise GatewayConfigError naming each bad key."""
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise GatewayConfigError(explain(exc, "invalid gateway configuration",
-                                             model_keys(cls))) from None
-
-
-def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A gateway config file (JSON, or TOML with suffix .toml) as a dict; errors name the
-    file (GatewayConfigError)."""
-    return config_files.read_config_file(path, error=GatewayConfigError)
+        return validate(cls, data, "invalid gateway configuration", GatewayConfigError)

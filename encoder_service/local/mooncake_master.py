@@ -16,12 +16,15 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
 from ec_connectors.protocol import ports
 from encoder_service.local.processes import ManagedProcess, ServerFailed
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; annotations only
 
 
 class MasterMissing(ServerFailed):

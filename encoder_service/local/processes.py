@@ -22,11 +22,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
 from ec_connectors import child_process
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; annotations only
 
 
 def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:

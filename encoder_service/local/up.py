@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ec_connectors.config import ConfigError, EPDConfig
-from ec_connectors.config_files import explain, model_keys, read_config_file
+from ec_connectors.config_files import read_config_file, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
@@ -124,11 +124,7 @@ class UpError(RuntimeError):
 def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -> UpConfig:
     data = read_config_file(path, error=UpError) if path else {}
     data.update(overrides or {})
-    try:
-        return UpConfig.model_validate(data)
-    except ValidationError as exc:
-        raise UpError(explain(exc, "invalid epd up configuration", model_keys(UpConfig))
-                      ) from None
+    return validate(UpConfig, data, "invalid epd up configuration", UpError)
 
 
 def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) -> dict:

@@ -56,7 +56,7 @@ class PeerLink:
         self.broken = False
         self.channel = ControlEndpoint(f"tcp://{host}:{port}", bind=False,
                                        on_message=self._on_message, name=f"epd-peer-{port}",
-                                       encode=messages.encode, decode=messages.decode_peer,
+                                       decode=messages.decode_peer,
                                        on_disconnect=self._on_disconnect, context=context)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,

@@ -80,12 +80,7 @@ class Snapshot(msgspec.Struct, tag=True):
 
 PeerMessage = Pull | Pulled | PullFailed | Progress | Announce | Evicted | Snapshot
 
-_encoder = msgspec.msgpack.Encoder()
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
 
 
 def decode_peer(data: bytes) -> PeerMessage:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from ec_connectors.messages import encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
-from ec_connectors.transports.mooncake_te import messages
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
 
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
@@ -166,7 +166,7 @@ class Announcer:
                     next_snapshot = time.monotonic() + self._interval_s
                 if msg is None:
                     return
-                self._sock.send(messages.encode(msg))
+                self._sock.send(encode(msg))
         finally:
             self._sock.close()
 

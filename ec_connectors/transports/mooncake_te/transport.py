@@ -119,7 +119,7 @@ class MooncakeTransport(Transport):
         try:
             self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
                                           on_message=self._on_pull, name="epd-peer-server",
-                                          encode=messages.encode, decode=messages.decode_peer,
+                                          decode=messages.decode_peer,
                                           context=self._zmq)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
                                        self.store, c.announce_interval_s, self._zmq,

@@ -208,10 +208,11 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     for frame in garbage:
         sock.send(frame)
     # A well-formed pull with a forged session must be refused, not attempted.
+    from ec_connectors.messages import encode
     from ec_connectors.transports.mooncake_te import messages
 
-    sock.send(messages.encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
-                                            dst_addr=0, capacity=0)))
+    sock.send(encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
+                                  dst_addr=0, capacity=0)))
     assert sock.poll(5000)
     reply = messages.decode_peer(sock.recv())
     assert isinstance(reply, messages.PullFailed) and reply.code == "bad_request"

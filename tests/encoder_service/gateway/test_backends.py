@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from ec_connectors.messages import encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import content_item_id, item_key
-from ec_connectors.transports.mooncake_te import messages
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
 from encoder_service.gateway.availability import MooncakeAvailability, make_availability
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
@@ -124,7 +124,7 @@ class FakeProducer:
         self.sock.bind(f"tcp://{host}:{int(port) + 1000}")
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.sock.send(messages.encode(msg))
+        self.sock.send(encode(msg))
 
     def announce(self, item_id: str, nbytes: int = 4096) -> ItemInfo:
         info = ItemInfo(item_id=item_id, key=item_key(item_id), shape=(4, 256),
