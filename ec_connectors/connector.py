@@ -25,6 +25,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import control_address
 from ec_connectors.log import get_logger
+from ec_connectors.placeholders import Placeholders
 from ec_connectors.scheduler import EPDSchedulerSide
 from ec_connectors.stats import EPDPromMetrics, EPDStats
 from ec_connectors.transports import Placement, make_transport
@@ -92,6 +93,7 @@ class EPDConnector(ECConnectorBase):
             self._sched = EPDSchedulerSide(
                 self.config, transport, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, address=address, engine_id=ec.engine_id,
+                placeholders=Placeholders(vllm_config.model_config),
             )
             logger.info("EPDConnector scheduler: role=%s transport=%s namespace=%s config=%s",
                         ec.ec_role, transport.name, self.config.namespace,

@@ -9,8 +9,11 @@ Consumer flow for one item:
   has_cache_item: True only for READY items (O(1) dict lookup)
   update_state_after_alloc -> the item goes into this step's metadata; the worker places it
   deadline passed / FAILED -> local encode (default) or the request fails (on_unavailable=fail)
+  a metadata-only item (no media: vLLM cannot encode it) that is unknown, late or failed
+      -> the request fails (take_unavailable_requests); never scheduled without its embedding
 Producer flow: update_state_after_alloc records the request's items; request_finished returns
-them as ec_transfer_params; `has_cache_item` answers "already stored" so nothing is encoded twice.
+them as ec_transfer_params, each with its placeholder metadata (so the consumer's request can
+be metadata-only); `has_cache_item` answers "already stored" so nothing is encoded twice.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from scheduler_hooks.staging import DEADLINE_PASSED, StagingTable, Status
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from ec_connectors.placeholders import Placeholders
+
 logger = get_logger(__name__)
 
 _FAILED_MEMORY_S = 5.0  # how long a failed item is answered "encode locally" without retrying
@@ -73,8 +78,10 @@ class EPDSchedulerSide:
         address: str,
         engine_id: str,
         start_index: bool = True,
+        placeholders: Placeholders | None = None,
     ) -> None:
         self.config = config
+        self.placeholders = placeholders
         self.transport = transport
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -89,7 +96,6 @@ class EPDSchedulerSide:
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
         self._req_items: dict[str, dict[str, int]] = {}
-        self._req_placed: dict[str, set[str]] = {}
         self._req_hints: dict[str, dict[str, Source]] = {}
         self._req_deferred_since: dict[str, float] = {}  # consumer: first deferral of a request
         self._req_waits: dict[str, set[str]] = {}  # consumer: items a request waited for
@@ -215,17 +221,17 @@ class EPDSchedulerSide:
             return True
         req_id = request.request_id
         hints = self._hints(request)
-        placed = self._req_placed.get(req_id, ())
         waits = self._req_waits.get(req_id, ())
         ready = True
         now = time.monotonic()
         for i, feature in enumerate(request.mm_features):
             item_id = feature.identifier
             pos = feature.mm_position
-            done = covered(pos.offset, pos.length, num_computed_tokens) or item_id in placed
+            done = covered(pos.offset, pos.length, num_computed_tokens)
             if done or item_id in self.engine_cache:
-                # In the KV cache, handed to the worker, or in vLLM's own encoder cache (vLLM
-                # serves it: no load, no wait): a copy staged for this request is not needed.
+                # In the KV cache, or in vLLM's own encoder cache (placed there, or encoded;
+                # vLLM serves it: no load, no wait): a copy staged for it is not needed. A
+                # preempted request whose item was evicted since is loaded again.
                 if not done:
                     self.stats.inc("engine_cache_hits")
                 if item_id in waits:  # (no lock taken for the usual running request)
@@ -240,6 +246,11 @@ class EPDSchedulerSide:
                         ready = False
                         continue
                 if not known:
+                    if self._metadata_only(feature):
+                        ready = False
+                        self._on_unavailable(request, item_id, True, "not in the transport",
+                                             metadata_only=True)
+                        continue
                     logger.debug("EPD: request %s item %r is not in the transport; vLLM "
                                  "encodes it locally", req_id, item_id)
                     continue
@@ -255,7 +266,11 @@ class EPDSchedulerSide:
                         self.stats.inc("timeouts")
                     logger.warning("EPD: item %r for request %s: %s; not loaded", item_id,
                                    req_id, d.why)
-                self._on_unavailable(request, item_id, item_id in hints, d.why)
+                if self._metadata_only(feature):
+                    ready = False  # no media: never schedule it without its embedding
+                    self._on_unavailable(request, item_id, True, d.why, metadata_only=True)
+                else:
+                    self._on_unavailable(request, item_id, item_id in hints, d.why)
         if not ready:
             self.stats.inc("deferrals")
             self._req_deferred_since.setdefault(req_id, now)
@@ -271,11 +286,18 @@ class EPDSchedulerSide:
         if self.staging.release(item_id, req_id):
             self._unwanted.add(item_id)
 
-    def _on_unavailable(self, request: Request, item_id: str, promised: bool, why: str) -> None:
-        if unavailable_action(promised, self.config.on_unavailable) == "fail":
+    def _metadata_only(self, feature: Any) -> bool:
+        return self.placeholders is not None and self.placeholders.metadata_only(feature)
+
+    def _on_unavailable(self, request: Request, item_id: str, promised: bool, why: str,
+                        metadata_only: bool = False) -> None:
+        policy = "fail" if metadata_only else self.config.on_unavailable
+        if unavailable_action(promised, policy) == "fail":
             if request.request_id not in self._unavailable:
-                logger.error("EPD: failing request %s: item %r unavailable (%s)",
-                             request.request_id, item_id, why)
+                logger.error("EPD: failing request %s: item %r unavailable (%s)%s",
+                             request.request_id, item_id, why,
+                             "; the request is metadata-only (no media to encode locally): "
+                             "retry it with the raw media" if metadata_only else "")
                 self._unavailable.add(request.request_id)
                 self.stats.inc("failed_requests")
             return
@@ -295,7 +317,6 @@ class EPDSchedulerSide:
             self.engine_cache.allocated(item_id)
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
-            self._req_placed.setdefault(request.request_id, set()).add(item_id)
             st = self.staging.get(item_id)
             if st is not None and st.ready_at:
                 self.stats.observe("staged_to_scheduled_s", time.monotonic() - st.ready_at)
@@ -347,23 +368,33 @@ class EPDSchedulerSide:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         req_id = request.request_id
-        self._req_placed.pop(req_id, None)
         self._req_hints.pop(req_id, None)
         self._req_deferred_since.pop(req_id, None)
         for item_id in self._req_waits.pop(req_id, ()):
             self._release(item_id, req_id)
         if self._fallbacks_logged:
             self._fallbacks_logged = {k for k in self._fallbacks_logged if k[0] != req_id}
-        items = self._req_items.pop(req_id, None)
+        items = self._req_items.pop(req_id, None) or {}
         if not self.is_producer:
             return None
-        if not items:
+        metadata = (self.placeholders.describe(request.mm_features)
+                    if self.placeholders is not None and request.mm_features else {})
+        if not items and not metadata:
             return None
         described: dict[str, dict[str, Any]] = {}
         endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
         for item_id, num_embeds in items.items():
             described[item_id] = item_entry(item_id, num_embeds, self._saved.get(item_id),
                                             with_location=bool(endpoint))
+        for i, feature in enumerate(request.mm_features):
+            item_id = feature.identifier
+            if item_id not in metadata:
+                continue
+            if item_id not in described:  # stored before (deduplicated): described too
+                described[item_id] = item_entry(item_id, request.get_num_encoder_embeds(i),
+                                                self._saved.get(item_id),
+                                                with_location=bool(endpoint))
+            described[item_id]["metadata"] = metadata[item_id]
         return producer_params(self.transport.name, self.config.namespace or "",
                                self.engine_id, described, endpoint=endpoint)
 

@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="epd up --demo: start the local deployment, send an image "
                           "request through the gateway, stop")
-    demo.add_argument("--prompt", default="describe the image")
+    demo.add_argument("--prompt", default="describe this")
+    demo.add_argument("--model", help="a test model (tiny, qwen-vl, qwen-omni, ...) or a model "
+                      "directory (default qwen-omni)")
     demo.add_argument("--port", type=int, default=GATEWAY_PORT,
                       help=f"gateway port (default {GATEWAY_PORT}); servers take the next ones")
     build = sub.add_parser("build-model", help="build the local test model (no downloads)")
@@ -62,15 +64,15 @@ def main(argv: list[str] | None = None) -> int:
 
     work = _work_dir()
     if args.cmd == "build-model":
-        out = args.out or work / "models" / ("tiny-llava" if args.spec == "tiny" else
-                                             f"{args.spec}-llava")
-        build_model(out, SPECS[args.spec])
+        spec = SPECS.get(args.spec)
+        if spec is None:
+            parser.error(f"--spec: one of {', '.join(sorted(SPECS))}")
+        build_model(args.out or work / "models" / spec.model_name, spec)
         return 0
     if args.cmd == "demo":
-        from encoder_service.local.demo import run_demo
+        from encoder_service.local.demo import DEMO_MODEL, run_demo
 
-        model = build_model(work / "models" / "tiny-llava", SPECS["tiny"])
-        return run_demo(work, model, args.prompt, base_port=args.port)
+        return run_demo(work, args.model or DEMO_MODEL, args.prompt, base_port=args.port)
     return 2
 
 

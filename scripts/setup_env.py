@@ -125,8 +125,10 @@ def ensure_venv() -> None:
 
 
 def ensure_model() -> None:
-    run([str(PY), "-m", "encoder_service.local.testmodel", "--out",
-         str(WORK / "models" / "tiny-llava")])
+    """The test models (about 10 s each to build, once): tiny LLaVA (images, raw media),
+    tiny Qwen2.5-VL (image, video) and Qwen2.5-Omni thinker (image, video, audio)."""
+    run([str(PY), "-m", "encoder_service.local.testmodel", "--models-dir", str(WORK / "models"),
+         "--spec", "tiny", "--spec", "qwen-vl", "--spec", "qwen-omni"])
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ import logging
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,7 +41,11 @@ from encoder_service.gateway.encoder_clients import (
 )
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
-from encoder_service.gateway.parsing import prepare_chat
+from encoder_service.gateway.parsing import (
+    metadata_only_body,
+    placeholder_metadata,
+    prepare_chat,
+)
 from encoder_service.gateway.urls import fetch_media
 
 logger = logging.getLogger("epd.gateway")
@@ -66,6 +71,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 # takes ~300 us (measured here); decode errors are ValueErrors like json's.
 _json_decode = msgspec.json.decode
 _json_encode = msgspec.json.encode
+_MAX_REMEMBERED = 65536  # placeholder metadata of this many items (about 150 B each)
 
 class _Watch:
     """Cancels the handler's task when the client disconnects, until `finish()`.
@@ -106,6 +112,9 @@ class Gateway:
         self.router: EncoderRouter | None = None
         self.decoders: DecodePool | None = None
         self._background: set[asyncio.Task] = set()  # releases in flight (strong refs)
+        # item id -> placeholder metadata its encoder published: a later request for an
+        # item that is already available goes metadata-only too
+        self._metadata: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     # -- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -273,11 +282,44 @@ class Gateway:
             elif errors:
                 logger.warning("encoder retry rid=%s errors=%s action=retried on another "
                                "encoder, succeeded", rid, errors)
+        metadata = self._placeholders(hints)
         if hints:
             prepared.body["ec_transfer_params"] = {PARAMS_KEY: {"items": hints}}
-        payload = _json_encode(prepared.body)
-        up = await self._open("/v1/chat/completions", payload, rid)
+        body, n_meta = (metadata_only_body(prepared.body, metadata)
+                        if metadata and self.cfg.media.metadata_only else (prepared.body, 0))
+        info["metadata_only"] = n_meta
+        up = await self._open("/v1/chat/completions", _json_encode(body), rid)
+        if n_meta and await up.failed_before_answer(prepared.stream):
+            # e.g. an embedding evicted or lost on its way: the decode instance has no
+            # media to encode it from; the raw media let it (nothing lost)
+            await up.release()
+            m.raw_retries.inc()
+            logger.warning("metadata-only request failed rid=%s decoder=%s status=%d "
+                           "action=retrying once with the raw media", rid, up.url,
+                           up.status_code)
+            info["metadata_only"] = 0
+            up = await self._open("/v1/chat/completions", _json_encode(prepared.body), rid)
+        elif n_meta:
+            m.items_metadata_only.inc(n_meta)
         return up, info
+
+    def _placeholders(self, hints: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Placeholder metadata of the hinted items (from this request's encoders, else
+        remembered from an earlier encode); `hints` keep only what decode instances read."""
+        out: dict[str, dict[str, Any]] = {}
+        for item_id, entry in hints.items():
+            meta = placeholder_metadata(entry)
+            if meta is not None:
+                hints[item_id] = {k: v for k, v in entry.items() if k != "metadata"}
+                self._metadata[item_id] = meta
+                self._metadata.move_to_end(item_id)
+                if len(self._metadata) > _MAX_REMEMBERED:
+                    self._metadata.popitem(last=False)
+            else:
+                meta = self._metadata.get(item_id)
+            if meta is not None:
+                out[item_id] = meta
+        return out
 
     async def _open(self, path: str, payload: bytes | None, rid: str,
                     method: str = "POST") -> Upstream:

@@ -43,13 +43,20 @@ class LimitsConfig(_Strict):
     max_request_bytes: int = Field(32 * MiB, gt=0)
     max_media_bytes: int = Field(16 * MiB, gt=0, description="one decoded media item")
     max_media_items: int = Field(16, gt=0, description="media parts per request")
-    max_image_pixels: int = Field(4096 * 4096, gt=0)
+    max_image_pixels: int = Field(4096 * 4096, gt=0, description="an image or a video frame")
+    max_video_frames: int = Field(1024, gt=0)
+    max_video_seconds: float = Field(600.0, gt=0)
+    max_audio_seconds: float = Field(1800.0, gt=0)
 
 
 class MediaConfig(_Strict):
     """What media the gateway accepts and how it may fetch URLs (SSRF policy)."""
 
-    modalities: list[Literal["image", "audio", "video"]] = ["image"]
+    modalities: list[Literal["image", "audio", "video"]] = ["image", "video", "audio"]
+    metadata_only: bool = Field(
+        True, description="send decode instances metadata-only parts (`image_embeds` with "
+                          "the grid, no pixels) for items whose encoder published their "
+                          "placeholder metadata; the gateway keeps the media for one retry")
     allow_http_urls: bool = False
     allowed_hosts: list[str] = Field(
         default_factory=list,

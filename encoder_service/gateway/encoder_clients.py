@@ -78,6 +78,7 @@ class VllmEncoderClient:
         content = [*(it.part for it in items), {"type": "text", "text": "."}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": 1, "temperature": 0.0}
+        body.update(items[0].kwargs)  # one request's items: the same processor settings
         r = await _post(self.name, self.client, self.url, body, request_id, self.timeout_s,
                         self.timeout_s)
         try:
@@ -104,7 +105,8 @@ class PoolEncoderClient:
         self.timeout_s = timeout_s
 
     async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
-        todo = [it for it in items if it.modality in self.modalities]
+        # the pool applies its own processor settings: items with others go raw
+        todo = [it for it in items if it.modality in self.modalities and not it.kwargs]
         if not todo:
             return {}
         body = {"items": [{"id": it.item_id, "modality": it.modality,

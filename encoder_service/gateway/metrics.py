@@ -12,7 +12,10 @@ class GatewayMetrics:
     """Stages: parse (read + validate + hash), encode (encoder calls), first_token (decode
     request sent -> first byte back; includes the decode side's transfer wait and prefill),
     total. Item outcomes: cache_hit (already available, not encoded), encoded, fallback
-    (sent as raw media after encoder failure: the decode instance encodes it)."""
+    (sent as raw media after encoder failure: the decode instance encodes it), metadata_only
+    (the decode instance got the item's placeholder metadata, no media bytes).
+    raw_retries: metadata-only requests a decode instance failed before its first token,
+    sent again with their raw media."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -32,6 +35,9 @@ class GatewayMetrics:
                                 ["reason"], registry=r)
         self.upstream_errors = Counter("epd_gateway_upstream_errors",
                                        "Failed upstream calls", ["target"], registry=r)
+        self.raw_retries = Counter("epd_gateway_raw_retries",
+                                   "Metadata-only requests retried with raw media",
+                                   registry=r)
         self.disconnects = Counter("epd_gateway_client_disconnects",
                                    "Client disconnects that aborted upstream requests",
                                    registry=r)
@@ -42,5 +48,6 @@ class GatewayMetrics:
         self.stage_total = self.stage.labels("total")
         self.items_hit = self.items.labels("cache_hit")
         self.items_encoded = self.items.labels("encoded")
+        self.items_metadata_only = self.items.labels("metadata_only")
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)

@@ -4,23 +4,26 @@ Contract of `prepare_chat`: on success the body is rewritten in place (every med
 carries `uuid` = content id; URL media become data: URLs, so no vLLM server ever fetches a
 URL; any client `ec_transfer_params` is dropped) and the distinct media items are returned.
 On bad input it raises GatewayError (4xx) before any upstream call.
+
+The content id covers the media bytes and every request setting that changes the embedding
+(`mm_processor_kwargs`, `media_io_kwargs`: fps, num_frames, max_pixels...), so the same bytes
+with other settings never share an embedding; encoders get the same settings.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import io
-import warnings
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from PIL import Image
+import msgspec
 
 from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.media import check_audio, check_frames, check_image, check_video
 
 Fetcher = Callable[[str], Awaitable[tuple[bytes, str | None]]]
 
@@ -28,6 +31,9 @@ Fetcher = Callable[[str], Awaitable[tuple[bytes, str | None]]]
 _MEDIA_PARTS = {"image_url": ("image", "image_url"), "video_url": ("video", "video_url"),
                 "audio_url": ("audio", "audio_url"), "input_audio": ("audio", "input_audio")}
 _TEXT_PARTS = {"text"}
+# request fields that change what an encoder makes of the same bytes
+_KWARGS_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
+_MAX_KWARGS_BYTES = 4096
 
 
 @dataclass
@@ -39,6 +45,7 @@ class MediaPart:
     modality: str
     nbytes: int
     part: dict[str, Any]
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the request's _KWARGS_FIELDS
 
 
 @dataclass
@@ -84,29 +91,44 @@ class _Recent:
 _validated = _Recent()
 
 
-def check_image(data: bytes, cfg: GatewayConfig) -> None:
-    """Raise 400 unless `data` is a decodable image within the pixel limit."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                w, h = img.size
-                if w * h > cfg.limits.max_image_pixels:
-                    raise GatewayError(413, f"image is {w}x{h} pixels; the limit is "
-                                       f"{cfg.limits.max_image_pixels}", "image_too_large")
-                img.verify()
-    except GatewayError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise GatewayError(413, "image has too many pixels", "image_too_large") from None
-    except Exception:  # noqa: BLE001 - PIL raises many types for bad bytes
-        raise GatewayError(400, "image_url does not hold a decodable image "
-                           "(PNG, JPEG, WebP, GIF, ...)", "not_an_image") from None
+def _check(modality: str, data: bytes, frames: list[bytes] | None,
+           cfg: GatewayConfig) -> None:
+    """Decode `data` far enough to reject bad media with a 4xx (media.py)."""
+    if modality == "image":
+        check_image(data, cfg.limits)
+    elif frames is not None:
+        check_frames(frames, cfg.limits)
+    elif modality == "video":
+        check_video(data, cfg.limits)
+    else:
+        check_audio(data, cfg.limits)
+
+
+def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The request's embedding-changing settings, and their canonical bytes for the id."""
+    kwargs = {}
+    for name in _KWARGS_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise GatewayError(400, f"{name} must be an object", "bad_kwargs")
+        if value:
+            kwargs[name] = value
+    if not kwargs:
+        return {}, b""
+    canonical = msgspec.json.encode(kwargs, order="sorted")
+    if len(canonical) > _MAX_KWARGS_BYTES:
+        raise GatewayError(413, f"{' and '.join(kwargs)} are larger than "
+                           f"{_MAX_KWARGS_BYTES} bytes", "kwargs_too_large")
+    return kwargs, canonical
 
 
 async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
-                fetch: Fetcher) -> bytes:
-    """The media bytes of one part; URL media are fetched and inlined as a data: URL."""
+                fetch: Fetcher) -> tuple[str, bytes, list[bytes] | None]:
+    """(mime, bytes, frames) of one part; URL media are fetched and inlined as a data: URL.
+    `frames`: a video sent as a list of images (`data:video/jpeg;base64,<f1>,<f2>,...`);
+    its bytes are then the frames, each prefixed by its length."""
     limit = cfg.limits.max_media_bytes
     payload = part.get(kind)
     if kind == "input_audio":
@@ -115,7 +137,9 @@ async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConf
         if len(payload["data"]) > limit * 4 // 3 + 4:
             raise GatewayError(413, f"media item is larger than {limit} bytes",
                                "media_too_large")
-        return _b64(payload["data"], "input_audio")
+        fmt = payload.get("format")
+        return f"audio/{fmt}" if isinstance(fmt, str) else "", _b64(payload["data"],
+                                                                    "input_audio"), None
     if isinstance(payload, str):  # the short form {"image_url": "<url>"}
         payload = {"url": payload}
         part[kind] = payload
@@ -127,13 +151,19 @@ async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConf
         if len(b64) > limit * 4 // 3 + 4:
             raise GatewayError(413, f"media item is larger than {limit} bytes",
                                "media_too_large")
-        return _b64(b64, f"{kind} data URL")
+        if modality == "video" and mime in ("video/jpeg", "image/jpeg"):
+            frames = [_b64(f, f"{kind} frame") for f in b64.split(",")]
+            if not all(frames):
+                raise GatewayError(400, f"{kind}: an empty frame", "bad_part")
+            data = b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+            return mime, data, frames
+        return mime, _b64(b64, f"{kind} data URL"), None
     data, ctype = await fetch(url)
     mime = (ctype or "").split(";", 1)[0].strip().lower()
     if not mime.startswith(f"{modality}/"):
         mime = {"image": "image/png", "audio": "audio/wav", "video": "video/mp4"}[modality]
     payload["url"] = f"data:{mime};base64," + base64.b64encode(data).decode()
-    return data
+    return mime, data, None
 
 
 async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> PreparedRequest:
@@ -148,6 +178,8 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list")
     body.pop("ec_transfer_params", None)  # the gateway decides what decode instances get
+    kwargs, settings = _settings(body)
+    namespace = cfg.namespace + ("|" + settings.hex() if settings else "")
     items: dict[str, MediaPart] = {}
     n_parts = 0
     for msg in messages:
@@ -175,19 +207,65 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
             if n_parts > cfg.limits.max_media_items:
                 raise GatewayError(400, f"more than {cfg.limits.max_media_items} media items",
                                    "too_many_items")
-            data = await _load(part, kind, modality, cfg, fetch)
+            mime, data, frames = await _load(part, kind, modality, cfg, fetch)
             if len(data) > cfg.limits.max_media_bytes:
                 raise GatewayError(413, f"media item is larger than "
                                    f"{cfg.limits.max_media_bytes} bytes", "media_too_large")
             if not data:
                 raise GatewayError(400, f"{ptype} is empty", "bad_part")
-            item_id = content_item_id(data, cfg.namespace)
-            verdict = f"{cfg.limits.max_image_pixels}:{item_id}"
-            if modality == "image" and verdict not in _validated:
-                check_image(data, cfg)
+            item_id = content_item_id(data, namespace)
+            verdict = f"{hash(cfg.limits)}:{modality}:{item_id}"
+            if verdict not in _validated:
+                _check(modality, data, frames, cfg)
                 _validated.add(verdict)
             part["uuid"] = item_id
             if item_id not in items:
-                items[item_id] = MediaPart(item_id, modality, len(data), part)
+                items[item_id] = MediaPart(item_id, modality, len(data), part, kwargs)
     return PreparedRequest(body=body, items=list(items.values()),
                            stream=body.get("stream") is True)
+
+
+_MAX_METADATA_BYTES = 1024
+
+
+def placeholder_metadata(entry: Any) -> dict[str, Any] | None:
+    """The placeholder metadata an encoder published for an item (`image_grid_thw`, ...),
+    when it is well-formed: a small object of numbers or lists of numbers."""
+    meta = entry.get("metadata") if isinstance(entry, dict) else None
+    if not isinstance(meta, dict) or not meta:
+        return None
+    for key, value in meta.items():
+        values = value if isinstance(value, list) else [value]
+        if not isinstance(key, str) or not values or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return None
+    if len(msgspec.json.encode(meta)) > _MAX_METADATA_BYTES:
+        return None
+    return meta
+
+
+def metadata_only_body(body: dict[str, Any], metadata: dict[str, dict[str, Any]]
+                       ) -> tuple[dict[str, Any], int]:
+    """A copy of a prepared `body` whose media parts with known placeholder metadata are
+    metadata-only (`{"type": "image_embeds", "image_embeds": {...}, "uuid": id}`: vLLM's
+    format for an EC consumer, which gets the embedding from the connector), and how many
+    parts were replaced. `body` itself is left as it is (the raw-media retry sends it)."""
+    out = dict(body)
+    messages, replaced = [], 0
+    for msg in body["messages"]:
+        content = msg.get("content") if isinstance(msg, dict) else None
+        if not isinstance(content, list):
+            messages.append(msg)
+            continue
+        parts = []
+        for part in content:
+            meta = metadata.get(part.get("uuid", ""))
+            if meta is None or part.get("type") not in _MEDIA_PARTS:
+                parts.append(part)
+                continue
+            kind = f"{_MEDIA_PARTS[part['type']][0]}_embeds"
+            parts.append({"type": kind, kind: meta, "uuid": part["uuid"]})
+            replaced += 1
+        messages.append({**msg, "content": parts})
+    out["messages"] = messages
+    return out, replaced

@@ -1,4 +1,5 @@
-"""Requests for the local stack, tests and benchmarks: sample images, data URLs, chat bodies."""
+"""Requests for the local stack, tests and benchmarks: sample images, video frames and audio,
+data URLs, OpenAI content parts, chat bodies."""
 
 from __future__ import annotations
 
@@ -19,22 +20,65 @@ def sample_image_png(seed: int, size: int = 112) -> bytes:
     return buf.getvalue()
 
 
+def sample_frames(seed: int, n: int = 4, size: int = 112) -> list[bytes]:
+    """`n` deterministic JPEG frames (a short video)."""
+    rng = np.random.default_rng(seed)
+    base = rng.random((size, size, 3)) * 255
+    frames = []
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(np.roll(base, 4 * i, axis=1).astype("uint8")).save(buf, format="JPEG")
+        frames.append(buf.getvalue())
+    return frames
+
+
+def sample_wav(seed: int, seconds: float = 2.0, rate: int = 16000) -> bytes:
+    """A deterministic mono 16-bit WAV: a tone plus noise."""
+    import soundfile
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    wave = 0.3 * np.sin(2 * np.pi * (200 + 30 * seed) * t) + 0.05 * rng.standard_normal(t.size)
+    buf = io.BytesIO()
+    soundfile.write(buf, wave.astype("float32"), rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
 def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
+def image_part(image: bytes, mime: str = "image/png") -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(image, mime)}}
+
+
+def video_part(frames: list[bytes]) -> dict[str, Any]:
+    """A video as vLLM's JPEG frame list (`data:video/jpeg;base64,<f1>,<f2>,...`)."""
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+def audio_part(audio: bytes, fmt: str = "wav") -> dict[str, Any]:
+    return {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(audio).decode(), "format": fmt}}
+
+
+def parts_body(model: str, parts: list[dict[str, Any]], prompt: str, *, max_tokens: int = 8,
+               **extra: Any) -> dict[str, Any]:
+    """A greedy chat request with media `parts` then `prompt`, returning token ids."""
+    return {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
+            "return_token_ids": True,
+            "messages": [{"role": "user",
+                          "content": [*parts, {"type": "text", "text": prompt}]}],
+            **extra}
+
+
 def chat_body(model: str, image: bytes, prompt: str, *, item_id: str | None = None,
               max_tokens: int = 8, ec_transfer_params: dict | None = None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": data_url(image)}}
+    part = image_part(image)
     if item_id is not None:
         part["uuid"] = item_id
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": [part, {"type": "text", "text": prompt}]}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "return_token_ids": True,
-    }
+    body = parts_body(model, [part], prompt, max_tokens=max_tokens)
     if ec_transfer_params is not None:
         body["ec_transfer_params"] = ec_transfer_params
     return body

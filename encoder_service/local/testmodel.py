@@ -1,4 +1,6 @@
-"""Build a tiny LLaVA model locally: random weights, a locally trained tokenizer, no downloads.
+"""Build tiny test models locally: random weights, a locally trained tokenizer, no downloads.
+LLaVA (images, raw media only) here; the Qwen family (image, video, audio; metadata-only
+parts) in `testmodel_qwen.py`.
 
 `epd build-model --out DIR` (or `python -m encoder_service.local.testmodel`). The build is
 deterministic (fixed seeds) and idempotent: a directory whose `epd_build.json` matches the
@@ -15,7 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BUILDER_VERSION = 4
+BUILDER_VERSION = 5
 IMAGE_TOKEN = "<image>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -36,6 +38,7 @@ class ModelSpec:
     realistic embedding sizes and a vision tower heavy enough to benchmark batching."""
 
     name: str = "tiny"
+    family: str = "llava"  # llava | qwen2_5_vl | qwen2_5_omni
     image_size: int = 112  # 112 px / patch 14 -> 8x8 = 64 image tokens
     patch_size: int = 14
     vision_hidden: int = 64
@@ -51,6 +54,18 @@ class ModelSpec:
     @property
     def image_tokens(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def model_name(self) -> str:
+        """Its directory under the work dir's models/ and its default served name."""
+        if self.family == "llava":
+            return "tiny-llava" if self.name == "tiny" else f"{self.name}-llava"
+        return f"tiny-{self.name}"
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        return {"llava": ("image",), "qwen2_5_vl": ("image", "video")}.get(
+            self.family, ("image", "video", "audio"))
 
 
 SPECS = {
@@ -72,6 +87,10 @@ SPECS = {
         name="heavy", image_size=224, patch_size=14, vision_hidden=384, vision_layers=8,
         vision_heads=6,
     ),
+    # Qwen family: dynamic resolution (a 112 px image -> 16 tokens after the 2x2 merge),
+    # video (2-frame temporal patches) and, for the Omni thinker, audio (Whisper mels).
+    "qwen-vl": ModelSpec(name="qwen-vl", family="qwen2_5_vl", lm_heads=2),
+    "qwen-omni": ModelSpec(name="qwen-omni", family="qwen2_5_omni", lm_heads=2),
 }
 
 
@@ -125,73 +144,24 @@ def _vllm_layout(state: dict) -> dict:
 
 
 def build(out: Path, spec: ModelSpec) -> Path:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import (
-        AutoTokenizer,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-
     out = Path(out)
     stamp = out / "epd_build.json"
     wanted = {"builder_version": BUILDER_VERSION, **asdict(spec)}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
-        print(f"[model] {out} is up to date ({spec.name}, {spec.image_tokens} image tokens)")
+        print(f"[model] {out} is up to date ({spec.name}, {spec.family})")
         return out
 
-    print(f"[model] building {spec.name} LLaVA into {out} (random weights, local tokenizer)")
+    print(f"[model] building {spec.name} ({spec.family}) into {out} (random weights, "
+          "local tokenizer)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
     try:
-        _build_tokenizer(spec, tmp)
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
-        image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-        vision = CLIPVisionConfig(
-            hidden_size=spec.vision_hidden, intermediate_size=spec.vision_hidden * 4,
-            num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
-            image_size=spec.image_size, patch_size=spec.patch_size,
-            projection_dim=spec.vision_hidden,
-        )
-        text = LlamaConfig(
-            hidden_size=spec.lm_hidden, intermediate_size=spec.lm_hidden * 2,
-            num_hidden_layers=spec.lm_layers, num_attention_heads=spec.lm_heads,
-            num_key_value_heads=spec.lm_heads, vocab_size=len(tokenizer),
-            max_position_embeddings=spec.max_positions, bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=False,
-        )
-        config = LlavaConfig(
-            vision_config=vision, text_config=text, image_token_index=image_token_id,
-            vision_feature_select_strategy="default", vision_feature_layer=-2,
-            projector_hidden_act="gelu",
-        )
-        config.dtype = "bfloat16"
-        config.architectures = ["LlavaForConditionalGeneration"]
-        torch.manual_seed(spec.seed)
-        model = LlavaForConditionalGeneration(config).to(torch.bfloat16)
-        # Random init gives near-uniform logits; scale the LM head so greedy tokens are
-        # well separated and output comparisons between servers are meaningful.
-        with torch.no_grad():
-            model.lm_head.weight.mul_(8.0)
-        model.config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        state = _vllm_layout(model.state_dict())
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        processor = LlavaProcessor(
-            image_processor=CLIPImageProcessor(
-                size={"shortest_edge": spec.image_size},
-                crop_size={"height": spec.image_size, "width": spec.image_size},
-            ),
-            tokenizer=tokenizer, patch_size=spec.patch_size,
-            vision_feature_select_strategy="default", num_additional_image_tokens=1,
-            image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE,
-        )
-        processor.save_pretrained(tmp)
+        if spec.family == "llava":
+            _build_llava(tmp, spec)
+        else:
+            from encoder_service.local.testmodel_qwen import build_qwen
+
+            build_qwen(tmp, spec, _corpus())
         (tmp / "epd_build.json").write_text(json.dumps(wanted, indent=1))
         if out.exists():
             shutil.rmtree(out)
@@ -205,12 +175,82 @@ def build(out: Path, spec: ModelSpec) -> Path:
     return out
 
 
+def _build_llava(tmp: Path, spec: ModelSpec) -> None:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    _build_tokenizer(spec, tmp)
+    tokenizer = AutoTokenizer.from_pretrained(tmp)
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    vision = CLIPVisionConfig(
+        hidden_size=spec.vision_hidden, intermediate_size=spec.vision_hidden * 4,
+        num_hidden_layers=spec.vision_layers, num_attention_heads=spec.vision_heads,
+        image_size=spec.image_size, patch_size=spec.patch_size,
+        projection_dim=spec.vision_hidden,
+    )
+    text = LlamaConfig(
+        hidden_size=spec.lm_hidden, intermediate_size=spec.lm_hidden * 2,
+        num_hidden_layers=spec.lm_layers, num_attention_heads=spec.lm_heads,
+        num_key_value_heads=spec.lm_heads, vocab_size=len(tokenizer),
+        max_position_embeddings=spec.max_positions, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token_id,
+        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        projector_hidden_act="gelu",
+    )
+    config.dtype = "bfloat16"
+    config.architectures = ["LlavaForConditionalGeneration"]
+    torch.manual_seed(spec.seed)
+    model = LlavaForConditionalGeneration(config).to(torch.bfloat16)
+    # Random init gives near-uniform logits; scale the LM head so greedy tokens are
+    # well separated and output comparisons between servers are meaningful.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    state = _vllm_layout(model.state_dict())
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(
+            size={"shortest_edge": spec.image_size},
+            crop_size={"height": spec.image_size, "width": spec.image_size},
+        ),
+        tokenizer=tokenizer, patch_size=spec.patch_size,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_token=IMAGE_TOKEN, chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(tmp)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--spec", choices=sorted(SPECS), default="tiny")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path, help="the model directory (one --spec)")
+    where.add_argument("--models-dir", type=Path,
+                       help="build each --spec into DIR/<its name> (tiny -> tiny-llava)")
+    parser.add_argument("--spec", choices=sorted(SPECS), action="append",
+                        help="repeatable; default tiny")
     args = parser.parse_args(argv)
-    build(args.out, SPECS[args.spec])
+    specs = [SPECS[name] for name in args.spec or ["tiny"]]
+    if args.out is not None:
+        if len(specs) > 1:
+            parser.error("--out takes one --spec; use --models-dir for several")
+        build(args.out, specs[0])
+        return
+    for spec in specs:
+        build(args.models_dir / spec.model_name, spec)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.config_files import read_config_file, validate
@@ -54,6 +54,7 @@ from encoder_service.local.processes import (
     VllmServer,
     start_all,
 )
+from encoder_service.local.testmodel import SPECS, ModelSpec
 
 # The port scheme: ec_connectors/protocol/ports.py
 DEFAULT_BASE_PORT = ports.GATEWAY_PORT  # the gateway; the servers take the next ports
@@ -72,8 +73,10 @@ class UpConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field("tiny", description="'tiny' = the locally built test model, or a path")
-    served_name: str = "tiny-llava"
+    model: str = Field("tiny", description="a locally built test model (tiny = LLaVA, "
+                       "qwen-vl, qwen-omni, ...: testmodel.SPECS) or a model directory")
+    served_name: str | None = Field(None, description="default: the test model's name "
+                                    "(tiny-llava, tiny-qwen-omni, ...) or the directory's")
     encoders: int = Field(1, ge=0, le=16)
     decoders: int = Field(1, ge=1, le=16)
     base_port: int = Field(DEFAULT_BASE_PORT, ge=1024, le=65000)
@@ -101,6 +104,25 @@ class UpConfig(BaseModel):
     clear_cache: bool = Field(True, description="empty the storage directory at start")
     gateway: dict[str, Any] = Field(default_factory=dict,
                                     description="GatewayConfig keys (limits, media, ...)")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if v not in SPECS and not Path(v).is_dir():
+            raise ValueError(f"{v!r} is neither a test model ({', '.join(sorted(SPECS))}) nor "
+                             "a model directory")
+        return v
+
+    @property
+    def spec(self) -> ModelSpec | None:
+        """The test model `model` names (built locally), None for a model directory."""
+        return SPECS.get(self.model)
+
+    @property
+    def served_model_name(self) -> str:
+        if self.served_name:
+            return self.served_name
+        return self.spec.model_name if self.spec else Path(self.model).name
 
     @property
     def tiers(self) -> list[str]:
@@ -221,7 +243,7 @@ class Deployment:
                 if cfg.encoder_backend == "pool":
                     self.encoders.append(PoolServer(
                         f"encoder-{i}", model, port + i, logs, cpu_core=core,
-                        served_name=cfg.served_name, env=dict(env), pool_config={
+                        served_name=cfg.served_model_name, env=dict(env), pool_config={
                             **cfg.pool, "transport": {"storage_path": str(storage), **extra}}))
                     continue
                 role, name = "ec_producer", f"encoder-{i}"
@@ -229,7 +251,7 @@ class Deployment:
                 extra = connector_extra(cfg, "ec_consumer")
                 role, name = "ec_consumer", f"decode-{i - cfg.encoders}"
             s = VllmServer(name, model, port + i, logs, epd_config(role, storage, extra),
-                           cpu_core=core, served_name=cfg.served_name,
+                           cpu_core=core, served_name=cfg.served_model_name,
                            extra_args=list(cfg.vllm_args), env=dict(env))
             (self.encoders if i < cfg.encoders else self.decoders).append(s)
         for extra in ({"storage_path": str(storage), **connector_extra(cfg, "ec_producer")},
@@ -249,7 +271,7 @@ class Deployment:
         try:
             self.gateway_cfg = GatewayConfig.build({
                 **cfg.gateway, "host": cfg.host, "port": cfg.base_port,
-                "model": cfg.served_name, "encoders": [s.url for s in self.encoders],
+                "model": cfg.served_model_name, "encoders": [s.url for s in self.encoders],
                 "encoder_backend": cfg.encoder_backend,
                 "decoders": [s.url for s in self.decoders], "availability": availability})
         except GatewayConfigError as exc:
@@ -339,7 +361,7 @@ def run_up(cfg: UpConfig, work_dir: Path,
            demo: Callable[[Deployment], int] | None = None) -> int:
     """Start everything, then serve until a signal (or run `demo(deployment)` and stop).
     Call it from the main thread: the servers die with the thread that started them."""
-    from encoder_service.local.testmodel import SPECS, build
+    from encoder_service.local.testmodel import build
 
     def say(msg: str) -> None:
         print(f"[up] {msg}", flush=True)
@@ -347,17 +369,18 @@ def run_up(cfg: UpConfig, work_dir: Path,
     old = {s: signal.signal(s, _raise_shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
     dep = Deployment(cfg, work_dir)
     try:
-        model = (build(work_dir / "models" / "tiny-llava", SPECS["tiny"])
-                 if cfg.model == "tiny" else Path(cfg.model))
+        spec = cfg.spec
+        model = (build(work_dir / "models" / spec.model_name, spec) if spec is not None
+                 else Path(cfg.model))
         dep.plan(model)
         dep.check_ports()
         kind = "epd encoder pool" if cfg.encoder_backend == "pool" else "vLLM"
         over = (cfg.transport if len(cfg.tiers) == 1 else
                 f"tiers {', '.join(cfg.tiers)}")
         say(f"starting {cfg.encoders} encoder(s) ({kind}) and {cfg.decoders} prefill/decode "
-            f"instance(s) of {cfg.served_name} (EPDConnector over {over})")
+            f"instance(s) of {cfg.served_model_name} (EPDConnector over {over})")
         dep.start(progress=say)
-        say(f"ready: OpenAI-compatible endpoint {dep.url}/v1 (model {cfg.served_name!r}); "
+        say(f"ready: OpenAI-compatible endpoint {dep.url}/v1 (model {cfg.served_model_name!r}); "
             f"metrics {dep.url}/metrics; logs {work_dir / 'up'}")
         if demo is not None:
             return demo(dep)

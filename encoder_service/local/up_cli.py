@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from encoder_service.gateway.config import GatewayConfigError
-from encoder_service.local.demo import demo_requests
+from encoder_service.local.demo import DEMO_MODEL, demo_requests
 from encoder_service.local.up import (
     DEFAULT_BASE_PORT,
     DEFAULT_MASTER_PORT,
@@ -28,6 +28,8 @@ def main(argv: list[str]) -> int:
                    "every key has a default")
     p.add_argument("--base-port", type=int, help=f"gateway port (default {DEFAULT_BASE_PORT});"
                    " vLLM servers take the next ports")
+    p.add_argument("--model", help="a test model built locally (tiny = LLaVA, qwen-vl, "
+                   "qwen-omni, ...) or a model directory (default tiny; qwen-omni with --demo)")
     p.add_argument("--encoders", type=int)
     p.add_argument("--decoders", type=int)
     p.add_argument("--transport", choices=list(TIERS),
@@ -37,16 +39,19 @@ def main(argv: list[str]) -> int:
                    f"(default {DEFAULT_MASTER_PORT}; metadata +1, metrics +2)")
     p.add_argument("--encoder-backend", choices=["vllm", "pool"])
     p.add_argument("--demo", action="store_true",
-                   help="send a real image request through the gateway, print it, stop")
-    p.add_argument("--prompt", default="describe the image")
+                   help="send real image, video and audio requests through the gateway, "
+                   "print them, stop")
+    p.add_argument("--prompt", default="describe this")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
                                    ("decoders", args.decoders), ("transport", args.transport),
                                    ("encoder_backend", args.encoder_backend),
-                                   ("master_port", args.master_port))
+                                   ("master_port", args.master_port), ("model", args.model))
                  if v is not None}
     try:
         cfg = load_up_config(args.config, overrides)
+        if args.demo and "model" not in cfg.model_fields_set:
+            cfg = cfg.model_copy(update={"model": DEMO_MODEL})
     except (UpError, GatewayConfigError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
