@@ -10,11 +10,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from encoder_service.local.demo import MODEL_NAME
 from encoder_service.local.processes import VllmServer, start_all
 from encoder_service.local.testmodel import SPECS, build
 from encoder_service.local.up import epd_config
-from tests.e2e.client import ask, ask_before_encoding, case, encode, metric, tokens, wait_metric
+from tests.e2e.client import (
+    MODEL_NAME,
+    ask,
+    ask_before_encoding,
+    case,
+    encode,
+    metric,
+    tokens,
+    wait_metric,
+)
 from tests.helpers import WORK, wait_for
 
 BASE_PORT = 18300

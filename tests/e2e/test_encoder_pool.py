@@ -20,11 +20,11 @@ import torch
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
-from encoder_service.local.demo import MODEL_NAME
 from encoder_service.local.processes import VllmServer, metric_value, start_all
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodel import SPECS, build
 from encoder_service.local.up import epd_config
+from tests.e2e.client import MODEL_NAME
 from tests.helpers import WORK, Served, wait_for
 
 PROMPT = "what is in this picture"

@@ -54,13 +54,14 @@ def request(req_id, *item_ids, params=None):
 class Pair:
     """A scheduler side and one worker of the same role, like one vLLM instance."""
 
-    def __init__(self, tmp: Path, ctl: str, role: str, **extra):
+    def __init__(self, tmp: Path, ctl: str, role: str, placeholders=None, **extra):
         cfg = EPDConfig.from_dict({"storage_path": str(tmp / "store"), "namespace": "m",
                                    "control_dir": ctl, "scan_interval_s": 0.05, **extra})
         producer, consumer = role in ("producer", "both"), role in ("consumer", "both")
         addr = control_address(ctl, f"engine-{role}", 0)
         self.sched = EPDSchedulerSide(cfg, make_transport(cfg), is_producer=producer,
-                                      is_consumer=consumer, address=addr, engine_id=role)
+                                      is_consumer=consumer, address=addr, engine_id=role,
+                                      placeholders=placeholders)
         self.worker = EPDWorker(cfg, make_transport(cfg), is_producer=producer,
                                 is_consumer=consumer, address=addr, rank=0,
                                 device=torch.device("cpu"))
@@ -279,3 +280,66 @@ def test_an_aborted_request_frees_its_staged_copy(pair_factory):
     cons.sched.request_finished(req)
     cons.sched.build_connector_meta()
     wait_until(lambda: cons.worker.staged_bytes == 0)
+
+
+class MetadataOnlyItems:
+    """Stand-in for ec_connectors.placeholders.Placeholders (which reads vLLM's model
+    registry; the e2e tests use the real one): items named `meta-*` came without media."""
+
+    def metadata_only(self, feature) -> bool:
+        return feature.identifier.startswith("meta-")
+
+    def describe(self, features) -> dict:
+        return {f.identifier: {"image_grid_thw": [1, 4, 4]} for f in features}
+
+
+def steps_until_failed(pair: Pair, req, timeout=5.0) -> int:
+    """Steps until the scheduler side fails `req`; it must never say ready meanwhile (vLLM
+    would schedule an item it has no media for: its model runner dies)."""
+    steps, deadline = 0, time.monotonic() + timeout
+    while True:
+        assert not pair.sched.ensure_cache_available(req, 0), "scheduled without embedding"
+        steps += 1
+        if req.request_id in pair.sched.take_unavailable_requests():
+            return steps
+        assert time.monotonic() < deadline, "request neither ready nor failed"
+        time.sleep(0.005)
+
+
+def test_unknown_metadata_only_item_fails_the_request_at_once(pair_factory):
+    cons = pair_factory("consumer", placeholders=MetadataOnlyItems())
+    assert steps_until_failed(cons, request("c", "meta-never-seen")) == 1
+    assert not cons.sched.has_cache_item("meta-never-seen")
+    # an item with media is still encoded locally, as before
+    assert cons.sched.ensure_cache_available(request("c2", "never-seen"), 0)
+
+
+def test_metadata_only_item_that_never_lands_fails_instead_of_local_encode(pair_factory):
+    cons = pair_factory("consumer", placeholders=MetadataOnlyItems(), load_timeout_s=0.3)
+    req = request("c", "meta-ghost", params={"epd": {"items": ["meta-ghost"]}})
+    t0 = time.monotonic()
+    assert steps_until_failed(cons, req) > 1
+    assert time.monotonic() - t0 < 3
+
+
+def test_metadata_only_item_that_lands_is_placed(pair_factory):
+    prod = pair_factory("producer", placeholders=MetadataOnlyItems())
+    cons = pair_factory("consumer", placeholders=MetadataOnlyItems())
+    x = torch.randn(NUM_EMBEDS, 8)
+    params = produce(prod, request("p", "meta-img"), {"meta-img": x})
+    assert params["epd"]["items"]["meta-img"]["metadata"] == {"image_grid_thw": [1, 4, 4]}
+    req = request("c", "meta-img", params=params)
+    cons.step_until_ready(req)
+    _, cache = cons.schedule(req)
+    assert torch.equal(cache["meta-img"], x)
+
+
+def test_producer_describes_every_item_even_one_it_did_not_encode(pair_factory):
+    prod = pair_factory("producer", placeholders=MetadataOnlyItems())
+    produce(prod, request("p", "a"), {"a": torch.randn(NUM_EMBEDS, 8)})
+    wait_until(lambda: prod.sched.has_cache_item("a"))
+    req = request("p2", "a", "b")  # a: stored before (not encoded again); b: new
+    prod.sched.update_state_after_alloc(req, 1)
+    items = prod.sched.request_finished(req)["epd"]["items"]
+    assert set(items) == {"a", "b"}
+    assert all(e["metadata"] == {"image_grid_thw": [1, 4, 4]} for e in items.values())

@@ -24,7 +24,16 @@ from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.server import GatewayThread
 from encoder_service.local.processes import metric_value
-from encoder_service.local.requests import chat_body, data_url, sample_image_png
+from encoder_service.local.requests import (
+    audio_part,
+    chat_body,
+    data_url,
+    image_part,
+    sample_frames,
+    sample_image_png,
+    sample_wav,
+    video_part,
+)
 from tests.helpers import free_port as _free_port
 
 MODEL = "tiny-llava"
@@ -43,6 +52,8 @@ class Stub:
         self.role = role
         self.calls: list[dict] = []
         self.fail = False
+        self.metadata: dict | None = None  # encoder: placeholder metadata it publishes
+        self.fail_metadata_only = False  # decoder: fail requests with *_embeds parts
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
 
@@ -54,8 +65,21 @@ class Stub:
             ids = [p["uuid"] for m in body["messages"] for p in m["content"]
                    if isinstance(p, dict) and "uuid" in p]
             if self.role == "encoder":
+                extra = {"metadata": self.metadata} if self.metadata else {}
                 return JSONResponse({"choices": [], "ec_transfer_params": {
-                    "epd": {"items": {i: {"by": self.url} for i in ids}}}})
+                    "epd": {"items": {i: {"by": self.url, **extra} for i in ids}}}})
+            embeds = any(p.get("type", "").endswith("_embeds") for m in body["messages"]
+                         for p in m["content"] if isinstance(p, dict))
+            if embeds and self.fail_metadata_only:
+                if not body.get("stream"):  # vLLM: the engine failed the request
+                    return JSONResponse({"error": {"message": "Internal server error"}},
+                                        status_code=500)
+
+                async def failed():  # vLLM streams the role chunk before the engine runs
+                    yield 'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+                    yield 'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
+                    yield "data: [DONE]\n\n"
+                return StreamingResponse(failed(), media_type="text/event-stream")
             if body.get("stream"):
                 async def gen():
                     for t in ("a", "b", "c"):
@@ -98,7 +122,8 @@ def gateway(enc: list[str], dec: list[str], **extra) -> GatewayThread:
 def gw(stubs):
     enc, dec = stubs
     g = gateway([enc.url], [dec.url], limits={"max_request_bytes": 200_000,
-                                              "max_media_bytes": 50_000})
+                                              "max_media_bytes": 50_000},
+                media={"modalities": ["image"]})
     yield g
     g.stop()
 
@@ -384,3 +409,93 @@ def test_completions_checks_the_model_before_any_upstream_call(gw, stubs):
     r = httpx.post(gw.url + "/v1/completions", json={"model": "other", "prompt": "x"})
     assert r.status_code == 404 and "not served here" in r.json()["error"]["message"]
     assert (len(enc.calls), len(dec.calls)) == before
+
+
+# -- video, audio, metadata-only parts ------------------------------------------------------
+def parts_request(*parts, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": [
+        *parts, {"type": "text", "text": "hi"}]}], **extra}
+
+
+@pytest.fixture
+def meta_stubs():
+    """An encoder that publishes placeholder metadata, and a decoder."""
+    enc, dec = Stub("encoder"), Stub("decoder")
+    enc.metadata = {"image_grid_thw": [1, 8, 8]}
+    g = gateway([enc.url], [dec.url])
+    yield enc, dec, g
+    g.stop()
+    enc.stop()
+    dec.stop()
+
+
+def test_decode_instance_gets_metadata_only_parts(meta_stubs):
+    enc, dec, g = meta_stubs
+    image = sample_image_png(40)
+    r = post(g, parts_request(image_part(image), image_part(image)))
+    assert r.status_code == 200, r.text
+    item_id = content_item_id(image, MODEL)
+    want = {"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 8, 8]},
+            "uuid": item_id}
+    sent = dec.calls[-1]
+    assert sent["messages"][0]["content"][:2] == [want, want]  # no media bytes at all
+    assert "image_url" not in json.dumps(sent)
+    # the decode instance reads the params, not the metadata (sent once, in the part)
+    assert "metadata" not in sent["ec_transfer_params"]["epd"]["items"][item_id]
+    assert metric(g, 'epd_gateway_items_total{outcome="metadata_only"}') == 2
+
+
+def test_metadata_only_failure_is_retried_once_with_raw_media(meta_stubs):
+    enc, dec, g = meta_stubs
+    dec.fail_metadata_only = True
+    for stream in (False, True):
+        n = len(dec.calls)
+        body = parts_request(image_part(sample_image_png(41 + stream)), stream=stream)
+        r = post(g, body)
+        assert r.status_code == 200, r.text
+        if stream:  # one clean stream: the failed attempt's chunks never reach the client
+            assert "error" not in r.text and r.text.count("assistant") == 0
+            assert [json.loads(line[6:])["t"] for line in r.text.splitlines()
+                    if line.startswith("data: {")] == ["a", "b", "c"]
+        first, second = dec.calls[n:]
+        assert "image_embeds" in json.dumps(first) and "image_embeds" not in json.dumps(second)
+        assert second["messages"][0]["content"][0]["type"] == "image_url"
+        assert second["ec_transfer_params"]  # raw media plus the params: loads what it can
+    assert metric(g, "epd_gateway_raw_retries_total") == 2
+
+
+def test_video_frame_lists_audio_and_processor_kwargs(stubs):
+    enc, dec = stubs
+    g = gateway([enc.url], [dec.url])
+    try:
+        frames = sample_frames(50)
+        video = video_part(frames)
+        r = post(g, parts_request(video))
+        assert r.status_code == 200, r.text
+        plain = dec.calls[-1]["messages"][0]["content"][0]["uuid"]
+        r = post(g, parts_request(video, mm_processor_kwargs={"fps": 1}))
+        assert r.status_code == 200, r.text
+        with_kwargs = dec.calls[-1]["messages"][0]["content"][0]["uuid"]
+        assert plain != with_kwargs  # other settings, other embedding
+        assert enc.calls[-1]["mm_processor_kwargs"] == {"fps": 1}  # encoders get them too
+        # the same frames sent in another order are another video
+        r = post(g, parts_request(video_part(frames[::-1])))
+        assert dec.calls[-1]["messages"][0]["content"][0]["uuid"] != plain
+        r = post(g, parts_request(audio_part(sample_wav(51))))
+        assert r.status_code == 200, r.text
+        for part, status, reason in (
+            (video_part([frames[0], b"junk" * 100]), 400, "not_an_image"),
+            ({"type": "video_url", "video_url": {"url": data_url(b"junk" * 100, "video/mp4")}},
+             400, "not_a_video"),
+            (audio_part(b"RIFF" + b"junk" * 100), 400, "not_audio"),
+            (video_part(frames * 300), 413, "video_too_long"),
+        ):
+            n = len(dec.calls), len(enc.calls)
+            r = post(g, parts_request(part))
+            assert r.status_code == status, (reason, r.text)
+            assert metric(g, f'epd_gateway_rejected_total{{reason="{reason}"}}') == 1
+            assert (len(dec.calls), len(enc.calls)) == n
+        r = post(g, parts_request(video, mm_processor_kwargs="fps=1"))
+        assert r.status_code == 400 and "must be an object" in r.text
+    finally:
+        g.stop()
