@@ -1,4 +1,4 @@
-"""Serving benchmark on the tiny model, one run, three deployments on this machine's cores:
+"""Serving benchmark on a tiny test model, one run, three deployments on this machine's cores:
 
 1. aggregated vLLM (one server: encoder + prefill/decode in one process);
 2. EPD through this gateway: vLLM encoder (ec_producer) + vLLM prefill/decode (ec_consumer),
@@ -11,7 +11,12 @@ Each gets the same `epd bench serve` workload (default 200 streamed requests, co
 request (an image already encoded) sent directly to the decode instance and through the
 gateway, interleaved, p50 of each.
 
-    flock /tmp/epd-heavy.lock .venv/bin/python benchmarks/serve_bench.py
+On a Qwen model (`--spec qwen-omni`: image, video and audio items, `--mix`) the decode
+instance gets metadata-only parts; the run also measures what that saves: the same cached
+items through a second gateway that forwards raw media (`media.metadata_only = false`) to the
+same decode instance, interleaved, decode-side time per request.
+
+    flock /tmp/epd-heavy.lock .venv/bin/python benchmarks/serve_bench.py [--spec qwen-omni]
 """
 
 from __future__ import annotations
@@ -34,13 +39,21 @@ sys.path.insert(0, str(ROOT))
 
 from ec_connectors.child_process import popen  # noqa: E402
 from ec_connectors.protocol.keys import content_item_id  # noqa: E402
-from encoder_service.bench import BenchSpec, format_table, plot, run_bench, write_json  # noqa: E402
+from encoder_service.bench import (  # noqa: E402
+    BenchSpec,
+    format_table,
+    item_part,
+    parse_mix,
+    plot,
+    run_bench,
+    write_json,
+)
 from encoder_service.local.processes import VllmServer, metric_value, start_all  # noqa: E402
-from encoder_service.local.requests import chat_body, sample_image_png  # noqa: E402
+from encoder_service.local.requests import chat_body, parts_body, sample_image_png  # noqa: E402
 from encoder_service.local.testmodel import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
 
-MODEL = "tiny-llava"
+MODEL = "tiny-llava"  # the served name of --spec (set in main)
 PORT = 18590  # 18590-18599
 
 
@@ -57,9 +70,14 @@ class GatewayProcess:
     """`epd gateway` as its own process (as deployed), stopped with SIGTERM."""
 
     def __init__(self, port: int, encoders: list[str], decoders: list[str],
-                 storage: Path | None, log: Path) -> None:
+                 storage: Path | None, log: Path, config: dict | None = None) -> None:
         cmd = [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(port),
                "--model", MODEL]
+        if config:
+            path = log.with_suffix(".json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(config))
+            cmd += ["--config", str(path)]
         cmd += [x for u in encoders for x in ("--encoder", u)]
         cmd += [x for u in decoders for x in ("--decoder", u)]
         if storage is not None:
@@ -105,7 +123,7 @@ def bench(url: str, label: str, a: argparse.Namespace):
     warm(url)
     spec = BenchSpec(url=url, model=MODEL, num_requests=a.num_requests,
                      concurrency=a.concurrency, reuse=a.reuse, max_tokens=a.max_tokens,
-                     label=label)
+                     label=label, mix=a.mix)
     res = asyncio.run(run_bench(spec, progress=True))
     say(f"{label}: {res.summary['req_per_s']:.2f} req/s, "
         f"TTFT p50 {res.summary['ttft_ms_p50']:.1f} ms, errors {res.summary['errors']}")
@@ -134,6 +152,34 @@ def gateway_overhead(gw_url: str, dec_url: str, samples: int) -> dict:
                                                      strict=True))
     return {"samples": samples, "direct_p50_ms": d * 1e3, "gateway_p50_ms": g * 1e3,
             "added_p50_ms": (g - d) * 1e3, "paired_median_added_ms": paired * 1e3}
+
+
+def pd_time(meta_url: str, raw_url: str, a: argparse.Namespace, samples: int = 40) -> dict:
+    """The decode instance's time per request (the gateway's first_token stage: decode
+    request sent -> first byte) for the same cached items, metadata-only vs raw media,
+    interleaved; per modality and overall medians."""
+    spec = BenchSpec(url="", mix=a.mix, seed=7)
+    items = [item_part(spec, i) for i in range(12)]
+    stage = 'epd_gateway_stage_seconds_sum{stage="first_token"}'
+    times: dict[str, dict[str, list[float]]] = {"metadata-only": {}, "raw media": {}}
+    with httpx.Client(timeout=120) as c:
+        def one(url: str, part: dict) -> float:
+            before = metric_value(c.get(url + "/metrics").text, stage)
+            r = c.post(url + "/v1/chat/completions",
+                       json=parts_body(MODEL, [part], "describe", max_tokens=1))
+            r.raise_for_status()
+            return metric_value(c.get(url + "/metrics").text, stage) - before
+
+        for _, part in items:  # encode once, so both sides only load
+            one(meta_url, part)
+        for i in range(samples):
+            modality, part = items[i % len(items)]
+            order = (("metadata-only", meta_url), ("raw media", raw_url))
+            for name, url in (order if i % 2 else order[::-1]):
+                times[name].setdefault(modality, []).append(one(url, part))
+                times[name].setdefault("all", []).append(times[name][modality][-1])
+    return {name: {k: round(statistics.median(v) * 1e3, 2) for k, v in per.items()}
+            for name, per in times.items()}
 
 
 def format_overhead(o: dict) -> str:
@@ -172,14 +218,14 @@ def stage_means(gw_url: str, servers: list[VllmServer]) -> dict[str, dict[str, f
 
 
 def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
-            a: argparse.Namespace, port: int, overhead: bool):
+            a: argparse.Namespace, port: int, overhead: bool, compare_raw: bool = False):
     storage = work / f"store-{port}"
     shutil.rmtree(storage, ignore_errors=True)
     storage.mkdir(parents=True)
     enc = VllmServer(f"encoder-{port}", model, port + 1, work,
-                     make_cfg("ec_producer", storage), cpu_core=0)
+                     make_cfg("ec_producer", storage), cpu_core=0, served_name=MODEL)
     dec = VllmServer(f"decode-{port}", model, port + 2, work,
-                     make_cfg("ec_consumer", storage), cpu_core=1)
+                     make_cfg("ec_consumer", storage), cpu_core=1, served_name=MODEL)
     start_all([enc, dec], progress=say)
     gw = None
     try:
@@ -191,6 +237,15 @@ def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
         say(f"{label}: mean ms per stage: {json.dumps(stages)}")
         res.summary["stages_ms"] = stages
         ovh = gateway_overhead(gw.url, dec.url, a.overhead_samples) if overhead else None
+        if compare_raw:
+            raw = GatewayProcess(port + 9, [enc.url], [dec.url], storage,
+                                 work / "logs" / f"gateway-raw-{port}.log",
+                                 config={"media": {"metadata_only": False}})
+            try:
+                res.summary["pd_ms"] = pd_time(gw.url, raw.url, a)
+                say(f"decode time per request (ms, medians): {json.dumps(res.summary['pd_ms'])}")
+            finally:
+                raw.stop()
         return res, ovh
     finally:
         if gw is not None:
@@ -210,12 +265,21 @@ def main() -> int:
                    help="repetitions of the three runs, interleaved; the table shows medians")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the gateway overhead (one EPD deployment, no load runs)")
-    p.add_argument("--spec", choices=["tiny", "heavy"], default="tiny",
-                   help="heavy: a vision tower that costs far more than a decode step")
+    p.add_argument("--spec", choices=["tiny", "heavy", "qwen-vl", "qwen-omni"], default="tiny",
+                   help="heavy: a vision tower that costs far more than a decode step; "
+                   "qwen-*: metadata-only requests to the decode instance")
+    p.add_argument("--mix", help="item modalities and weights (epd bench serve --mix); "
+                   "default: image, or image=1,video=1,audio=1 (qwen-omni), image=1,video=1 "
+                   "(qwen-vl)")
     p.add_argument("--out", type=Path, default=ROOT / ".work" / "bench")
     a = p.parse_args()
+    global MODEL
+    spec = SPECS[a.spec]
+    MODEL = spec.model_name
+    a.mix = parse_mix(a.mix or ",".join(f"{m}=1" for m in spec.modalities))
+    qwen = spec.family != "llava"
     work = a.out
-    model = build(ROOT / ".work" / "models" / f"{a.spec}-llava", SPECS[a.spec])
+    model = build(ROOT / ".work" / "models" / spec.model_name, spec)
     if a.overhead_only:
         a.num_requests = 8
         _, overhead = epd_run(model, work, "EPD gateway", epd_config, True, a, PORT + 3,
@@ -228,7 +292,7 @@ def main() -> int:
         tag = f"[{rep}/{a.repeat}] " if a.repeat > 1 else ""
         results = {}
         say(f"{tag}1/3 aggregated vLLM (one server, all cores)")
-        agg = VllmServer("aggregated", model, PORT, work, None)
+        agg = VllmServer("aggregated", model, PORT, work, None, served_name=MODEL)
         start_all([agg], progress=say)
         try:
             results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a)
@@ -237,7 +301,8 @@ def main() -> int:
         say(f"{tag}2/3 EPD through the gateway (EPDConnector, safetensors; encoder core 0, "
             "decode 1)")
         results["EPD gateway"], ovh = epd_run(model, work, "EPD gateway", epd_config, True,
-                                              a, PORT + 3, overhead=overhead is None)
+                                              a, PORT + 3, overhead=overhead is None,
+                                              compare_raw=qwen and rep == 1)
         overhead = overhead or ovh
         say(f"{tag}3/3 EPD with vLLM's ECExampleConnector (same gateway, same cores)")
         results["EPD ECExampleConnector"], _ = epd_run(model, work, "EPD ECExampleConnector",
@@ -251,8 +316,9 @@ def main() -> int:
     summaries = {label: {k: statistics.median(r[label].summary[k] for r in runs) for k in keys}
                  for label in labels}
     print()
-    print(f"{a.num_requests} requests, concurrency {a.concurrency}, {a.reuse:.0%} image reuse, "
-          f"{a.max_tokens} output tokens, {a.spec} LLaVA on CPU"
+    mix = ", ".join(f"{k} {v:g}" for k, v in a.mix.items())
+    print(f"{a.num_requests} requests, concurrency {a.concurrency}, {a.reuse:.0%} item reuse, "
+          f"items {mix}, {a.max_tokens} output tokens, {spec.model_name} on CPU"
           + (f"; medians of {a.repeat} interleaved repetitions" if a.repeat > 1 else ""))
     print(format_table(summaries))
     ours, ex, agg_s = (summaries["EPD gateway"], summaries["EPD ECExampleConnector"],
@@ -263,6 +329,12 @@ def main() -> int:
           f"EPD (ours) / aggregated: req/s {ours['req_per_s'] / agg_s['req_per_s']:.2f}")
     assert overhead is not None
     print(format_overhead(overhead))
+    pd = runs[0]["EPD gateway"].summary.get("pd_ms")
+    if pd:
+        meta, raw = pd["metadata-only"], pd["raw media"]
+        print("decode-side time per request, cached items (ms, medians): "
+              + "; ".join(f"{k}: metadata-only {meta[k]:.1f} vs raw {raw[k]:.1f} "
+                          f"({raw[k] / meta[k]:.2f}x)" for k in meta))
     write_json(runs[-1], work / "serve-bench.json",
                {"gateway_overhead": overhead, "medians": summaries, "repeat": a.repeat})
     plot(runs[-1], work / "serve-bench.png")

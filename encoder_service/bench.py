@@ -1,10 +1,12 @@
 """`epd bench serve`: concurrent multimodal load against any OpenAI-compatible endpoint
 (this gateway, or a plain vLLM server).
 
-Workload: `num_requests` streamed chat requests, each with one image (a data: URL) and a
-short prompt, `ignore_eos` so every answer has exactly `max_tokens` tokens. A `reuse` share
-of the requests repeat an image already sent (placed at random, seeded); the others bring a
-new image. Arrivals: as fast as `concurrency` allows, or Poisson at `request_rate`.
+Workload: `num_requests` streamed chat requests, each with one media item (a data: URL) and
+a short prompt, `ignore_eos` so every answer has exactly `max_tokens` tokens. Items are
+images, or a seeded mix (`--mix image=2,video=1,audio=1`: 4-frame JPEG videos, 2 s WAV
+audio). A `reuse` share of the requests repeat an item already sent (placed at random,
+seeded); the others bring a new one. Arrivals: as fast as `concurrency` allows, or Poisson
+at `request_rate`.
 Reports throughput, TTFT, TPOT and end-to-end latency (p50/p90/p99); writes JSON and a PNG.
 The progress bar (tqdm) and the PNG (matplotlib) come with `pip install epd-serve[bench]`;
 without them progress is plain lines and the PNG is skipped with a note.
@@ -26,7 +28,16 @@ from typing import Any
 import httpx
 import numpy as np
 
-from encoder_service.local.requests import data_url, sample_image_png
+from encoder_service.local.requests import (
+    audio_part,
+    image_part,
+    sample_frames,
+    sample_image_png,
+    sample_wav,
+    video_part,
+)
+
+MODALITIES = ("image", "video", "audio")
 
 
 @dataclass
@@ -40,7 +51,8 @@ class BenchSpec:
     distinct_images: int | None = None
     max_tokens: int = 16
     image_size: int = 112
-    prompt: str = "describe the image"
+    prompt: str = "describe this"
+    mix: dict[str, float] = field(default_factory=lambda: {"image": 1.0})
     seed: int = 0
     timeout_s: float = 120.0
     label: str = ""
@@ -112,6 +124,39 @@ def image_sequence(spec: BenchSpec) -> list[int]:
     return seq
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """`image=2,video=1,audio=1` -> weights; raises ValueError with a clear message."""
+    out: dict[str, float] = {}
+    for item in text.split(","):
+        name, sep, weight = item.partition("=")
+        name = name.strip()
+        if name not in MODALITIES:
+            raise ValueError(f"--mix: {name!r} is not one of {', '.join(MODALITIES)}")
+        try:
+            out[name] = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"--mix: weight of {name} must be a number") from None
+        if out[name] < 0:
+            raise ValueError(f"--mix: weight of {name} must be >= 0")
+    if not sum(out.values()):
+        raise ValueError("--mix: at least one weight must be > 0")
+    return out
+
+
+def item_part(spec: BenchSpec, i: int) -> tuple[str, dict[str, Any]]:
+    """The modality and content part of distinct item `i` (seeded: every run, every
+    deployment gets the same items)."""
+    rng = random.Random(spec.seed * 1_000_003 + i)
+    names = list(spec.mix)
+    modality = rng.choices(names, weights=[spec.mix[n] for n in names])[0]
+    seed = 10_000 + spec.seed * 1000 + i
+    if modality == "video":
+        return modality, video_part(sample_frames(seed, size=spec.image_size))
+    if modality == "audio":
+        return modality, audio_part(sample_wav(seed))
+    return modality, image_part(sample_image_png(seed=seed, size=spec.image_size))
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -134,13 +179,12 @@ def summarize(records: list[Record], duration_s: float) -> dict[str, Any]:
     return out
 
 
-async def _one(client: httpx.AsyncClient, spec: BenchSpec, image_url: str, idx: int
+async def _one(client: httpx.AsyncClient, spec: BenchSpec, part: dict[str, Any], idx: int
                ) -> Record:
     body = {"model": spec.model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": spec.max_tokens, "ignore_eos": True, "temperature": 0.0,
             "messages": [{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_url}},
-                {"type": "text", "text": spec.prompt}]}]}
+                part, {"type": "text", "text": spec.prompt}]}]}
     rec = Record(image=idx, ok=False, start=time.perf_counter())
     try:
         async with client.stream("POST", spec.url + "/v1/chat/completions", json=body) as r:
@@ -170,8 +214,7 @@ async def _one(client: httpx.AsyncClient, spec: BenchSpec, image_url: str, idx: 
 async def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
     """Run the workload against `spec.url`; never raises for failed requests (counted)."""
     seq = image_sequence(spec)
-    urls = {i: data_url(sample_image_png(seed=10_000 + spec.seed * 1000 + i, size=spec.image_size))
-            for i in sorted(set(seq))}
+    parts = {i: item_part(spec, i)[1] for i in sorted(set(seq))}
     bar = _Progress(len(seq), spec.label or spec.url) if progress else None
     sem = asyncio.Semaphore(spec.concurrency)
     rng = random.Random(spec.seed + 1)
@@ -179,7 +222,7 @@ async def run_bench(spec: BenchSpec, progress: bool = True) -> BenchResult:
     async with httpx.AsyncClient(timeout=spec.timeout_s, limits=limits) as client:
         async def task(i: int) -> Record:
             async with sem:
-                rec = await _one(client, spec, urls[seq[i]], seq[i])
+                rec = await _one(client, spec, parts[seq[i]], seq[i])
             if bar is not None:
                 bar.update(1)
             return rec
@@ -264,6 +307,8 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("serve", help="multimodal load against an OpenAI-compatible endpoint")
     s.add_argument("--url", required=True, help="base URL (gateway or vLLM server)")
     s.add_argument("--model", default="tiny-llava")
+    s.add_argument("--mix", default="image", help="modalities of the items and their weights, "
+                   "e.g. image=2,video=1,audio=1 (default: images only)")
     s.add_argument("--num-requests", type=int, default=200)
     s.add_argument("--concurrency", type=int, default=8)
     s.add_argument("--request-rate", type=float, default=math.inf,
@@ -279,6 +324,11 @@ def main(argv: list[str]) -> int:
     s.add_argument("--png", type=Path, default=Path("bench-serve.png"))
     s.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
+    try:
+        mix = parse_mix(a.mix)
+    except ValueError as exc:
+        print(f"epd bench serve: {exc}", file=sys.stderr)
+        return 2
     if not 0 <= a.reuse < 1 or a.num_requests < 1 or a.concurrency < 1:
         print("epd bench serve: need 0 <= reuse < 1, num-requests >= 1, concurrency >= 1",
               file=sys.stderr)
@@ -286,7 +336,7 @@ def main(argv: list[str]) -> int:
     spec = BenchSpec(url=a.url.rstrip("/"), model=a.model, num_requests=a.num_requests,
                      concurrency=a.concurrency, request_rate=a.request_rate, reuse=a.reuse,
                      distinct_images=a.distinct_images, max_tokens=a.max_tokens,
-                     image_size=a.image_size, seed=a.seed, label=a.label)
+                     image_size=a.image_size, seed=a.seed, label=a.label, mix=mix)
     res = asyncio.run(run_bench(spec, progress=not a.no_progress))
     print(format_table({a.label: res.summary}))
     write_json({a.label: res}, a.json)

@@ -12,8 +12,9 @@ Contract of `EncoderPool`:
   `max_wait_ms`, and goes to the eligible worker with the least outstanding work.
 - An item whose deadline passes while queued is failed (`ItemFailed`, code "timeout") without
   being encoded. An exception fails that item only: a failing batch is re-run item by item.
-  Out of memory: the batch is split; a single item is retried at reduced resolution
-  (image halved, video every other frame) up to `max_oom_retries` times.
+  Out of memory: the batch is split; a single item that still does not fit fails ("oom")
+  and goes to the decode instance as raw media. It is never retried at reduced resolution:
+  that embedding (fewer tokens) would be published under the full-resolution item's id.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
-from encoder_service.encoder_pool.media import MediaItem, reduce_media
+from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
@@ -56,7 +57,7 @@ class PoolStats:
     items_encoded: int = 0
     items_failed: dict[str, int] = field(default_factory=dict)
     batch_sizes: list[int] = field(default_factory=list)  # last 1024 batches
-    oom_retries: int = 0
+    oom_failures: int = 0
     reuse_hits: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
 
@@ -96,7 +97,7 @@ class Worker:
 class EncoderPool:
     def __init__(self, workers: Sequence[Worker], store: FeatureStore, *,
                  max_batch_size: int = 8, max_wait_ms: float = 5.0, max_queue_items: int = 256,
-                 max_oom_retries: int = 2, retry_after_s: float = 1.0) -> None:
+                 retry_after_s: float = 1.0) -> None:
         if not workers:
             raise ValueError("the pool needs at least one worker")
         self.workers = list(workers)
@@ -104,7 +105,6 @@ class EncoderPool:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue_items = max_queue_items
-        self.max_oom_retries = max_oom_retries
         self.retry_after_s = retry_after_s
         self.modalities = sorted({m for w in self.workers for m in w.encoder.modalities})
         self.stats = PoolStats()
@@ -308,24 +308,10 @@ class EncoderPool:
                 mid = len(items) // 2
                 return (self._encode_isolated(encoder, items[:mid])
                         + self._encode_isolated(encoder, items[mid:]))
-            return [self._retry_reduced(encoder, items[0])]
+            self.stats.oom_failures += 1
+            return [ItemFailed(items[0].item_id, "oom", "out of memory (encoded alone); the "
+                               "decode instance encodes it from the raw media")]
         except Exception as exc:
             if len(items) > 1:
                 return [r for it in items for r in self._encode_isolated(encoder, [it])]
             return [ItemFailed(items[0].item_id, "encode_error", f"encoder failed: {exc!r}")]
-
-    def _retry_reduced(self, encoder: MediaEncoder, item: MediaItem) -> torch.Tensor | ItemFailed:
-        current = item
-        for _ in range(self.max_oom_retries):
-            smaller = reduce_media(current)
-            if smaller is None:
-                break
-            current = smaller
-            self.stats.oom_retries += 1
-            try:
-                return encoder.encode([current])[0]
-            except OOM_ERRORS:
-                continue
-            except Exception as exc:
-                return ItemFailed(item.item_id, "encode_error", f"encoder failed: {exc!r}")
-        return ItemFailed(item.item_id, "oom", "out of memory, also at reduced resolution")

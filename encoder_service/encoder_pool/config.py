@@ -50,7 +50,6 @@ class PoolConfig(BaseModel):
     max_media_bytes: int = Field(default=20 * MiB, gt=0)
     max_image_pixels: int = Field(default=4096 * 4096, gt=0)
     max_items_per_request: int = Field(default=64, ge=1)
-    max_oom_retries: int = Field(default=2, ge=0, le=8)
 
     # --- publishing (EPDConnector's ec_connector_extra_config; namespace defaults to the
     # served model name so vLLM consumers of that model find the items) ---

@@ -10,11 +10,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
-
-MIN_SIDE = 8  # reduced-resolution retries stop here
 
 
 class BadMedia(ValueError):
@@ -77,16 +75,3 @@ def decode_image(item_id: str, raw: bytes, max_pixels: int) -> MediaItem:
             Image.DecompressionBombError) as exc:
         raise BadMedia(item_id, f"cannot decode image: {exc}") from None
     return MediaItem(item_id, "image", image=img)
-
-
-def reduce_media(item: MediaItem) -> MediaItem | None:
-    """The item at reduced cost for an out-of-memory retry: an image at half its width and
-    height, a video with every other frame. None when it cannot shrink further."""
-    if item.image is not None:
-        w, h = item.image.size
-        if min(w, h) // 2 < MIN_SIDE:
-            return None
-        return replace(item, image=item.image.resize((w // 2, h // 2), Image.BICUBIC))
-    if len(item.frames) > 1:
-        return replace(item, frames=item.frames[::2])
-    return None

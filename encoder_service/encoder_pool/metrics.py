@@ -48,7 +48,8 @@ class PoolCollector(Collector):
         for name, doc, value in (
             ("epd_pool_batches", "Encoder batches run", stats.batches),
             ("epd_pool_items_encoded", "Items encoded", stats.items_encoded),
-            ("epd_pool_oom_retries", "Reduced-resolution retries after OOM", stats.oom_retries),
+            ("epd_pool_oom_failures", "Items out of memory even when encoded alone",
+             stats.oom_failures),
             ("epd_pool_reuse_hits", "Items served from memory without encoding",
              stats.reuse_hits),
             ("epd_pool_evictions", "ENCODED_CPU features evicted for budget", store.evictions),

@@ -78,7 +78,6 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
     store = FeatureStore(config.cpu_budget_bytes, config.retain)
     return EncoderPool(workers, store, max_batch_size=config.max_batch_size,
                        max_wait_ms=config.max_wait_ms, max_queue_items=config.max_queue_items,
-                       max_oom_retries=config.max_oom_retries,
                        retry_after_s=config.retry_after_s)
 
 
@@ -206,7 +205,7 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
         s, store = pool.stats, pool.store
         return {"batches": s.batches, "items_encoded": s.items_encoded,
                 "items_failed": s.items_failed, "rejected": s.rejected,
-                "oom_retries": s.oom_retries, "reuse_hits": s.reuse_hits,
+                "oom_failures": s.oom_failures, "reuse_hits": s.reuse_hits,
                 "mean_batch_size": (sum(s.batch_sizes) / len(s.batch_sizes)
                                     if s.batch_sizes else 0.0),
                 "states": {k.value: v for k, v in store.counts().items()},

@@ -25,6 +25,8 @@ from encoder_service.bench import (
     _Progress,
     format_table,
     image_sequence,
+    item_part,
+    parse_mix,
     plot,
     run_bench,
     summarize,
@@ -118,3 +120,17 @@ def test_without_the_bench_extra_progress_is_plain_lines_and_no_plot(monkeypatch
     assert plot({"run": res}, tmp_path / "p.png") is False
     assert not (tmp_path / "p.png").exists()
     assert "install epd-serve[bench] for the plot" in capsys.readouterr().err
+
+
+def test_mix_gives_each_item_a_seeded_modality():
+    mix = parse_mix("image=2,video=1,audio=1")
+    assert mix == {"image": 2.0, "video": 1.0, "audio": 1.0}
+    spec = BenchSpec(url="x", mix=mix)
+    kinds = [item_part(spec, i)[0] for i in range(60)]
+    assert set(kinds) == {"image", "video", "audio"}
+    assert kinds.count("image") > kinds.count("audio")
+    assert [item_part(spec, i) for i in range(5)] == [item_part(spec, i) for i in range(5)]
+    assert item_part(spec, 0) != item_part(spec, 1)
+    for bad in ("image=x", "smell=1", "image=0", "image=-1,video=2"):
+        with pytest.raises(ValueError, match="--mix"):
+            parse_mix(bad)

@@ -203,21 +203,23 @@ def test_an_encoder_exception_fails_only_that_item():
     assert pool.store.get("bad") is None and pool.store.state("a") is FeatureState.ENCODED_CPU
 
 
-def test_oom_splits_the_batch_then_retries_at_reduced_resolution():
+def test_oom_splits_the_batch_and_never_publishes_a_reduced_item():
     enc = FakeEncoder(oom_above=40, oom_batch_above=2)
-    pool = make_pool(enc, max_batch_size=4, max_wait_ms=100, max_oom_retries=2)
+    pool = make_pool(enc, max_batch_size=4, max_wait_ms=100)
 
     async def go():
         return await asyncio.gather(
             pool.encode(image("small1", 32), 10), pool.encode(image("small2", 32), 10),
-            pool.encode(image("big", 128), 10),  # 128 -> 64 (OOM) -> 32 (fits)
-            pool.encode(image("huge", 1024), 10), return_exceptions=True)
+            pool.encode(image("big", 128), 10), return_exceptions=True)
 
-    s1, s2, big, huge = run(go, pool)
-    assert all(isinstance(t, torch.Tensor) for t in (s1, s2, big))
-    assert isinstance(huge, ItemFailed) and huge.code == "oom"
-    assert 32 in enc.widths and 64 in enc.widths and 512 in enc.widths
-    assert pool.stats.oom_retries >= 4
+    s1, s2, big = run(go, pool)
+    assert all(isinstance(t, torch.Tensor) for t in (s1, s2))  # the split batch fits
+    assert isinstance(big, ItemFailed) and big.code == "oom" and "raw media" in str(big)
+    # only full-resolution attempts: a smaller image's embedding would have fewer tokens
+    # than the item id the consumer's prompt was built for
+    assert set(enc.widths) == {32, 128}
+    assert pool.stats.oom_failures == 1
+    assert pool.store.get("big") is None
 
 
 def test_duplicate_ids_share_one_encode_and_cached_features_are_reused():
