@@ -165,7 +165,7 @@ def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
     from ec_connectors.config import EPDConfig
     from ec_connectors.control import control_address
     from ec_connectors.protocol.keys import item_key
-    from ec_connectors.scheduler import EPDSchedulerSide, Staging, Status
+    from ec_connectors.scheduler import EPDSchedulerSide
     from ec_connectors.transports import make_transport
 
     out: dict[str, float] = {}
@@ -179,8 +179,9 @@ def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
                                     start_index=False)
             now = time.monotonic()
             for item_id in ids:
-                if role == "consumer":
-                    side._staging[item_id] = Staging(Status.READY, now, now + 60)
+                if role == "consumer":  # staged on its one worker: READY
+                    side.staging.begin(item_id, now, 60.0, have_workers=True)
+                    side.staging.staged(item_id, 0, True, 16, "", {0}, now)
                 else:
                     side.index.add(item_key(item_id))
             probes = ids[::97] + [f"miss-{i}" for i in range(len(ids[::97]))]

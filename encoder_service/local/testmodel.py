@@ -38,7 +38,7 @@ class ModelSpec:
     realistic embedding sizes and a vision tower heavy enough to benchmark batching."""
 
     name: str = "tiny"
-    family: str = "llava"  # llava | qwen2_5_vl | qwen2_5_omni
+    family: str = "llava"  # llava | qwen2_5_vl | qwen2_5_omni | qwen3_vl
     image_size: int = 112  # 112 px / patch 14 -> 8x8 = 64 image tokens
     patch_size: int = 14
     vision_hidden: int = 64
@@ -64,7 +64,8 @@ class ModelSpec:
 
     @property
     def modalities(self) -> tuple[str, ...]:
-        return {"llava": ("image",), "qwen2_5_vl": ("image", "video")}.get(
+        return {"llava": ("image",), "qwen2_5_vl": ("image", "video"),
+                "qwen3_vl": ("image", "video")}.get(
             self.family, ("image", "video", "audio"))
 
 
@@ -91,6 +92,8 @@ SPECS = {
     # video (2-frame temporal patches) and, for the Omni thinker, audio (Whisper mels).
     "qwen-vl": ModelSpec(name="qwen-vl", family="qwen2_5_vl", lm_heads=2),
     "qwen-omni": ModelSpec(name="qwen-omni", family="qwen2_5_omni", lm_heads=2),
+    # 16 px patches; a 128 px image -> 16 tokens, each 256 wide (DeepStack) for a 128-wide LM
+    "qwen3-vl": ModelSpec(name="qwen3-vl", family="qwen3_vl", lm_heads=2, patch_size=16),
 }
 
 

@@ -1,5 +1,6 @@
 """Tiny Qwen-family test models (random weights, local tokenizer, no downloads): Qwen2.5-VL
-(image + video) and the Qwen2.5-Omni thinker (image, video and audio in one model).
+(image + video), the Qwen2.5-Omni thinker (image, video and audio in one model) and Qwen3-VL
+(images; its DeepStack encoder output is wider than the language model's hidden size).
 
 Both take metadata-only parts on an EC consumer (vLLM's `embedding_fields`), which the tiny
 LLaVA cannot. Built by `testmodel.build` when a spec's `family` is not `llava`; the same
@@ -36,6 +37,7 @@ _TEMPLATE = (
 _TOKENS = {
     "qwen2_5_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>"},
     "qwen2_5_omni": {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"},
+    "qwen3_vl": {"image": "<|image_pad|>", "video": "<|video_pad|>"},
 }
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
              "<|vision_end|>", "<|audio_bos|>", "<|audio_eos|>"]
@@ -112,13 +114,15 @@ def _vision_kwargs(spec: ModelSpec) -> dict:
     )
 
 
-def _image_processors():
+def _image_processors(patch_size: int = 14):
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     size = {"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS}
-    image = Qwen2VLImageProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS)
+    image = Qwen2VLImageProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS,
+                                  patch_size=patch_size)
     video = Qwen2VLVideoProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS,
-                                  min_frames=2, max_frames=8, fps=2.0, do_sample_frames=False)
+                                  min_frames=2, max_frames=8, fps=2.0, do_sample_frames=False,
+                                  patch_size=patch_size)
     return image, video
 
 
@@ -131,8 +135,39 @@ def build_qwen(tmp: Path, spec: ModelSpec, corpus: list[str]) -> None:
     ids = {m: tokenizer.convert_tokens_to_ids(t) for m, t in _TOKENS[spec.family].items()}
     vision_start = tokenizer.convert_tokens_to_ids("<|vision_start|>")
     torch.manual_seed(spec.seed)
-    image_proc, video_proc = _image_processors()
-    if spec.family == "qwen2_5_vl":
+    image_proc, video_proc = _image_processors(spec.patch_size)
+    if spec.family == "qwen3_vl":
+        from transformers import (
+            Qwen3VLConfig,
+            Qwen3VLForConditionalGeneration,
+            Qwen3VLProcessor,
+            Qwen3VLVideoProcessor,
+        )
+
+        text = _text_kwargs(spec, tokenizer)
+        text["head_dim"] = spec.lm_hidden // spec.lm_heads
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision = {k: v for k, v in _vision_kwargs(spec).items()
+                  if k not in ("window_size", "fullatt_block_indexes")}
+        # DeepStack: features of these vision layers ride along the last one's, so the
+        # encoder output is (1 + len) * out_hidden_size wide
+        vision.update(deepstack_visual_indexes=[0], num_position_embeddings=256,
+                      hidden_act="gelu_pytorch_tanh")
+        config = Qwen3VLConfig(
+            text_config=text, vision_config=vision, image_token_id=ids["image"],
+            video_token_id=ids["video"], vision_start_token_id=vision_start,
+            vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+            tie_word_embeddings=False,
+        )
+        config.architectures = ["Qwen3VLForConditionalGeneration"]
+        model = Qwen3VLForConditionalGeneration(config)
+        head, prefix = model.lm_head, ""
+        video_proc = Qwen3VLVideoProcessor(
+            size={"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS},
+            patch_size=spec.patch_size, min_frames=2, max_frames=8, do_sample_frames=False)
+        processor = Qwen3VLProcessor(image_processor=image_proc, video_processor=video_proc,
+                                     tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+    elif spec.family == "qwen2_5_vl":
         from transformers import (
             Qwen2_5_VLConfig,
             Qwen2_5_VLForConditionalGeneration,
