@@ -1,0 +1,91 @@
+"""Qwen3-VL (tiny, built locally) over the Mooncake Transfer Engine (TCP loopback): its
+DeepStack encoder output is twice as wide as the language model's hidden size, and the
+decode instance gets metadata-only image and video parts (video metadata includes
+timestamps). The reference answer: the consumer itself given the raw media under another id
+(not in the transport: it encodes the item itself, as an aggregated server does)."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+
+from encoder_service.local.processes import VllmServer, metric_value, start_all
+from encoder_service.local.requests import (
+    image_part,
+    parts_body,
+    sample_frames,
+    sample_image_png,
+    video_part,
+)
+from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.up import epd_config
+from tests.helpers import LOOPBACK, WORK, wait_for
+
+pytest.importorskip("mooncake.engine")
+SPEC = SPECS["qwen3-vl"]
+MODEL = SPEC.model_name
+BASE_PORT, MC_BASE_PORT = 18360, 17960
+
+
+def extra(**more) -> dict:
+    return {"transport": "mooncake", "protocol": "tcp", "host": "127.0.0.1",
+            "base_port": MC_BASE_PORT, "memory_pool_bytes": 128 << 20, "load_timeout_s": 10,
+            "inline_max_bytes": 0, **more}  # every item through the transfer engine
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = build(WORK / "models" / MODEL, SPEC)
+    unused = tmp_path_factory.mktemp("unused")
+    logs = WORK / "test-e2e-qwen3"
+    prod = VllmServer("producer", model, BASE_PORT + 1, logs,
+                      epd_config("ec_producer", unused, extra()), cpu_core=0, env=LOOPBACK,
+                      served_name=MODEL)
+    cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
+                      epd_config("ec_consumer", unused,
+                                 extra(producers=[f"127.0.0.1:{MC_BASE_PORT}"])),
+                      cpu_core=1, env=LOOPBACK, served_name=MODEL)
+    try:
+        start_all([prod, cons], progress=lambda m: print(f"[e2e-q3] {m}", flush=True))
+        with httpx.Client(timeout=120) as client:
+            yield {"prod": prod, "cons": cons, "client": client}
+    finally:
+        for s in (prod, cons):
+            s.stop()
+
+
+def answer(c, server, parts, **extra) -> dict:
+    r = c["client"].post(server.url + "/v1/chat/completions",
+                         json=parts_body(MODEL, copy.deepcopy(parts), "describe this",
+                                         **extra))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("modality", ["image", "video"])
+def test_metadata_only_deepstack_items_equal_the_aggregated_answer(cluster, modality):
+    c = cluster
+    part = (image_part(sample_image_png(700)) if modality == "image"
+            else video_part(sample_frames(701)))
+    part["uuid"] = f"q3-{modality}"
+    params = answer(c, c["prod"], [part], max_tokens=1)["ec_transfer_params"]
+    entry = params["epd"]["items"][part["uuid"]]
+    if "shape" in entry:  # described once the save is reported (usually already)
+        assert entry["shape"][1] == 2 * SPEC.lm_hidden  # DeepStack: wider than the LM
+    metadata = entry["metadata"]
+    assert f"{modality}_grid_thw" in metadata
+    if modality == "video":
+        assert "timestamps" in metadata
+    kind = f"{modality}_embeds"
+    meta_only = [{"type": kind, kind: metadata, "uuid": part["uuid"]}]
+    loads = metric_value(c["client"].get(c["cons"].url + "/metrics").text,
+                         "vllm:epd_loads_total")
+    got = answer(c, c["cons"], meta_only, ec_transfer_params=params)
+    local = {**part, "uuid": f"q3-{modality}-encoded-here"}
+    reference = answer(c, c["cons"], [local])["choices"][0]["token_ids"]
+    assert reference and got["choices"][0]["token_ids"] == reference
+    # the embedding came through the transport (vLLM publishes the counter a step later)
+    assert wait_for(lambda: metric_value(c["client"].get(c["cons"].url + "/metrics").text,
+                                         "vllm:epd_loads_total") >= loads + 1, 15, 0.2)
