@@ -59,6 +59,29 @@ def payload_bytes(item_id: str, data: str, max_bytes: int) -> bytes:
     return raw
 
 
+MAX_FRAMES = 1024
+
+
+def decode_frames(item_id: str, data: str, max_bytes: int, max_pixels: int) -> MediaItem:
+    """A video sent as vLLM's frame list, `data:video/jpeg;base64,<f1>,<f2>,...`: every
+    frame fully decoded (RGB), or BadMedia. Containers (mp4...) are not decoded here."""
+    head, sep, body = data.partition(",")
+    if not sep or not head.startswith("data:") or head[5:].split(";")[0] not in (
+            "video/jpeg", "image/jpeg"):
+        raise BadMedia(item_id, "video must be a frame list: data:video/jpeg;base64,<f1>,<f2>,"
+                                "... (the pool does not decode video containers)")
+    if len(body) > (max_bytes * 4) // 3 + 8:
+        raise BadMedia(item_id, f"media is larger than the {max_bytes}-byte limit")
+    parts = body.split(",")
+    if len(parts) > MAX_FRAMES:
+        raise BadMedia(item_id, f"video has {len(parts)} frames; the limit is {MAX_FRAMES}")
+    frames = tuple(decode_image(item_id, payload_bytes(item_id, p, max_bytes), max_pixels).image
+                   for p in parts)
+    if len({f.size for f in frames}) != 1:
+        raise BadMedia(item_id, "video frames differ in size")
+    return MediaItem(item_id, "video", frames=frames)
+
+
 def decode_image(item_id: str, raw: bytes, max_pixels: int) -> MediaItem:
     """A fully decoded RGB image, or BadMedia (corrupt, truncated, too many pixels)."""
     try:

@@ -4,8 +4,11 @@
 the HF image processor from the model directory (what vLLM's multimodal processor uses), the
 CLIP vision tower truncated at `vision_feature_layer` (post-layernorm only when every layer is
 used, as in vLLM), the `vision_feature_select_strategy`, and the multimodal projector, in the
-model's dtype. Other families (Qwen2.5-VL: dynamic resolution, video) implement the same
-`MediaEncoder` protocol and register in `ENCODERS` by architecture name.
+model's dtype. `Qwen25VLEncoder` does the same for Qwen2.5-VL images and videos: the model's
+own HF image/video processors (dynamic resolution, 2-frame temporal patches), the vision
+transformer with its patch merger, and the placeholder metadata (`image_grid_thw`,
+`video_grid_thw`) a consumer needs for a metadata-only request. Families register in
+`ENCODERS` by architecture name.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ class MediaEncoder(Protocol):
 
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """One embedding per item, same order, each its own contiguous CPU tensor."""
+        ...
+
+    def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
+        """What a consumer needs besides the embedding to take the item as a metadata-only
+        part (vLLM's `embedding_fields`); {} when the model takes raw media only."""
         ...
 
 
@@ -155,6 +163,9 @@ class LlavaEncoder:
             raise ValueError(f"LlavaEncoder encodes images, not {modality}")
         return self._tokens  # LLaVA-1.5 resizes and crops every image to one size
 
+    def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
+        return {}  # LLaVA takes raw media only
+
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         images = [it.image for it in items]
@@ -172,8 +183,92 @@ class LlavaEncoder:
         return [e.to("cpu", copy=True) for e in embeds]  # exactly one copy, CPU or GPU
 
 
+class Qwen25VLEncoder:
+    """The vision transformer (patch merger included) of a local Qwen2.5-VL model directory,
+    for images and videos. Videos: the frames as sent, in order (the model's video processor
+    must not sample frames itself: vLLM samples with the request's metadata, which the pool
+    does not reproduce; such a model is refused at load)."""
+
+    modalities = ("image", "video")
+
+    def __init__(self, model_dir: Path | str, device: str = "cpu", dtype: str = "auto") -> None:
+        from transformers import AutoConfig, AutoProcessor
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        model_dir = Path(model_dir)
+        raw = json.loads((model_dir / "config.json").read_text())
+        vcfg = AutoConfig.from_pretrained(model_dir).vision_config
+        processor = AutoProcessor.from_pretrained(model_dir)
+        self.image_processor = processor.image_processor
+        self.video_processor = processor.video_processor
+        if getattr(self.video_processor, "do_sample_frames", False):
+            raise NotImplementedError(
+                "this model's video processor samples frames (vLLM does so with the request's "
+                "video metadata); the pool encodes the frames as sent: use a vLLM encoder")
+        self.dtype = _dtype(dtype, raw)
+        self.device = torch.device(device)
+        self.hidden_size = vcfg.out_hidden_size
+        self.temporal = vcfg.temporal_patch_size
+        self.patch, self.merge = vcfg.patch_size, vcfg.spatial_merge_size
+        self.unit = self.patch * self.merge  # pixels per side of one merged token
+        visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(vcfg)
+        groups = _load_weights(model_dir, ("model.visual.", "visual."))
+        weights = {**groups["visual."], **groups["model.visual."]}
+        missing = sorted(set(visual.state_dict()) - set(weights))
+        unexpected = sorted(set(weights) - set(visual.state_dict()))
+        if missing or unexpected:
+            raise ValueError(f"Qwen2.5-VL vision weights do not match the config (missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]})")
+        visual.load_state_dict(weights, strict=True)
+        self.visual = visual.to(self.device, self.dtype).eval()
+
+    def _grid(self, modality: str, width: int, height: int, frames: int = 1) -> list[int]:
+        """[t, h, w] in patches, as the HF processor computes it (smart_resize)."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        proc = self.image_processor if modality == "image" else self.video_processor
+        size = getattr(proc, "size", None) or {}
+        lo = size.get("shortest_edge", getattr(proc, "min_pixels", None))
+        hi = size.get("longest_edge", getattr(proc, "max_pixels", None))
+        h, w = smart_resize(height, width, factor=self.unit, min_pixels=lo, max_pixels=hi)
+        t = 1 if modality == "image" else -(-frames // self.temporal)
+        return [t, h // self.patch, w // self.patch]
+
+    def estimate_tokens(self, modality: str, width: int, height: int, frames: int = 1) -> int:
+        t, h, w = self._grid(modality, width, height, frames)
+        return t * h * w // self.merge ** 2
+
+    def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
+        frames = 1 if item.image is not None else len(item.frames)
+        return {f"{item.modality}_grid_thw": self._grid(item.modality, *item.size, frames)}
+
+    @torch.inference_mode()
+    def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
+        images = [it.image for it in items if it.image is not None]
+        videos = [list(it.frames) for it in items if it.image is None]
+        outs: dict[str, list[torch.Tensor]] = {}
+        for kind, media in (("image", images), ("video", videos)):
+            if not media:
+                continue
+            if kind == "image":
+                batch = self.image_processor(images=media, return_tensors="pt")
+                pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+            else:
+                batch = self.video_processor(videos=media, return_tensors="pt")
+                pixels, grid = batch["pixel_values_videos"], batch["video_grid_thw"]
+            merged = self.visual(pixels.to(self.device, self.dtype),
+                                 grid_thw=grid.to(self.device)).pooler_output
+            sizes = (grid.prod(-1) // self.merge ** 2).tolist()
+            outs[kind] = [e.to("cpu", copy=True) for e in merged.split(sizes)]
+        order = {"image": iter(outs.get("image", [])), "video": iter(outs.get("video", []))}
+        return [next(order["image" if it.image is not None else "video"]) for it in items]
+
+
 ENCODERS: dict[str, Callable[..., MediaEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder,
+    "Qwen2_5_VLForConditionalGeneration": Qwen25VLEncoder,
 }
 
 

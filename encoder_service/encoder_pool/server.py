@@ -34,7 +34,13 @@ from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
 from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore
-from encoder_service.encoder_pool.media import BadMedia, MediaItem, decode_image, payload_bytes
+from encoder_service.encoder_pool.media import (
+    BadMedia,
+    MediaItem,
+    decode_frames,
+    decode_image,
+    payload_bytes,
+)
 from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
 from encoder_service.encoder_pool.publish import Publisher
@@ -103,9 +109,13 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
         items, bad = [], {}
         for it in req.items:
             try:
-                if it.modality != "image":
+                if it.modality not in pool.modalities:
                     raise BadMedia(it.id, f"modality {it.modality!r} is not served "
                                           f"(served: {', '.join(pool.modalities)})")
+                if it.modality == "video":
+                    items.append(decode_frames(it.id, it.data, config.max_media_bytes,
+                                               config.max_image_pixels))
+                    continue
                 raw = payload_bytes(it.id, it.data, config.max_media_bytes)
                 items.append(decode_image(it.id, raw, config.max_image_pixels))
             except BadMedia as exc:
@@ -174,6 +184,11 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
                 infos[item_id] = res
         out_items: dict[str, Any] = {}
         params = publisher.params(infos)
+        describe = pool.workers[0].encoder.placeholder_metadata
+        for it in items:  # metadata-only requests to the consumer (Qwen family)
+            meta = describe(it) if it.item_id in infos else None
+            if meta:
+                params["epd"]["items"][it.item_id]["metadata"] = meta
         for item_id in ids:
             if item_id in infos:
                 out_items[item_id] = {"status": "ok", **params["epd"]["items"][item_id]}

@@ -96,7 +96,7 @@ class PoolEncoderClient:
     failed are left out of the answer (the caller sends them raw); so are modalities the pool
     does not serve. `release()` tells the pool the decode side has prefilled the items."""
 
-    modalities = ("image",)
+    modalities = ("image", "video")  # what `epd encoder` can serve; the pool's model decides
 
     def __init__(self, url: str, client: httpx.AsyncClient, timeout_s: float) -> None:
         self.name = url

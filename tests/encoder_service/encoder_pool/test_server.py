@@ -167,6 +167,9 @@ class SlowEncoder:
         time.sleep(self.delay)
         return self.real.encode(items)
 
+    def placeholder_metadata(self, item):
+        return self.real.placeholder_metadata(item)
+
 
 def test_full_queue_answers_429_with_retry_after(model, tmp_path):
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "max_batch_size": 1,
@@ -240,3 +243,30 @@ def test_config_file_json_or_toml_under_flags(model, tmp_path, capsys):
         parse_config(["--config", str(js)])
     assert main(["--config", str(tmp_path / "nope.toml")]) == 2
     assert "nope.toml does not exist" in capsys.readouterr().err
+
+
+def test_qwen_pool_serves_images_and_frame_list_videos_with_their_metadata(tmp_path):
+    from encoder_service.encoder_pool.models import Qwen25VLEncoder
+    from encoder_service.local.requests import sample_frames, video_part
+
+    spec = SPECS["qwen-vl"]
+    qmodel = build(WORK / "models" / spec.model_name, spec)
+    cfg = PoolConfig.from_dict({"model": qmodel, "served_model_name": spec.model_name,
+                                "transport": {"storage_path": str(tmp_path)}})
+    with Served(create_app(cfg), 18411) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        video = video_part(sample_frames(5, n=3, size=112))["video_url"]["url"]
+        r = c.post("/v1/encode", json={"items": [
+            {"id": "img", "data": b64(png(140, 1))},
+            {"id": "vid", "modality": "video", "data": video},
+            {"id": "mp4", "modality": "video", "data": "data:video/mp4;base64,AAAA"}]})
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        assert items["img"]["metadata"] == {"image_grid_thw": [1, 10, 10]}
+        assert items["img"]["num_embeds"] == 25
+        # 3 frames -> 2 temporal patches (the last frame repeated), 8x8 patches each
+        assert items["vid"]["metadata"] == {"video_grid_thw": [2, 8, 8]}
+        assert items["vid"]["num_embeds"] == 32
+        assert items["mp4"]["status"] == "failed" and "frame list" in items["mp4"]["error"]
+        enc = Qwen25VLEncoder(qmodel)
+        assert enc.estimate_tokens("image", 140, 140) == 25
+        assert enc.estimate_tokens("video", 112, 112, frames=3) == 32

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
+import soundfile
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -483,6 +486,18 @@ def test_video_frame_lists_audio_and_processor_kwargs(stubs):
         assert dec.calls[-1]["messages"][0]["content"][0]["uuid"] != plain
         r = post(g, parts_request(audio_part(sample_wav(51))))
         assert r.status_code == 200, r.text
+        for fmt in ("FLAC", "MP3", "OGG"):  # what libsndfile decodes, as audio_url too
+            buf = io.BytesIO()
+            soundfile.write(buf, np.zeros(8000, "float32"), 16000, format=fmt)
+            r = post(g, parts_request({"type": "audio_url", "audio_url": {
+                "url": data_url(buf.getvalue(), f"audio/{fmt.lower()}")}}))
+            assert r.status_code == 200, (fmt, r.text)
+        too_long = gateway([enc.url], [dec.url], limits={"max_audio_seconds": 1.5})
+        try:
+            r = post(too_long, parts_request(audio_part(sample_wav(52, seconds=2.0))))
+            assert r.status_code == 413 and "lasts 2.0 s" in r.text
+        finally:
+            too_long.stop()
         for part, status, reason in (
             (video_part([frames[0], b"junk" * 100]), 400, "not_an_image"),
             ({"type": "video_url", "video_url": {"url": data_url(b"junk" * 100, "video/mp4")}},
