@@ -8,8 +8,11 @@ Contract of `EncoderPool`:
   `BudgetExceeded` (memory budget full: HTTP 503) at once, never blocks, never grows
   memory without bound.
   Duplicate ids share one encode; an id whose feature is already in memory is not re-encoded.
-- A batch forms when `max_batch_size` items are queued or the oldest queued item has waited
-  `max_wait_ms`, and goes to the eligible worker with the least outstanding work.
+- A batch holds one modality. It forms when `max_batch_size` items are queued, when the next
+  item would take it past `max_batch_tokens` estimated embedding rows (that item opens the
+  next batch; an item over the budget alone is a batch of one), or when the oldest queued
+  item has waited `max_wait_ms`; it goes to the eligible worker with the least outstanding
+  work.
 - An item whose deadline passes while queued is failed (`ItemFailed`, code "timeout") without
   being encoded. An exception fails that item only: a failing batch is re-run item by item.
   Out of memory: the batch is split; a single item that still does not fit fails ("oom")
@@ -96,13 +99,15 @@ class Worker:
 
 class EncoderPool:
     def __init__(self, workers: Sequence[Worker], store: FeatureStore, *,
-                 max_batch_size: int = 8, max_wait_ms: float = 5.0, max_queue_items: int = 256,
+                 max_batch_size: int = 8, max_batch_tokens: int = 16384,
+                 max_wait_ms: float = 5.0, max_queue_items: int = 256,
                  retry_after_s: float = 1.0) -> None:
         if not workers:
             raise ValueError("the pool needs at least one worker")
         self.workers = list(workers)
         self.store = store
         self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue_items = max_queue_items
         self.retry_after_s = retry_after_s
@@ -197,24 +202,37 @@ class EncoderPool:
     # -- batching ----------------------------------------------------------------------
     async def _batch_loop(self, modality: str) -> None:
         q = self._queues[modality]
+        carry: _Job | None = None  # did not fit the last batch's token budget: opens this one
         while True:
-            first = await q.get()
+            first, carry = carry or await q.get(), None
             batch = [first]
+            budget = [self.max_batch_tokens - first.tokens]
+
+            def add(job: _Job) -> bool:
+                """Into the batch if it fits the token budget; else it opens the next."""
+                nonlocal carry
+                if job.tokens > budget[0]:
+                    carry = job
+                    return False
+                batch.append(job)
+                budget[0] -= job.tokens
+                return True
+
             form_deadline = first.enqueued + self.max_wait_s
-            while len(batch) < self.max_batch_size:
+            while len(batch) < self.max_batch_size and carry is None:
                 if not q.empty():
-                    batch.append(q.get_nowait())
+                    add(q.get_nowait())
                     continue
                 remaining = form_deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 try:
-                    batch.append(await asyncio.wait_for(q.get(), remaining))
+                    add(await asyncio.wait_for(q.get(), remaining))
                 except TimeoutError:
                     break
             worker = await self._acquire_worker(modality)
-            while len(batch) < self.max_batch_size and not q.empty():  # top up while we waited
-                batch.append(q.get_nowait())
+            while len(batch) < self.max_batch_size and carry is None and not q.empty():
+                add(q.get_nowait())  # top up while we waited
             now = time.monotonic()
             live = []
             for job in batch:

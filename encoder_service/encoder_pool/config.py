@@ -36,6 +36,10 @@ class PoolConfig(BaseModel):
 
     # --- batching and queues ---
     max_batch_size: int = Field(default=8, ge=1, le=256)
+    max_batch_tokens: int = Field(default=16384, ge=1, description="estimated embedding rows "
+                                  "per batch (a batch holds one modality; a video is many "
+                                  "images' worth): the next item that would pass it opens the "
+                                  "next batch")
     max_wait_ms: float = Field(default=5.0, ge=0, le=10_000)
     max_queue_items: int = Field(default=256, ge=1)  # per modality; beyond it: HTTP 429
     retry_after_s: float = Field(default=1.0, gt=0)

@@ -83,6 +83,7 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
                for i, enc in enumerate(encoders) for j in range(config.workers_per_device)]
     store = FeatureStore(config.cpu_budget_bytes, config.retain)
     return EncoderPool(workers, store, max_batch_size=config.max_batch_size,
+                       max_batch_tokens=config.max_batch_tokens,
                        max_wait_ms=config.max_wait_ms, max_queue_items=config.max_queue_items,
                        retry_after_s=config.retry_after_s)
 

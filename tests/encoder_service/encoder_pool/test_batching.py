@@ -37,7 +37,7 @@ class FakeEncoder:
         self.lock = threading.Lock()
 
     def estimate_tokens(self, modality, width, height, frames=1):
-        return TOKENS
+        return TOKENS * (width // 64 or 1)  # wider images: more tokens (budget tests)
 
     def encode(self, items):
         with self.lock:
@@ -244,3 +244,20 @@ def test_unknown_modality_is_a_clear_error():
             pool.submit(MediaItem("v", "video", frames=(Image.new("RGB", (8, 8)),)), 1)
 
     run(go, pool)
+
+
+def test_a_batch_stops_at_its_token_budget_and_the_next_item_opens_the_next():
+    enc = FakeEncoder(delay=0.05)
+    # budget: 3 small images' worth; a 128 px image counts double, a 512 px one 8x
+    pool = make_pool(enc, max_batch_size=8, max_batch_tokens=3 * TOKENS, max_wait_ms=50,
+                     budget=1 << 22)
+
+    async def go():
+        jobs = [pool.encode(image(name, side), 10) for name, side in
+                (("a", 64), ("b", 64), ("c", 128), ("d", 64), ("huge", 512), ("e", 64))]
+        return await asyncio.gather(*jobs)
+
+    run(go, pool)
+    # a+b fit (2 of 3); c (2) would pass the budget: it opens the next batch with d;
+    # huge is over the budget alone: a batch of one; e follows
+    assert enc.batches == [["a", "b"], ["c", "d"], ["huge"], ["e"]]
