@@ -97,6 +97,28 @@ class Worker:
         return self.inflight < self.max_inflight
 
 
+class _Forming:
+    """A batch being formed, under its item and token limits. `carry`: the job that did not
+    fit the token budget (it opens the next batch); the first job always fits."""
+
+    def __init__(self, first: _Job, max_items: int, max_tokens: int) -> None:
+        self.jobs = [first]
+        self.max_items = max_items
+        self.budget = max_tokens - first.tokens
+        self.carry: _Job | None = None
+
+    @property
+    def open(self) -> bool:
+        return len(self.jobs) < self.max_items and self.carry is None
+
+    def add(self, job: _Job) -> None:
+        if job.tokens > self.budget:
+            self.carry = job
+        else:
+            self.jobs.append(job)
+            self.budget -= job.tokens
+
+
 class EncoderPool:
     def __init__(self, workers: Sequence[Worker], store: FeatureStore, *,
                  max_batch_size: int = 8, max_batch_tokens: int = 16384,
@@ -151,9 +173,7 @@ class EncoderPool:
 
     # -- admission ---------------------------------------------------------------------
     def estimate_bytes(self, item: MediaItem) -> tuple[int, int]:
-        w, h = item.size
-        tokens = self.workers[0].encoder.estimate_tokens(item.modality, w, h,
-                                                         max(1, len(item.frames)))
+        tokens = self.workers[0].encoder.estimate_tokens(item)
         return tokens, tokens * self.hidden_size * self.dtype.itemsize
 
     def submit(self, item: MediaItem, timeout_s: float, keep: bool = False) -> asyncio.Future:
@@ -203,52 +223,46 @@ class EncoderPool:
     async def _batch_loop(self, modality: str) -> None:
         q = self._queues[modality]
         carry: _Job | None = None  # did not fit the last batch's token budget: opens this one
-        while True:
-            first, carry = carry or await q.get(), None
-            batch = [first]
-            budget = [self.max_batch_tokens - first.tokens]
-
-            def add(job: _Job) -> bool:
-                """Into the batch if it fits the token budget; else it opens the next."""
-                nonlocal carry
-                if job.tokens > budget[0]:
-                    carry = job
-                    return False
-                batch.append(job)
-                budget[0] -= job.tokens
-                return True
-
-            form_deadline = first.enqueued + self.max_wait_s
-            while len(batch) < self.max_batch_size and carry is None:
-                if not q.empty():
-                    add(q.get_nowait())
+        try:
+            while True:
+                forming = _Forming(carry or await q.get(), self.max_batch_size,
+                                   self.max_batch_tokens)
+                form_deadline = forming.jobs[0].enqueued + self.max_wait_s
+                while forming.open:
+                    if not q.empty():
+                        forming.add(q.get_nowait())
+                        continue
+                    remaining = form_deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    try:
+                        forming.add(await asyncio.wait_for(q.get(), remaining))
+                    except TimeoutError:
+                        break
+                worker = await self._acquire_worker(modality)
+                while forming.open and not q.empty():  # top up while we waited
+                    forming.add(q.get_nowait())
+                batch, carry = forming.jobs, forming.carry
+                now = time.monotonic()
+                live = []
+                for job in batch:
+                    if job.deadline <= now:
+                        self._finish(job, ItemFailed(job.item.item_id, "timeout",
+                                                     "deadline passed while queued"))
+                    else:
+                        live.append(job)
+                if not live:
+                    await self._release_worker(worker, 0)
                     continue
-                remaining = form_deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    add(await asyncio.wait_for(q.get(), remaining))
-                except TimeoutError:
-                    break
-            worker = await self._acquire_worker(modality)
-            while len(batch) < self.max_batch_size and carry is None and not q.empty():
-                add(q.get_nowait())  # top up while we waited
-            now = time.monotonic()
-            live = []
-            for job in batch:
-                if job.deadline <= now:
-                    self._finish(job, ItemFailed(job.item.item_id, "timeout",
-                                                 "deadline passed while queued"))
-                else:
-                    live.append(job)
-            if not live:
-                await self._release_worker(worker, 0)
-                continue
-            tokens = sum(j.tokens for j in live)
-            worker.outstanding_tokens += tokens
-            task = asyncio.create_task(self._run_batch(worker, live, tokens))
-            self._batch_tasks.add(task)
-            task.add_done_callback(self._batch_tasks.discard)
+                tokens = sum(j.tokens for j in live)
+                worker.outstanding_tokens += tokens
+                task = asyncio.create_task(self._run_batch(worker, live, tokens))
+                self._batch_tasks.add(task)
+                task.add_done_callback(self._batch_tasks.discard)
+        finally:  # stopped: the job that opens the next batch is answered too
+            if carry is not None:
+                self._finish(carry, ItemFailed(carry.item.item_id, "encode_error",
+                                               "pool stopped"))
 
     async def _acquire_worker(self, modality: str) -> Worker:
         assert self._worker_free is not None

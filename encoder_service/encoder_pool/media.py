@@ -12,6 +12,7 @@ import binascii
 import io
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 
@@ -26,18 +27,46 @@ class BadMedia(ValueError):
 
 @dataclass(frozen=True)
 class MediaItem:
-    """A decoded media item. Images: `image` (RGB). Videos: `frames` (RGB, in order)."""
+    """A decoded media item. Images: `image` (RGB). Videos: `frames` (RGB, in order).
+    Audio: `audio` (mono float32 samples in [-1, 1]) at `sample_rate`."""
 
     item_id: str
     modality: str
     image: Image.Image | None = None
     frames: tuple[Image.Image, ...] = ()
+    audio: np.ndarray | None = None
+    sample_rate: int = 0
 
     @property
     def size(self) -> tuple[int, int]:
-        """(width, height) of the image or of the first frame."""
+        """(width, height) of the image or of the first frame; (samples, 1) for audio."""
+        if self.audio is not None:
+            return len(self.audio), 1
         img = self.image if self.image is not None else self.frames[0]
         return img.size
+
+
+AUDIO_RATE = 16000  # what Whisper-style feature extractors take; others are refused
+
+
+def decode_audio(item_id: str, raw: bytes, max_seconds: float = 1800.0) -> MediaItem:
+    """Audio libsndfile decodes (wav, flac, mp3, ogg), mixed down to mono, at 16 kHz.
+    Other rates are refused (resampling libraries differ: the embedding would not be the one
+    vLLM computes); a vLLM encoder takes those."""
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(raw), dtype="float32", always_2d=True)
+    except Exception as exc:  # noqa: BLE001 - libsndfile reports bad bytes as several types
+        raise BadMedia(item_id, f"cannot decode audio: {exc}") from None
+    if rate != AUDIO_RATE:
+        raise BadMedia(item_id, f"audio is {rate} Hz; the pool takes {AUDIO_RATE} Hz only")
+    if not len(samples):
+        raise BadMedia(item_id, "audio holds no samples")
+    if len(samples) > max_seconds * rate:
+        raise BadMedia(item_id, f"audio is longer than {max_seconds} s")
+    return MediaItem(item_id, "audio", audio=np.ascontiguousarray(samples.mean(axis=1)),
+                     sample_rate=rate)
 
 
 def payload_bytes(item_id: str, data: str, max_bytes: int) -> bytes:

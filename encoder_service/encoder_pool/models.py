@@ -7,7 +7,8 @@ used, as in vLLM), the `vision_feature_select_strategy`, and the multimodal proj
 model's dtype. `Qwen25VLEncoder` does the same for Qwen2.5-VL images and videos: the model's
 own HF image/video processors (dynamic resolution, 2-frame temporal patches), the vision
 transformer with its patch merger, and the placeholder metadata (`image_grid_thw`,
-`video_grid_thw`) a consumer needs for a metadata-only request. Families register in
+`video_grid_thw`) a consumer needs for a metadata-only request; `QwenOmniEncoder` adds the
+Qwen2.5-Omni thinker's audio encoder (Whisper mels, `audio_feature_lengths`). Families register in
 `ENCODERS` by architecture name.
 """
 
@@ -31,8 +32,8 @@ class MediaEncoder(Protocol):
     dtype: torch.dtype
     device: torch.device
 
-    def estimate_tokens(self, modality: str, width: int, height: int, frames: int = 1) -> int:
-        """Embedding rows an item of these dimensions will produce (before encoding)."""
+    def estimate_tokens(self, item: MediaItem) -> int:
+        """Embedding rows the item will produce (before encoding: admission, batching)."""
         ...
 
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
@@ -158,9 +159,9 @@ class LlavaEncoder:
                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
         module.load_state_dict(state, strict=True)
 
-    def estimate_tokens(self, modality: str, width: int, height: int, frames: int = 1) -> int:
-        if modality != "image":
-            raise ValueError(f"LlavaEncoder encodes images, not {modality}")
+    def estimate_tokens(self, item: MediaItem) -> int:
+        if item.modality != "image":
+            raise ValueError(f"LlavaEncoder encodes images, not {item.modality}")
         return self._tokens  # LLaVA-1.5 resizes and crops every image to one size
 
     def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
@@ -185,90 +186,180 @@ class LlavaEncoder:
 
 class Qwen25VLEncoder:
     """The vision transformer (patch merger included) of a local Qwen2.5-VL model directory,
-    for images and videos. Videos: the frames as sent, in order (the model's video processor
-    must not sample frames itself: vLLM samples with the request's metadata, which the pool
-    does not reproduce; such a model is refused at load)."""
+    for images and videos, preprocessed by the model's own HF processors with the defaults
+    its processor class applies (what vLLM's multimodal processor calls). Videos: the frames
+    as sent, in order (a model whose video processor samples frames itself is refused at
+    load: vLLM samples with the request's metadata, which the pool does not reproduce)."""
 
-    modalities = ("image", "video")
+    modalities: tuple[str, ...] = ("image", "video")
+    _weights = ("model.visual.", "visual.")
 
     def __init__(self, model_dir: Path | str, device: str = "cpu", dtype: str = "auto") -> None:
         from transformers import AutoConfig, AutoProcessor
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel,
-        )
 
         model_dir = Path(model_dir)
         raw = json.loads((model_dir / "config.json").read_text())
-        vcfg = AutoConfig.from_pretrained(model_dir).vision_config
+        self.config = AutoConfig.from_pretrained(model_dir)
         processor = AutoProcessor.from_pretrained(model_dir)
         self.image_processor = processor.image_processor
         self.video_processor = processor.video_processor
+        defaults = getattr(getattr(processor, "valid_processor_kwargs", None), "_defaults", {})
+        self._sizes = {kind: (defaults.get(f"{kind}s_kwargs") or {}).get("size")
+                       for kind in ("image", "video")}  # e.g. Omni: larger video frames
         if getattr(self.video_processor, "do_sample_frames", False):
             raise NotImplementedError(
                 "this model's video processor samples frames (vLLM does so with the request's "
                 "video metadata); the pool encodes the frames as sent: use a vLLM encoder")
         self.dtype = _dtype(dtype, raw)
         self.device = torch.device(device)
+        vcfg = self._vision_config()
         self.hidden_size = vcfg.out_hidden_size
         self.temporal = vcfg.temporal_patch_size
         self.patch, self.merge = vcfg.patch_size, vcfg.spatial_merge_size
         self.unit = self.patch * self.merge  # pixels per side of one merged token
-        visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(vcfg)
-        groups = _load_weights(model_dir, ("model.visual.", "visual."))
-        weights = {**groups["visual."], **groups["model.visual."]}
-        missing = sorted(set(visual.state_dict()) - set(weights))
-        unexpected = sorted(set(weights) - set(visual.state_dict()))
-        if missing or unexpected:
-            raise ValueError(f"Qwen2.5-VL vision weights do not match the config (missing "
-                             f"{missing[:5]}, unexpected {unexpected[:5]})")
-        visual.load_state_dict(weights, strict=True)
-        self.visual = visual.to(self.device, self.dtype).eval()
+        self.visual = self._load(self._vision_model(vcfg), model_dir, self._weights)
+        self._extra(model_dir, processor)
 
-    def _grid(self, modality: str, width: int, height: int, frames: int = 1) -> list[int]:
+    # -- what differs per family ---------------------------------------------------------
+    def _vision_config(self):
+        return self.config.vision_config
+
+    def _vision_model(self, vcfg) -> torch.nn.Module:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+
+        return Qwen2_5_VisionTransformerPretrainedModel._from_config(vcfg)
+
+    def _extra(self, model_dir: Path, processor) -> None:
+        """More towers (Omni: audio)."""
+
+    # -------------------------------------------------------------------------------------
+    def _load(self, module: torch.nn.Module, model_dir: Path,
+              prefixes: tuple[str, ...]) -> torch.nn.Module:
+        groups = _load_weights(model_dir, prefixes)
+        weights = {k: v for p in prefixes for k, v in groups[p].items()}
+        missing = sorted(set(module.state_dict()) - set(weights))
+        unexpected = sorted(set(weights) - set(module.state_dict()))
+        if missing or unexpected:
+            raise ValueError(f"{type(module).__name__}: weights do not match the config "
+                             f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+        module.load_state_dict(weights, strict=True)
+        return module.to(self.device, self.dtype).eval()
+
+    def _size(self, modality: str) -> dict:
+        proc = self.image_processor if modality == "image" else self.video_processor
+        return self._sizes.get(modality) or dict(getattr(proc, "size", None) or {})
+
+    def _grid(self, item: MediaItem) -> list[int]:
         """[t, h, w] in patches, as the HF processor computes it (smart_resize)."""
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-        proc = self.image_processor if modality == "image" else self.video_processor
-        size = getattr(proc, "size", None) or {}
-        lo = size.get("shortest_edge", getattr(proc, "min_pixels", None))
-        hi = size.get("longest_edge", getattr(proc, "max_pixels", None))
-        h, w = smart_resize(height, width, factor=self.unit, min_pixels=lo, max_pixels=hi)
-        t = 1 if modality == "image" else -(-frames // self.temporal)
+        size = self._size(item.modality)
+        width, height = item.size
+        h, w = smart_resize(height, width, factor=self.unit,
+                            min_pixels=size.get("shortest_edge"),
+                            max_pixels=size.get("longest_edge"))
+        t = 1 if item.image is not None else -(-len(item.frames) // self.temporal)
         return [t, h // self.patch, w // self.patch]
 
-    def estimate_tokens(self, modality: str, width: int, height: int, frames: int = 1) -> int:
-        t, h, w = self._grid(modality, width, height, frames)
+    def estimate_tokens(self, item: MediaItem) -> int:
+        t, h, w = self._grid(item)
         return t * h * w // self.merge ** 2
 
     def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
-        frames = 1 if item.image is not None else len(item.frames)
-        return {f"{item.modality}_grid_thw": self._grid(item.modality, *item.size, frames)}
+        return {f"{item.modality}_grid_thw": self._grid(item)}
+
+    def _encode_visual(self, kind: str, media: list) -> list[torch.Tensor]:
+        if kind == "image":
+            batch = self.image_processor(images=media, size=self._size("image"),
+                                         return_tensors="pt")
+            pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+        else:
+            batch = self.video_processor(videos=media, size=self._size("video"),
+                                         return_tensors="pt")
+            pixels, grid = batch["pixel_values_videos"], batch["video_grid_thw"]
+        merged = self.visual(pixels.to(self.device, self.dtype),
+                             grid_thw=grid.to(self.device)).pooler_output
+        sizes = (grid.prod(-1) // self.merge ** 2).tolist()
+        return [e.to("cpu", copy=True) for e in merged.split(sizes)]
+
+    def _encode_audio(self, clips: list) -> list[torch.Tensor]:
+        raise ValueError(f"{type(self).__name__} does not encode audio")
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        images = [it.image for it in items if it.image is not None]
-        videos = [list(it.frames) for it in items if it.image is None]
-        outs: dict[str, list[torch.Tensor]] = {}
-        for kind, media in (("image", images), ("video", videos)):
-            if not media:
-                continue
-            if kind == "image":
-                batch = self.image_processor(images=media, return_tensors="pt")
-                pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
-            else:
-                batch = self.video_processor(videos=media, return_tensors="pt")
-                pixels, grid = batch["pixel_values_videos"], batch["video_grid_thw"]
-            merged = self.visual(pixels.to(self.device, self.dtype),
-                                 grid_thw=grid.to(self.device)).pooler_output
-            sizes = (grid.prod(-1) // self.merge ** 2).tolist()
-            outs[kind] = [e.to("cpu", copy=True) for e in merged.split(sizes)]
-        order = {"image": iter(outs.get("image", [])), "video": iter(outs.get("video", []))}
-        return [next(order["image" if it.image is not None else "video"]) for it in items]
+        groups: dict[str, list] = {"image": [], "video": [], "audio": []}
+        for it in items:
+            groups[it.modality].append(it.image if it.modality == "image" else
+                                       list(it.frames) if it.modality == "video" else it)
+        outs = {kind: iter(self._encode_audio(media) if kind == "audio" else
+                           self._encode_visual(kind, media))
+                for kind, media in groups.items() if media}
+        return [next(outs[it.modality]) for it in items]
+
+
+class QwenOmniEncoder(Qwen25VLEncoder):
+    """The Qwen2.5-Omni thinker's vision transformer (images, videos) and audio encoder
+    (Whisper log-mel features, `audio_feature_lengths` published for metadata-only parts)."""
+
+    modalities = ("image", "video", "audio")
+    _weights = ("thinker.visual.",)
+
+    def _vision_config(self):
+        return self.config.thinker_config.vision_config
+
+    def _vision_model(self, vcfg) -> torch.nn.Module:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniVisionEncoder,
+        )
+
+        return Qwen2_5OmniVisionEncoder._from_config(vcfg)
+
+    def _extra(self, model_dir: Path, processor) -> None:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+        )
+
+        acfg = self.config.thinker_config.audio_config
+        self.features = processor.feature_extractor
+        self.audio_tower = self._load(Qwen2_5OmniAudioEncoder._from_config(acfg), model_dir,
+                                      ("thinker.audio_tower.",))
+
+    def _feature_lengths(self, item: MediaItem) -> int:
+        """Mel frames of the clip (padded to the extractor's window, as the processor does)."""
+        hop = self.features.hop_length
+        return min(-(-len(item.audio) // hop), self.features.nb_max_frames)
+
+    def estimate_tokens(self, item: MediaItem) -> int:
+        if item.modality != "audio":
+            return super().estimate_tokens(item)
+        _, out = self.audio_tower._get_feat_extract_output_lengths(
+            torch.tensor([self._feature_lengths(item)]))
+        return int(out[0])
+
+    def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
+        if item.modality != "audio":
+            return super().placeholder_metadata(item)
+        return {"audio_feature_lengths": [self._feature_lengths(item)]}
+
+    def _encode_audio(self, clips: list) -> list[torch.Tensor]:
+        batch = self.features([c.audio for c in clips], sampling_rate=self.features.sampling_rate,
+                              padding="max_length", return_attention_mask=True,
+                              return_tensors="pt")
+        mask = batch["attention_mask"].bool()
+        lengths = mask.sum(-1)
+        features = batch["input_features"].permute(0, 2, 1)[mask].permute(1, 0)
+        after_cnn, out_lengths = self.audio_tower._get_feat_extract_output_lengths(lengths)
+        hidden = self.audio_tower(features.to(self.device, self.dtype), feature_lens=lengths,
+                                  aftercnn_lens=after_cnn).last_hidden_state
+        return [e.to("cpu", copy=True) for e in hidden.split(out_lengths.tolist())]
 
 
 ENCODERS: dict[str, Callable[..., MediaEncoder]] = {
     "LlavaForConditionalGeneration": LlavaEncoder,
     "Qwen2_5_VLForConditionalGeneration": Qwen25VLEncoder,
+    "Qwen2_5OmniModel": QwenOmniEncoder,
 }
 
 

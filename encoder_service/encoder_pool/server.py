@@ -1,6 +1,8 @@
 """HTTP front of the encoder pool (FastAPI + uvicorn): `epd encoder --model DIR ...`.
 
-POST /v1/encode   {"items": [{"id", "modality": "image", "data": base64 | data URL}],
+POST /v1/encode   {"items": [{"id", "modality": "image" | "video" | "audio",
+                               "data": base64 | data URL}],   (video: a JPEG frame list
+                   data:video/jpeg;base64,<f1>,<f2>,...; audio: 16 kHz wav/flac/mp3/ogg)
                    "timeout_s"?, "keep"?, "on_failure"?: "text_only" | "fail"}
   200: {"items": {id: {"status": "ok", "num_embeds", "shape", "dtype", ...}
                   | {"status": "failed", "code", "error"}},
@@ -37,6 +39,7 @@ from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore
 from encoder_service.encoder_pool.media import (
     BadMedia,
     MediaItem,
+    decode_audio,
     decode_frames,
     decode_image,
     payload_bytes,
@@ -118,7 +121,8 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
                                                config.max_image_pixels))
                     continue
                 raw = payload_bytes(it.id, it.data, config.max_media_bytes)
-                items.append(decode_image(it.id, raw, config.max_image_pixels))
+                items.append(decode_audio(it.id, raw) if it.modality == "audio" else
+                             decode_image(it.id, raw, config.max_image_pixels))
             except BadMedia as exc:
                 bad[it.id] = exc
         return items, bad

@@ -90,13 +90,21 @@ class VllmEncoderClient:
         return {it.item_id: made.get(it.item_id, {}) for it in items}
 
 
+def _payload(item: MediaPart) -> str:
+    """The media of a prepared part as the pool takes it: a data: URL or base64."""
+    part = item.part
+    if part.get("type") == "input_audio":
+        return part["input_audio"]["data"]
+    return part[part["type"]]["url"]
+
+
 class PoolEncoderClient:
     """The batching encoder pool (`epd encoder`): `POST /v1/encode` with all of a group's
     images (one request; the pool batches across requests). Items the pool reports as
     failed are left out of the answer (the caller sends them raw); so are modalities the pool
     does not serve. `release()` tells the pool the decode side has prefilled the items."""
 
-    modalities = ("image", "video")  # what `epd encoder` can serve; the pool's model decides
+    modalities = ("image", "video", "audio")  # what `epd encoder` can serve; its model decides
 
     def __init__(self, url: str, client: httpx.AsyncClient, timeout_s: float) -> None:
         self.name = url
@@ -109,8 +117,8 @@ class PoolEncoderClient:
         todo = [it for it in items if it.modality in self.modalities and not it.kwargs]
         if not todo:
             return {}
-        body = {"items": [{"id": it.item_id, "modality": it.modality,
-                           "data": it.part[f"{it.modality}_url"]["url"]} for it in todo],
+        body = {"items": [{"id": it.item_id, "modality": it.modality, "data": _payload(it)}
+                          for it in todo],
                 "timeout_s": self.timeout_s, "on_failure": "text_only"}
         # the pool enforces timeout_s per item itself; the extra second is for the reply
         r = await _post(self.name, self.client, self.url + "/v1/encode", body, request_id,

@@ -1,6 +1,7 @@
-"""Encoder pool -> real vLLM on the tiny Qwen2.5-VL: the pool encodes an image and a video
-(frame list) and publishes them with their placeholder metadata; a vLLM consumer given
-metadata-only parts (no pixels at all) loads the pool's embeddings and answers with the same
+"""Encoder pool -> real vLLM on the tiny Qwen2.5-Omni thinker (the same vision transformer
+code path as Qwen2.5-VL, plus audio): the pool encodes an image, a video (frame list) and an
+audio clip and publishes them with their placeholder metadata; a vLLM consumer given
+metadata-only parts (no media at all) loads the pool's embeddings and answers with the same
 greedy tokens as when it encodes the same media itself (raw media under an id nobody
 published: the aggregated path)."""
 
@@ -15,17 +16,19 @@ from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
 from encoder_service.local.processes import VllmServer, metric_value, start_all
 from encoder_service.local.requests import (
+    audio_part,
     image_part,
     parts_body,
     sample_frames,
     sample_image_png,
+    sample_wav,
     video_part,
 )
 from encoder_service.local.testmodel import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.helpers import WORK, Served, wait_for
 
-SPEC = SPECS["qwen-vl"]
+SPEC = SPECS["qwen-omni"]
 MODEL = SPEC.model_name
 BASE_PORT = 18430
 
@@ -60,13 +63,15 @@ def loads(c) -> float:
                         "vllm:epd_loads_total")
 
 
-@pytest.mark.parametrize("modality", ["image", "video"])
+@pytest.mark.parametrize("modality", ["image", "video", "audio"])
 def test_pool_embedding_serves_a_metadata_only_request(cluster, modality):
     c = cluster
-    part = (image_part(sample_image_png(800, size=140)) if modality == "image"
-            else video_part(sample_frames(801, n=4)))
+    part = {"image": lambda: image_part(sample_image_png(800, size=140)),
+            "video": lambda: video_part(sample_frames(801, n=4)),
+            "audio": lambda: audio_part(sample_wav(802))}[modality]()
     item_id = f"pool-qwen-{modality}"
-    data = part[f"{modality}_url"]["url"]
+    data = (part["input_audio"]["data"] if modality == "audio"
+            else part[f"{modality}_url"]["url"])
     r = c["client"].post(c["pool"].url + "/v1/encode", json={"items": [
         {"id": item_id, "modality": modality, "data": data}]})
     assert r.status_code == 200, r.text

@@ -36,8 +36,8 @@ class FakeEncoder:
         self.widths: list[int] = []
         self.lock = threading.Lock()
 
-    def estimate_tokens(self, modality, width, height, frames=1):
-        return TOKENS * (width // 64 or 1)  # wider images: more tokens (budget tests)
+    def estimate_tokens(self, item):
+        return TOKENS * (item.size[0] // 64 or 1)  # wider images: more tokens (budget tests)
 
     def encode(self, items):
         with self.lock:

@@ -18,7 +18,7 @@ from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.params import item_sources
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
-from encoder_service.encoder_pool.media import decode_image
+from encoder_service.encoder_pool.media import MediaItem, decode_image
 from encoder_service.encoder_pool.models import LlavaEncoder
 from encoder_service.encoder_pool.server import build_pool, create_app, main, parse_config
 from encoder_service.local.processes import metric_value
@@ -268,5 +268,28 @@ def test_qwen_pool_serves_images_and_frame_list_videos_with_their_metadata(tmp_p
         assert items["vid"]["num_embeds"] == 32
         assert items["mp4"]["status"] == "failed" and "frame list" in items["mp4"]["error"]
         enc = Qwen25VLEncoder(qmodel)
-        assert enc.estimate_tokens("image", 140, 140) == 25
-        assert enc.estimate_tokens("video", 112, 112, frames=3) == 32
+        frame = Image.new("RGB", (112, 112))
+        assert enc.estimate_tokens(MediaItem("i", "image", image=frame.resize((140, 140)))) == 25
+        assert enc.estimate_tokens(MediaItem("v", "video", frames=(frame,) * 3)) == 32
+
+
+def test_omni_pool_encodes_16khz_audio_and_refuses_other_rates(tmp_path):
+    from encoder_service.local.requests import sample_wav
+
+    spec = SPECS["qwen-omni"]
+    omodel = build(WORK / "models" / spec.model_name, spec)
+    cfg = PoolConfig.from_dict({"model": omodel, "served_model_name": spec.model_name,
+                                "transport": {"storage_path": str(tmp_path)}})
+    with Served(create_app(cfg), 18412) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.post("/v1/encode", json={"items": [
+            {"id": "a16", "modality": "audio", "data": b64(sample_wav(1, seconds=2.0))},
+            {"id": "a44", "modality": "audio",
+             "data": b64(sample_wav(2, seconds=1.0, rate=44100))},
+            {"id": "junk", "modality": "audio", "data": b64(b"RIFF" + b"x" * 64)}]})
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        # 2 s at 16 kHz: 200 mel frames -> 50 embeddings after the encoder's two strides
+        assert items["a16"]["metadata"] == {"audio_feature_lengths": [200]}
+        assert items["a16"]["num_embeds"] == 50
+        assert items["a44"]["status"] == "failed" and "16000 Hz" in items["a44"]["error"]
+        assert items["junk"]["status"] == "failed" and "cannot decode" in items["junk"]["error"]
