@@ -112,6 +112,7 @@ class Gateway:
         self.router: EncoderRouter | None = None
         self.decoders: DecodePool | None = None
         self._background: set[asyncio.Task] = set()  # releases in flight (strong refs)
+        self._active = 0  # chat/completions requests admitted and not finished
         # item id -> placeholder metadata its encoder published: a later request for an
         # item that is already available goes metadata-only too
         self._metadata: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -161,7 +162,20 @@ class Gateway:
             self.metrics.rejected.labels(exc.reason).inc()
         logger.warning("request rejected rid=%s endpoint=%s status=%d reason=%s message=%r",
                        rid, endpoint, exc.status, exc.reason, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status, headers={"x-request-id": rid})
+        headers = {"x-request-id": rid}
+        if exc.retry_after_s is not None:
+            headers["retry-after"] = str(max(1, round(exc.retry_after_s)))
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    def _admit(self) -> GatewayError | None:
+        """A slot for one more chat/completions request, or the 429 to answer."""
+        limit = self.cfg.limits.max_concurrent_requests
+        if self._active >= limit:
+            return GatewayError(429, f"the gateway has {limit} requests in flight "
+                                "(limits.max_concurrent_requests); retry later",
+                                "overloaded", retry_after_s=1.0)
+        self._active += 1
+        return None
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.cfg.limits.max_request_bytes
@@ -169,13 +183,23 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise GatewayError(413, f"request body is larger than {limit} bytes",
                                "request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise GatewayError(413, f"request body is larger than {limit} bytes",
-                                   "request_too_large")
-            chunks.append(chunk)
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise GatewayError(413, f"request body is larger than {limit} bytes",
+                                       "request_too_large")
+                chunks.append(chunk)
+
+        timeout = self.cfg.limits.body_read_timeout_s
+        try:
+            await asyncio.wait_for(read(), timeout)
+        except asyncio.TimeoutError:
+            raise GatewayError(408, f"the request body did not arrive within {timeout:g} s",
+                               "body_timeout") from None
         try:
             return _json_decode(b"".join(chunks))
         except ValueError as exc:
@@ -192,6 +216,10 @@ class Gateway:
         rid = _request_id(request)
         t0 = time.perf_counter()
         m = self.metrics
+        refused = self._admit()
+        if refused is not None:
+            await self._error(refused, "chat", rid)(scope, receive, send)
+            return
         m.inflight.inc()
         try:
             try:
@@ -223,6 +251,7 @@ class Gateway:
                 release()
         finally:
             m.inflight.dec()
+            self._active -= 1
 
     async def _guarded(self, answer: Callable[[], Awaitable[None]], watch: _Watch,
                        endpoint: str, rid: str, scope: Scope, receive: Receive,
@@ -411,6 +440,17 @@ class Gateway:
         request = Request(scope, receive)
         rid = _request_id(request)
         t0 = time.perf_counter()
+        refused = self._admit()
+        if refused is not None:
+            await self._error(refused, "completions", rid)(scope, receive, send)
+            return
+        try:
+            await self._completions(request, rid, t0, scope, receive, send)
+        finally:
+            self._active -= 1
+
+    async def _completions(self, request: Request, rid: str, t0: float, scope: Scope,
+                           receive: Receive, send: Send) -> None:
         try:
             body = await self._read_json(request)
             if not isinstance(body, dict):

@@ -47,6 +47,11 @@ class LimitsConfig(_Strict):
     max_video_frames: int = Field(1024, gt=0)
     max_video_seconds: float = Field(600.0, gt=0)
     max_audio_seconds: float = Field(1800.0, gt=0)
+    max_concurrent_requests: int = Field(
+        256, gt=0, description="chat/completions requests in flight; beyond: 429 + "
+                               "Retry-After")
+    body_read_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive "
+                                       "within this (408 beyond: slow uploads hold nothing)")
 
 
 class MediaConfig(_Strict):

@@ -8,8 +8,10 @@ import asyncio
 import base64
 import io
 import json
+import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -57,12 +59,14 @@ class Stub:
         self.fail = False
         self.metadata: dict | None = None  # encoder: placeholder metadata it publishes
         self.fail_metadata_only = False  # decoder: fail requests with *_embeds parts
+        self.delay = 0.0  # seconds before answering
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
 
         async def chat(request: Request):
             body = await request.json()
             self.calls.append(body)
+            await asyncio.sleep(self.delay)
             if self.fail:
                 return JSONResponse({"error": "boom"}, status_code=500)
             ids = [p["uuid"] for m in body["messages"] for p in m["content"]
@@ -512,5 +516,42 @@ def test_video_frame_lists_audio_and_processor_kwargs(stubs):
             assert (len(dec.calls), len(enc.calls)) == n
         r = post(g, parts_request(video, mm_processor_kwargs="fps=1"))
         assert r.status_code == 400 and "must be an object" in r.text
+    finally:
+        g.stop()
+
+
+def test_requests_beyond_the_concurrency_limit_get_429_with_retry_after():
+    enc, dec = Stub("encoder"), Stub("decoder")
+    dec.delay = 1.0
+    g = gateway([], [dec.url], limits={"max_concurrent_requests": 2})
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: post(g, body), range(4)))
+        codes = sorted(r.status_code for r in answers)
+        assert codes == [200, 200, 429, 429], codes
+        refused = next(r for r in answers if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1"
+        assert "max_concurrent_requests" in refused.json()["error"]["message"]
+        assert post(g, body).status_code == 200  # slots come back
+    finally:
+        g.stop()
+        enc.stop()
+        dec.stop()
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(stubs):
+    enc, dec = stubs
+    g = gateway([enc.url], [dec.url], limits={"body_read_timeout_s": 0.5})
+    try:
+        host, port = g.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/json\r\ncontent-length: 1000\r\n\r\n{")
+            t0 = time.monotonic()
+            reply = sock.recv(4096).decode()
+            assert time.monotonic() - t0 < 3
+        assert reply.startswith("HTTP/1.1 408"), reply
+        assert metric(g, 'epd_gateway_rejected_total{reason="body_timeout"}') == 1
     finally:
         g.stop()
