@@ -1,4 +1,5 @@
-"""Media items at the pool's door: decode, validate, size-check, and shrink on OOM.
+"""Media items at the pool's door: decode (images with vLLM's own media IO), validate,
+size-check.
 
 Everything a client sends is checked here, before it takes a queue slot: the encoded size,
 the pixel count (read from the header, before decoding, so a decompression bomb never
@@ -112,18 +113,23 @@ def decode_frames(item_id: str, data: str, max_bytes: int, max_pixels: int) -> M
 
 
 def decode_image(item_id: str, raw: bytes, max_pixels: int) -> MediaItem:
-    """A fully decoded RGB image, or BadMedia (corrupt, truncated, too many pixels)."""
+    """An RGB image decoded exactly as vLLM decodes it (its `ImageMediaIO`: the same format
+    allowlist, EXIF orientation applied, transparency onto white), so the pool's embedding is
+    the one vLLM would compute; or BadMedia (corrupt, truncated, too many pixels). The pixel
+    count is read from the header first: a decompression bomb never allocates."""
+    from vllm.multimodal.media.image import ImageMediaIO
+
     try:
-        img = Image.open(io.BytesIO(raw))
-        width, height = img.size
-        if width * height > max_pixels:
-            raise BadMedia(item_id, f"image is {width}x{height} = {width * height} pixels; "
-                                    f"the limit is {max_pixels}")
-        img.load()
-        img = img.convert("RGB")
-    except BadMedia:
-        raise
+        with Image.open(io.BytesIO(raw)) as probe:
+            width, height = probe.size
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError,
             Image.DecompressionBombError) as exc:
+        raise BadMedia(item_id, f"cannot decode image: {exc}") from None
+    if width * height > max_pixels:
+        raise BadMedia(item_id, f"image is {width}x{height} = {width * height} pixels; "
+                                f"the limit is {max_pixels}")
+    try:
+        img = ImageMediaIO(image_mode="RGB").load_bytes(raw).media
+    except (ValueError, OSError, SyntaxError, Image.DecompressionBombError) as exc:
         raise BadMedia(item_id, f"cannot decode image: {exc}") from None
     return MediaItem(item_id, "image", image=img)

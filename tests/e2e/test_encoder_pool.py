@@ -11,17 +11,20 @@ pool's HTTP server publishing into the same storage.
 from __future__ import annotations
 
 import base64
+import io
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
 from encoder_service.local.processes import VllmServer, metric_value, start_all
-from encoder_service.local.requests import chat_body, sample_image_png
+from encoder_service.local.requests import chat_body, data_url, sample_image_png
 from encoder_service.local.testmodel import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import MODEL_NAME
@@ -51,10 +54,16 @@ def cluster(tmp_path_factory):
         cons.stop()
 
 
-def chat(c, server, image, item_id, params=None, max_tokens=8) -> dict:
-    r = c["client"].post(server.url + "/v1/chat/completions",
-                         json=chat_body(MODEL_NAME, image, PROMPT, item_id=item_id,
-                                        max_tokens=max_tokens, ec_transfer_params=params))
+MIME = {13: "image/jpeg"}
+
+
+def chat(c, server, image, item_id, params=None, max_tokens=8, mime=None) -> dict:
+    body = chat_body(MODEL_NAME, image, PROMPT, item_id=item_id, max_tokens=max_tokens,
+                     ec_transfer_params=params)
+    if mime:
+        part = body["messages"][0]["content"][0]
+        part["image_url"]["url"] = data_url(image, mime)
+    r = c["client"].post(server.url + "/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -73,12 +82,36 @@ def loads(c) -> float:
     return metric_value(text, "vllm:epd_loads_total")
 
 
+def exif_rotated_jpeg(seed: int) -> bytes:
+    """A photo stored sideways with EXIF orientation 6 (shown rotated 90 degrees)."""
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray((rng.random((80, 140, 3)) * 255).astype("uint8"))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def transparent_png(seed: int) -> bytes:
+    """An RGBA image with a transparent half (vLLM composes it onto white)."""
+    rng = np.random.default_rng(seed)
+    rgba = (rng.random((112, 112, 4)) * 255).astype("uint8")
+    rgba[:, :56, 3] = 0
+    buf = io.BytesIO()
+    Image.fromarray(rgba, "RGBA").save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def test_pool_embedding_matches_the_vllm_producers(cluster):
+    """Including a photo with EXIF orientation and a transparent PNG: the pool decodes as
+    vLLM does (rotation applied, transparency onto white)."""
     c = cluster
     reader = SafetensorsTransport(c["storage"], MODEL_NAME, 1 << 30)
-    for seed in (11, 12):
-        image = sample_image_png(seed)
-        chat(c, c["prod"], image, f"vllm-{seed}", max_tokens=1)
+    images = {11: sample_image_png(11), 12: sample_image_png(12), 13: exif_rotated_jpeg(13),
+              14: transparent_png(14)}
+    for seed, image in images.items():
+        chat(c, c["prod"], image, f"vllm-{seed}", max_tokens=1, mime=MIME.get(seed))
         pool_encode(c, image, f"pool-{seed}")
         from_vllm = reader.get(f"vllm-{seed}", deadline=time.monotonic() + 10)
         from_pool = reader.get(f"pool-{seed}", deadline=time.monotonic() + 10)
