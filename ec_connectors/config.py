@@ -18,6 +18,7 @@ from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TransportName
 from ec_connectors.protocol.net import Endpoint, EndpointList
+from ec_connectors.protocol.secret import CurveKeys, curve_keys, read_secret
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -51,6 +52,21 @@ class CommonSettings(_Settings):
     # Items from different models must never mix: keys live under this namespace.
     # Default: the served model name.
     namespace: str | None = None
+    # The deployment secret (protocol/secret.py), default $EPD_SECRET_FILE: the Mooncake TE
+    # side channels and announcements run CURVE with keys derived from it; without one they
+    # serve loopback only.
+    secret_file: str | None = None
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret_readable(cls, value: str | None) -> str | None:
+        read_secret(value)  # a bad file is a config error now, not a failed handshake later
+        return value
+
+    @property
+    def curve(self) -> CurveKeys | None:
+        """The deployment's CURVE keys (from `secret_file` or $EPD_SECRET_FILE), or None."""
+        return curve_keys(read_secret(self.secret_file))
 
     @field_validator("transport")
     @classmethod

@@ -23,6 +23,7 @@ import zmq
 
 from ec_connectors import messages
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.secret import CurveKeys
 
 logger = get_logger(__name__)
 
@@ -42,7 +43,9 @@ class ControlEndpoint:
     identity of the sender (None on a DEALER), `payload` the raw frames after the header
     (inline item bytes on the peer channel). `decode` is the channel's wire (default: the
     control messages); frames it rejects are counted and dropped. A DEALER reports a lost
-    connection to `on_disconnect` (the peer process died).
+    connection to `on_disconnect` (the peer process died). `curve`: the deployment's keys
+    (protocol/secret.py); the socket is then a CURVE server (bound) or client (connecting),
+    and peers without the secret cannot talk to it.
     """
 
     def __init__(
@@ -54,7 +57,9 @@ class ControlEndpoint:
         decode: Callable[[bytes], Any] = messages.decode,
         on_disconnect: Callable[[], None] | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
+        self._curve = curve
         self.address = address
         self.bind = bind
         self._on_message = on_message
@@ -89,6 +94,8 @@ class ControlEndpoint:
     def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         sock = self._ctx.socket(zmq.ROUTER if self.bind else zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            (self._curve.server if self.bind else self._curve.client)(sock)
         # The monitor must exist before connect(): on loopback the connection can be up
         # before a later monitor attaches, and a missed CONNECTED hides every disconnect.
         monitor = (sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)

@@ -69,12 +69,14 @@ class MooncakeAvailability(NoAvailability):
 
     name = "mooncake"
 
-    def __init__(self, producers: list[str], announce_interval_s: float | None = None) -> None:
+    def __init__(self, producers: list[str], announce_interval_s: float | None = None,
+                 secret_file: str | None = None) -> None:
         from ec_connectors.config import EPDConfig
         from ec_connectors.transports.base import Placement
         from ec_connectors.transports.mooncake_te.catalog import MooncakeCatalog
 
-        extra: dict[str, Any] = {"transport": "mooncake", "producers": list(producers)}
+        extra: dict[str, Any] = {"transport": "mooncake", "producers": list(producers),
+                                 "secret_file": secret_file}  # CURVE, as the producers
         if announce_interval_s is not None:
             extra["announce_interval_s"] = announce_interval_s
         self.catalog = MooncakeCatalog(EPDConfig.from_dict(extra),
@@ -101,5 +103,5 @@ def make_availability(cfg: GatewayConfig) -> Availability:
         assert a.storage_path
         return SafetensorsAvailability(a.storage_path, cfg.namespace)
     if a.kind == "mooncake":
-        return MooncakeAvailability(a.producers)
+        return MooncakeAvailability(a.producers, secret_file=a.secret_file)
     return NoAvailability()

@@ -104,6 +104,9 @@ class AvailabilityConfig(_Strict):
     storage_path: str | None = None
     namespace: str | None = None
     producers: EndpointList = Field(default_factory=list)
+    secret_file: str | None = Field(None, description="the deployment secret the producers "
+                                    "use (default $EPD_SECRET_FILE): their announcements are "
+                                    "CURVE-encrypted")
 
     @model_validator(mode="after")
     def _needs(self) -> AvailabilityConfig:

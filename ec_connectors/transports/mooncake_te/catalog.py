@@ -20,8 +20,9 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.protocol.net import parse_endpoint, resolve_host
+from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.ports import PURPOSE_SERVE, announce_endpoint, port_for
+from ec_connectors.protocol.secret import data_plane_host
 from ec_connectors.transports.base import Placement, Transport
 from ec_connectors.transports.mooncake_te import messages
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, PeerMessage, Snapshot
@@ -48,7 +49,7 @@ class MooncakeCatalog(Transport):
         self._stop = threading.Event()
         targets = list(config.producers)
         if placement.is_producer:  # our own workers, so has_cache_item knows what we hold
-            host = resolve_host(config.host)
+            host = data_plane_host(config.host, config.curve is not None)
             for r in range(placement.world_size):
                 port = port_for(config.base_port, PURPOSE_SERVE, config.stage_offset,
                                 placement.dp_rank, placement.world_size, r)
@@ -57,6 +58,9 @@ class MooncakeCatalog(Transport):
         self._sock = self._zmq.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        curve = config.curve
+        if curve is not None:
+            curve.client(self._sock)
         for endpoint in dict.fromkeys(targets):
             self._sock.connect(f"tcp://{announce_endpoint(endpoint)}")
         self.bad_frames = 0

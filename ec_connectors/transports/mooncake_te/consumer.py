@@ -17,6 +17,7 @@ import zmq
 from ec_connectors.control import ControlEndpoint
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.net import parse_endpoint
+from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te import messages
 from ec_connectors.transports.mooncake_te.messages import PeerMessage, Progress, Pull
@@ -46,7 +47,8 @@ class PeerLink:
     """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
     flight to it and the buffers it may still write into."""
 
-    def __init__(self, endpoint: str, context: zmq.Context) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context,
+                 curve: CurveKeys | None = None) -> None:
         host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
         self._ids = itertools.count(1)
@@ -57,7 +59,8 @@ class PeerLink:
         self.channel = ControlEndpoint(f"tcp://{host}:{port}", bind=False,
                                        on_message=self._on_message, name=f"epd-peer-{port}",
                                        decode=messages.decode_peer,
-                                       on_disconnect=self._on_disconnect, context=context)
+                                       on_disconnect=self._on_disconnect, context=context,
+                                       curve=curve)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""

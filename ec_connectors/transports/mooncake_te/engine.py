@@ -14,6 +14,9 @@ class TransferEngineUnavailable(RuntimeError):
 
 def start_engine(config: EPDConfig, host: str):
     os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(config.progress_timeout_s))
+    # The engine's TCP server listens where MC_TCP_BIND_ADDRESS says (else on every
+    # interface): on the data-plane address, loopback without a deployment secret.
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:

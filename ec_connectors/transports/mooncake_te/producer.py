@@ -14,6 +14,7 @@ import zmq
 
 from ec_connectors.messages import encode
 from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
 
@@ -133,7 +134,7 @@ class Announcer:
     """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
 
     def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float,
-                 context: zmq.Context, namespace: str):
+                 context: zmq.Context, namespace: str, curve: CurveKeys | None = None):
         self.endpoint = endpoint
         self.namespace = namespace
         self._store = store
@@ -142,6 +143,8 @@ class Announcer:
         self._sock = context.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        if curve is not None:  # only holders of the deployment secret may subscribe
+            curve.server(self._sock)
         self._sock.bind(bind)
         self._thread = threading.Thread(target=self._run, name="epd-announce", daemon=True)
         self._thread.start()

@@ -41,6 +41,7 @@ from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.net import parse_endpoint, resolve_host
 from ec_connectors.protocol.ports import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for
+from ec_connectors.protocol.secret import SECRET_ENV, data_plane_host
 from ec_connectors.transports.base import (
     Placement,
     Transport,
@@ -76,7 +77,13 @@ class MooncakeTransport(Transport):
         super().__init__()
         self.config = config
         self.placement = placement
-        self.host = resolve_host(config.host)
+        self.curve = config.curve
+        self.host = data_plane_host(config.host, self.curve is not None)
+        if self.host != resolve_host(config.host):
+            logger.warning("EPD mooncake: no deployment secret (secret_file or $%s): the side "
+                           "channel, announcements and transfer engine serve loopback only, "
+                           "not %s; give every EPD process the same secret to serve other "
+                           "hosts", SECRET_ENV, resolve_host(config.host))
         self.namespace = config.namespace or "default"  # one model per producer process
         self.engine = start_engine(config, self.host)
         self._zmq = zmq.Context()  # ours alone, so close() can terminate it
@@ -120,10 +127,10 @@ class MooncakeTransport(Transport):
             self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
                                           on_message=self._on_pull, name="epd-peer-server",
                                           decode=messages.decode_peer,
-                                          context=self._zmq)
+                                          context=self._zmq, curve=self.curve)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
                                        self.store, c.announce_interval_s, self._zmq,
-                                       self.namespace)
+                                       self.namespace, curve=self.curve)
         except (RuntimeError, zmq.ZMQError) as exc:
             raise TransferEngineUnavailable(
                 f"cannot listen on {self.host}:{ports[0]}/{ports[1]} ({exc}); another process "
@@ -223,7 +230,7 @@ class MooncakeTransport(Transport):
                 link.close()
                 link = None
             if link is None:
-                link = self._links[endpoint] = PeerLink(endpoint, self._zmq)
+                link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self.curve)
             return link
 
     def _sources(self, location: str) -> list[str]:

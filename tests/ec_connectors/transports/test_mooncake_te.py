@@ -290,7 +290,7 @@ def _netns_ok() -> bool:
 
 
 @pytest.mark.skipif(not _netns_ok(), reason="needs root and `ip netns` (network namespaces)")
-def test_transfer_across_a_veth_pair_between_two_namespaces(peers):
+def test_transfer_across_a_veth_pair_between_two_namespaces(peers, tmp_path):
     """Producer and consumer in two network namespaces joined by a veth pair: the bytes cross
     a real interface, not loopback."""
     tag = f"{os.getpid() % 10000}"
@@ -309,10 +309,11 @@ def test_transfer_across_a_veth_pair_between_two_namespaces(peers):
         for cmd in setup:
             assert os.system(cmd) == 0, cmd
         base = next(_ports)
+        secret = secret_file(tmp_path)  # beyond loopback only with the deployment secret
         prod = peers.start(PRODUCER, prefix=["ip", "netns", "exec", ns_a],
-                           **mc_config(base, host="10.77.0.1"))
+                           **mc_config(base, host="10.77.0.1", secret_file=secret))
         cons = peers.start(CONSUMER, prefix=["ip", "netns", "exec", ns_b],
-                           **mc_config(base, host="10.77.0.2"))
+                           **mc_config(base, host="10.77.0.2", secret_file=secret))
         shape = [2048, 4096]  # 16 MiB
         put = prod.call({"op": "put", "id": "ns", "seed": 11, "shape": shape,
                          "dtype": "bfloat16"})
@@ -355,3 +356,62 @@ def test_config_rejects_bad_producers_and_unknown_keys():
         EPDConfig.from_dict({"transport": "mooncake", "mooncake_protocol": "tcp"})
     cfg = EPDConfig.from_dict({"transport": "mooncake", "producers": ["10.0.0.5:15500"]})
     assert cfg.protocol == "tcp" and cfg.memory_pool_device == "cpu"
+
+
+def secret_file(directory: Path, value: bytes = b"epd-test-secret-0123456789abcdef") -> str:
+    path = directory / f"secret-{value[-4:].hex()}"
+    path.write_bytes(value)
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_side_channel_and_announcements_need_the_deployment_secret(peers, tmp_path):
+    base = next(_ports)
+    secret = secret_file(tmp_path)
+    prod = peers.start(PRODUCER, **mc_config(base, secret_file=secret))
+    friend = peers.start(CONSUMER, **mc_config(base, secret_file=secret))
+    put = prod.call({"op": "put", "id": "s", "seed": 3, "shape": [64, 64], "dtype": "bfloat16"})
+    endpoint = put["location"]
+    got = friend.call({"op": "get", "id": "s", "timeout_s": 10, "location": endpoint})
+    assert got["found"] and got["checksum"] == put["checksum"]
+    # a consumer without the secret, or with another one, gets nothing
+    for config in (mc_config(base), mc_config(base, secret_file=secret_file(
+            tmp_path, b"another-deployment-secret-9876543"))):
+        stranger = peers.start(CONSUMER, **config)
+        got = stranger.call({"op": "get", "id": "s", "timeout_s": 1.5, "location": endpoint})
+        assert not got["found"]
+    # a foreign client speaking the wire format by hand: no handshake, no answer, and the
+    # producer never writes anywhere for it
+    from ec_connectors.messages import encode
+    from ec_connectors.protocol.keys import item_key
+    from ec_connectors.transports.mooncake_te.messages import Pull
+
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://{endpoint}")
+        dealer.send_multipart([encode(Pull(pull_id=1, key=item_key("s"), session="127.0.0.1:1",
+                                           dst_addr=4096, capacity=1 << 20))])
+        assert dealer.poll(1500) == 0
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{base + 1000}")
+        time.sleep(0.3)
+        prod.call({"op": "put", "id": "s2", "seed": 4, "shape": [64, 64], "dtype": "bfloat16"})
+        assert sub.poll(1500) == 0  # announcements are for holders of the secret only
+    finally:
+        ctx.destroy(linger=0)
+    assert health(prod)["held_items"] == 2
+
+
+def test_without_a_secret_the_data_plane_stays_on_loopback(peers):
+    from ec_connectors.protocol.net import resolve_host
+
+    outward = resolve_host("auto")
+    if outward.startswith("127."):
+        pytest.skip("this machine has no non-loopback address")
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, host=outward))
+    assert prod.info["endpoint"] == f"127.0.0.1:{base}"

@@ -1,0 +1,110 @@
+"""The deployment secret: what every EPD process of one deployment shares, and what keeps
+anyone else off the data plane.
+
+It is read from a file (`secret_file` in a config, else the file named by `$EPD_SECRET_FILE`),
+never from a command line. From it every process derives the same ZMQ CURVE key pairs
+(blake2b, keyed by the secret): the Mooncake TE side channels (ROUTER/DEALER) and the
+announcements (PUB/SUB) run CURVE, so a peer that does not hold the secret cannot complete a
+handshake (it would need the server's public key, which only the secret yields): it can
+neither pull an item, nor name a buffer to write into, nor read an announcement; traffic is
+encrypted and replay-protected (CURVE nonces). Without a secret, the data plane serves
+loopback only (one host, `epd up`), and says so at startup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+from zmq.utils import z85
+
+from ec_connectors.protocol.net import resolve_host
+
+SECRET_ENV = "EPD_SECRET_FILE"
+MIN_SECRET_BYTES = 16
+
+
+class SecretError(ValueError):
+    """The secret file is missing, unreadable, too short or readable by others."""
+
+
+def read_secret(path: str | os.PathLike | None = None) -> bytes | None:
+    """The deployment secret from `path`, else from `$EPD_SECRET_FILE`; None when neither is
+    set. Raises SecretError with a clear message on a bad file."""
+    path = path or os.environ.get(SECRET_ENV) or None
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        data = p.read_bytes().strip()
+        mode = p.stat().st_mode
+    except OSError as exc:
+        raise SecretError(f"cannot read the deployment secret {p}: {exc.strerror}") from None
+    if len(data) < MIN_SECRET_BYTES:
+        raise SecretError(f"the deployment secret {p} holds {len(data)} bytes; use at least "
+                          f"{MIN_SECRET_BYTES} random bytes (e.g. `head -c 32 /dev/urandom "
+                          f"| base64 > {p}`)")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretError(f"the deployment secret {p} is readable by other users; "
+                          f"chmod 600 {p}")
+    return data
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The deployment's CURVE key pairs (z85): one for servers (ROUTER, PUB), one for
+    clients (DEALER, SUB)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    def server(self, sock: zmq.Socket) -> None:
+        """Make a bound socket (ROUTER, PUB) a CURVE server: before bind()."""
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+
+    def client(self, sock: zmq.Socket) -> None:
+        """Make a connecting socket (DEALER, SUB) a CURVE client: before connect()."""
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.client_public
+        sock.curve_secretkey = self.client_secret
+
+
+def _secret_key(secret: bytes, role: bytes) -> bytes:
+    raw = hashlib.blake2b(role, key=secret[:64], digest_size=32,
+                          person=b"epd-curve-v1").digest()
+    return z85.encode(raw)
+
+
+def curve_keys(secret: bytes | None) -> CurveKeys | None:
+    """The key pairs every holder of `secret` derives alike; None without a secret."""
+    if secret is None:
+        return None
+    if not zmq.has("curve"):
+        raise SecretError("this pyzmq/libzmq has no CURVE support: reinstall pyzmq (its "
+                          "wheels bundle libsodium)")
+    server_secret, client_secret = _secret_key(secret, b"server"), _secret_key(secret, b"client")
+    return CurveKeys(zmq.curve_public(server_secret), server_secret,
+                     zmq.curve_public(client_secret), client_secret)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def data_plane_host(host_setting: str, has_secret: bool) -> str:
+    """The address a process serves the data plane on: `host_setting` resolved (net.py), or
+    loopback when there is no deployment secret (nothing unauthenticated leaves the host)."""
+    host = resolve_host(host_setting)
+    return host if has_secret or is_loopback(host) else "127.0.0.1"
