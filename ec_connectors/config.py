@@ -119,6 +119,8 @@ class MooncakeSettings(_Settings):
     transfer_timeout_base_s: float = Field(default=2.0, gt=0)
     min_transfer_bytes_per_s: float = Field(default=100e6, gt=0)
     serve_threads: int = Field(default=4, ge=1, le=64)
+    # Producer: pulls waiting for a serve thread beyond this are answered "busy" at once.
+    max_queued_pulls: int = Field(default=256, ge=1)
     progress_timeout_s: int = Field(default=10, ge=1)  # MC_TCP_PROGRESS_TIMEOUT_SEC if unset
     # A pull that timed out may still be written by a frozen producer: its buffer is held
     # until the producer answers or disconnects, at most this long.

@@ -73,7 +73,8 @@ class PeerLink:
             self._pending[pull_id] = pending
         self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
                                dst_addr=buf.addr if buf else 0,
-                               capacity=buf.nbytes if buf else 0, namespace=namespace))
+                               capacity=buf.nbytes if buf else 0, namespace=namespace,
+                               timeout_s=max(0.001, timeout_s)))
         deadline = time.monotonic() + max(0.0, timeout_s)
         seen = 0
         while True:

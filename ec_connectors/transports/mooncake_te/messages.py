@@ -15,7 +15,10 @@ from ec_connectors.protocol.items import ItemInfo
 class Pull(msgspec.Struct, tag=True):
     """consumer -> producer: write item `key` into my registered buffer `dst_addr` (of
     `capacity` bytes) through the transfer engine session `session` ("host:rpc_port").
-    capacity 0 asks for the item's metadata first (or the item inline, if it is small)."""
+    capacity 0 asks for the item's metadata first (or the item inline, if it is small).
+    `timeout_s`: the consumer waits this long; the producer drops the pull once it has
+    passed (answering `expired`, so the consumer's buffer is free again) and never writes
+    after that."""
 
     pull_id: int
     key: str
@@ -23,6 +26,7 @@ class Pull(msgspec.Struct, tag=True):
     dst_addr: int
     capacity: int
     namespace: str = ""  # the model the item must belong to ("" = do not check)
+    timeout_s: float = 0.0  # 0: no deadline (older consumers)
 
 
 class Pulled(msgspec.Struct, tag=True):
@@ -35,7 +39,9 @@ class Pulled(msgspec.Struct, tag=True):
 
 class PullFailed(msgspec.Struct, tag=True):
     """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
-    transfer | bad_request | namespace (the item belongs to another model)."""
+    transfer | bad_request | namespace (the item belongs to another model) | expired (the
+    pull's deadline passed before or while it was served: nothing more is written) | busy
+    (the producer's queue of pulls is full)."""
 
     pull_id: int
     code: str

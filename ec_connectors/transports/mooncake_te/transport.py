@@ -98,7 +98,8 @@ class MooncakeTransport(Transport):
         self._links_lock = threading.Lock()
         self._serve = ThreadPoolExecutor(config.serve_threads, thread_name_prefix="epd-serve")
         self.pull_stats = {"pulls": 0, "inline": 0, "unknown": 0, "evicted": 0,
-                           "transfer_errors": 0}
+                           "transfer_errors": 0, "expired": 0}
+        self._queued_pulls = 0  # producer: pulls accepted and not yet served
         if placement.is_producer:
             self._start_producer()
 
@@ -177,14 +178,45 @@ class MooncakeTransport(Transport):
         except ValueError as exc:
             self._reply(peer, PullFailed(pull_id=msg.pull_id, code="bad_request", error=str(exc)))
             return
-        self._serve.submit(self._serve_pull, msg, peer)
+        with self._links_lock:
+            if self._queued_pulls >= self.config.max_queued_pulls:
+                busy = True
+            else:
+                busy = False
+                self._queued_pulls += 1
+        if busy:
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="busy",
+                                         error=f"{self.endpoint} has "
+                                               f"{self.config.max_queued_pulls} pulls queued"))
+            return
+        expires = time.monotonic() + msg.timeout_s if msg.timeout_s > 0 else float("inf")
+        self._serve.submit(self._serve_queued, msg, peer, expires)
+
+    def _serve_queued(self, msg: Pull, peer: bytes, expires: float) -> None:
+        try:
+            self._serve_pull(msg, peer, expires)
+        finally:
+            with self._links_lock:
+                self._queued_pulls -= 1
+
+    def _expired(self, msg: Pull, peer: bytes, expires: float) -> bool:
+        """Past the pull's deadline: say so (the consumer frees its buffer) and stop."""
+        if time.monotonic() <= expires:
+            return False
+        self.pull_stats["expired"] += 1
+        self._reply(peer, PullFailed(pull_id=msg.pull_id, code="expired",
+                                     error=f"the pull's {msg.timeout_s:.3g} s passed at "
+                                           f"{self.endpoint}; nothing more is written"))
+        return True
 
     def _reply(self, peer: bytes, msg: msgspec.Struct, payload: bytes | None = None) -> None:
         if self.server is not None:
             self.server.send(msg, to=peer, payload=payload)
 
-    def _serve_pull(self, msg: Pull, peer: bytes) -> None:
+    def _serve_pull(self, msg: Pull, peer: bytes, expires: float = float("inf")) -> None:
         assert self.store is not None
+        if self._expired(msg, peer, expires):
+            return
         if msg.namespace and msg.namespace != self.namespace:
             self._reply(peer, PullFailed(pull_id=msg.pull_id, code="namespace",
                                          error=f"{self.endpoint} serves model namespace "
@@ -208,6 +240,8 @@ class MooncakeTransport(Transport):
                 return
             chunk = self.config.transfer_chunk_bytes or info.nbytes
             for start in range(0, info.nbytes, chunk):
+                if self._expired(msg, peer, expires):
+                    return
                 n = min(chunk, info.nbytes - start)
                 rc = self.engine.transfer_sync_write(msg.session, held.buf.addr + start,
                                                      msg.dst_addr + start, n)
@@ -263,7 +297,8 @@ class MooncakeTransport(Transport):
             i += 1
             if not wait and outcome == "unknown" and i >= len(sources):
                 break  # asked every producer once: not stored anywhere right now
-            if outcome in ("unknown", "disconnected", "transfer") and i % len(sources) == 0:
+            if outcome in ("unknown", "disconnected", "transfer", "busy") \
+                    and i % len(sources) == 0:
                 # Maybe still in the producer's save queue, or it restarts: retry until the
                 # deadline, backing off.
                 time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))

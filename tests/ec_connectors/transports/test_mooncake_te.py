@@ -415,3 +415,28 @@ def test_without_a_secret_the_data_plane_stays_on_loopback(peers):
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base, host=outward))
     assert prod.info["endpoint"] == f"127.0.0.1:{base}"
+
+
+def test_a_pull_past_its_deadline_is_dropped_and_frees_the_consumers_buffer(peers):
+    """One serve thread busy with a large transfer; a second consumer's pull with a short
+    deadline waits behind it and is answered `expired` (never written): the consumer's
+    buffer is free again at once instead of quarantined for minutes."""
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, serve_threads=1,
+                                            transfer_chunk_bytes=4 * MiB))
+    big, small = [peers.start(CONSUMER, **mc_config(base)) for _ in range(2)]
+    shape = [12288, 4096]  # 96 MiB: keeps the one serve thread busy for a while
+    put = prod.call({"op": "put", "id": "big", "seed": 5, "shape": shape, "dtype": "bfloat16"})
+    prod.call({"op": "put", "id": "mid", "seed": 6, "shape": [1024, 1024],
+               "dtype": "bfloat16"})  # 2 MiB: beyond the inline limit
+    endpoint = put["location"]
+    big.send({"op": "get", "id": "big", "timeout_s": 30, "location": endpoint,
+              "nbytes": put["nbytes"]})
+    time.sleep(0.02)
+    got = small.call({"op": "get", "id": "mid", "timeout_s": 0.02, "location": endpoint,
+                      "nbytes": 2 * MiB})
+    assert not got["found"]
+    assert big.result(60)["found"]
+    assert wait_for(lambda: health(prod)["expired"] >= 1, 10, 0.05)
+    assert wait_for(lambda: health(small)["quarantined"] == 0, 10, 0.05)
+    assert health(small)["pool_used_bytes"] == 0
