@@ -184,7 +184,10 @@ class EPDWorker:
             tensor = tensor.to(self.device)
         if tensor is not None:
             with self._lock:
-                if self._staged_bytes + tensor.nbytes > self.config.max_staged_bytes:
+                held = self._staged.get(item_id)
+                if held is not None:  # loaded twice (two prefetches raced): one copy stays
+                    tensor = held[0]
+                elif self._staged_bytes + tensor.nbytes > self.config.max_staged_bytes:
                     error = (f"staging full ({self._staged_bytes} of "
                              f"{self.config.max_staged_bytes} bytes)")
                     tensor = None

@@ -343,3 +343,25 @@ def test_producer_describes_every_item_even_one_it_did_not_encode(pair_factory):
     items = prod.sched.request_finished(req)["epd"]["items"]
     assert set(items) == {"a", "b"}
     assert all(e["metadata"] == {"image_grid_thw": [1, 4, 4]} for e in items.values())
+
+
+def test_an_item_loaded_twice_is_staged_once_and_its_bytes_return_to_zero(pair_factory):
+    """Two prefetches of one item raced (both loaded before either was staged): one copy is
+    kept, the staging byte account counts it once, and placing it brings the account to 0
+    (a leak here once made a consumer 'staging full' for good)."""
+    import time as _time
+
+    from ec_connectors.messages import Prefetch
+
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    x = torch.randn(NUM_EMBEDS, 8)
+    produce(prod, request("p", "twice"), {"twice": x})
+    msg = Prefetch(item_id="twice", timeout_s=5.0)
+    cons.worker._prefetch([msg, msg], _time.perf_counter())  # one batch: both load
+    assert cons.worker.staged_bytes == x.numel() * 4
+    cons.worker._prefetch([msg], _time.perf_counter())  # already staged: not loaded again
+    assert cons.worker.staged_bytes == x.numel() * 4
+    cache: dict[str, torch.Tensor] = {}
+    cons.worker.place(cache, {"twice": NUM_EMBEDS})
+    assert torch.equal(cache["twice"], x)
+    assert cons.worker.staged_bytes == 0

@@ -335,6 +335,11 @@ class MooncakeTransport(Transport):
         try:
             reply = p.reply
             if isinstance(reply, Pulled):
+                if reply.info.key != key:  # a peer's word: the item asked for, nothing else
+                    self.events.corrupt += 1
+                    logger.warning("EPD: %s answered a pull of %s with item %s; ignored",
+                                   endpoint, key, reply.info.key)
+                    return "corrupt", None, nbytes
                 return "ok", self._receive(reply, p, verifier), nbytes
             if isinstance(reply, PullFailed):
                 if reply.code == "too_small" and reply.info is not None:
