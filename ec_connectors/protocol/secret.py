@@ -14,6 +14,7 @@ loopback only (one host, `epd up`), and says so at startup.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import os
 import stat
@@ -108,3 +109,41 @@ def data_plane_host(host_setting: str, has_secret: bool) -> str:
     loopback when there is no deployment secret (nothing unauthenticated leaves the host)."""
     host = resolve_host(host_setting)
     return host if has_secret or is_loopback(host) else "127.0.0.1"
+
+
+class Seal:
+    """Authenticates stored objects (Mooncake Store objects, safetensors files) with the
+    deployment secret: HMAC-SHA256 over the object's identity (namespace, item, dtype, shape,
+    size) and its payload. Without a secret it is inactive (objects are still checked against
+    their xxh3). With one, a reader accepts only objects sealed with the same secret: a
+    well-formed object planted by anyone else, or the bytes of one item under another's name,
+    is a miss, never a wrong embedding."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._key = (None if secret is None else
+                     hashlib.blake2b(b"seal", key=secret[:64], digest_size=32,
+                                     person=b"epd-seal-v1").digest())
+
+    @property
+    def active(self) -> bool:
+        return self._key is not None
+
+    def mac(self, identity: str, payload: bytes | memoryview) -> str:
+        """The seal of an object ("" when inactive)."""
+        if self._key is None:
+            return ""
+        h = hmac.new(self._key, identity.encode() + b"\0", hashlib.sha256)
+        h.update(payload)
+        return h.hexdigest()
+
+    def check(self, identity: str, payload: bytes | memoryview, mac: str) -> bool:
+        """Whether a stored object may be used: always when inactive; else only with a valid
+        seal."""
+        if self._key is None:
+            return True
+        return bool(mac) and hmac.compare_digest(self.mac(identity, payload), mac)
+
+
+def identity(namespace: str, key: str, dtype: str, shape, nbytes: int) -> str:
+    """What a seal binds an object to (so bytes cannot be moved to another item or model)."""
+    return f"{namespace}|{key}|{dtype}|{','.join(map(str, shape))}|{nbytes}"

@@ -44,6 +44,7 @@ from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.net import parse_endpoint, resolve_host
+from ec_connectors.protocol.secret import identity
 from ec_connectors.transports.base import (
     Placement,
     Transport,
@@ -80,6 +81,7 @@ class StoreHeader(msgspec.Struct, frozen=True):
     shape: tuple[int, ...]
     nbytes: int
     checksum: str
+    mac: str = ""  # the deployment secret's seal (protocol/secret.py Seal); "" without one
 
 
 _encode_header = msgspec.msgpack.Encoder().encode
@@ -372,6 +374,7 @@ class MooncakeStoreTransport(Transport):
         self.namespace = config.namespace or "default"
         self.dtype_label = config.embedding_dtype or "any"
         self._ns_key = namespace_key(self.namespace)
+        self._seal = config.seal  # with the deployment secret: objects are authenticated
         scheduler = placement.role == "scheduler"
         self.client = StoreClient(config, 0 if scheduler else config.store_segment_bytes,
                                   name="epd-store-sched" if scheduler else "epd-store",
@@ -431,8 +434,10 @@ class MooncakeStoreTransport(Transport):
             info = ItemInfo(item_id=item_id, key=item_key(item_id),
                             shape=tuple(tensor.shape), dtype=dtype_name(tensor.dtype),
                             nbytes=tensor.nbytes, checksum=digest)
+            mac = self._seal.mac(identity(self._ns_key, info.key, info.dtype, info.shape,
+                                          info.nbytes), payload)
             header = pack_header(StoreHeader(self._ns_key, info.key, info.dtype, info.shape,
-                                             info.nbytes, digest))
+                                             info.nbytes, digest, mac))
             buf.write(torch.frombuffer(bytearray(header), dtype=torch.uint8))
             store = self.client.store
             rc = self.client.call(lambda: store.upsert_from(key, buf.addr, total), deadline,
@@ -551,7 +556,11 @@ class MooncakeStoreTransport(Transport):
                        "another item" if header.key != item_key(item_id) else
                        "size mismatch" if HEADER_BYTES + header.nbytes != size else
                        "checksum mismatch" if self.config.verify_checksum and
-                       checksum(raw[HEADER_BYTES:size]) != header.checksum else "")
+                       checksum(raw[HEADER_BYTES:size]) != header.checksum else
+                       "not sealed with this deployment's secret" if not self._seal.check(
+                           identity(header.namespace, header.key, header.dtype, header.shape,
+                                    header.nbytes), raw[HEADER_BYTES:size], header.mac)
+                       else "")
         except (ValueError, msgspec.DecodeError, struct.error) as exc:
             problem = f"bad header ({exc})"
         if problem:

@@ -28,6 +28,7 @@ import torch
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
+from ec_connectors.protocol.secret import Seal, identity
 from ec_connectors.transports.base import (
     Transport,
     checksum,
@@ -58,6 +59,28 @@ class CorruptItem(Exception):
     """The file exists but is not a complete, verified item."""
 
 
+_NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "9p",
+               "fuse", "gpfs", "beegfs", "afs")
+
+
+def network_filesystem(path: Path) -> bool:
+    """Whether `path` lies on a network or FUSE filesystem (from /proc/mounts; False when
+    that cannot be read)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    target, best, fstype = str(path.resolve()), -1, ""
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) > best:
+            best, fstype = len(point), parts[2]
+    return fstype.split(".")[0] in _NETWORK_FS
+
+
 class SafetensorsTransport(Transport):
     name = "safetensors"
 
@@ -68,10 +91,13 @@ class SafetensorsTransport(Transport):
         max_bytes: int,
         fsync: bool = False,
         verify_checksum: bool = True,
+        seal: Seal | None = None,
     ) -> None:
         super().__init__()
         self.root = Path(root)
-        self.dir = self.root / namespace_key(namespace)
+        self._ns = namespace_key(namespace)
+        self.dir = self.root / self._ns
+        self.seal = seal or Seal(None)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.fsync = fsync
@@ -82,6 +108,9 @@ class SafetensorsTransport(Transport):
         # `_RESCAN_S` old, so files other instances write count within that period.
         self._approx_bytes = 0
         self._scanned_at = float("-inf")
+        # On a network filesystem another pod's eviction can pull a mapped file away (SIGBUS):
+        # items are read into private memory there; local files are mapped (zero copy).
+        self.copy_reads = network_filesystem(self.dir)
 
     # -- paths ---------------------------------------------------------------------------
     def path_for(self, item_id: str) -> Path:
@@ -112,6 +141,9 @@ class SafetensorsTransport(Transport):
                 "xxh3": digest,
             },
         }
+        if self.seal.active:
+            header["__metadata__"]["mac"] = self.seal.mac(
+                identity(self._ns, key, name, tensor.shape, data.nbytes), data)
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the tensor data 8-byte aligned
         final = self.dir / (key + SUFFIX)
@@ -180,6 +212,7 @@ class SafetensorsTransport(Transport):
                 nbytes = int(meta["nbytes"])
                 digest = meta["xxh3"]
                 stored_id = meta["item_id"]
+                mac = meta.get("mac", "")
             except (ValueError, KeyError, TypeError) as exc:
                 raise CorruptItem(f"unreadable header: {exc}") from None
             if stored_id != item_id:
@@ -193,15 +226,27 @@ class SafetensorsTransport(Transport):
                 raise CorruptItem(f"file is {size} bytes, header promises {8 + hlen + nbytes}")
             if nbytes == 0:
                 return torch.empty(shape, dtype=dtype)
-            # Private copy-on-write mapping: zero-copy, writable, immune to later unlink.
-            mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        offset = 8 + hlen
+            if self.copy_reads:
+                f.seek(8 + hlen)
+                mm = bytearray(nbytes)
+                if f.readinto(mm) != nbytes:
+                    raise CorruptItem("file shrank while read")
+                offset = 0
+            else:  # private copy-on-write mapping: zero-copy, writable, immune to unlink
+                mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                               prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                offset = 8 + hlen
         view = memoryview(mm)[offset: offset + nbytes]
-        if self.verify_checksum and checksum(view) != digest:
+        problem = ("checksum mismatch" if self.verify_checksum and checksum(view) != digest
+                   else "" if self.seal.check(identity(self._ns, item_key(item_id),
+                                                       dtype_name(dtype), shape, nbytes),
+                                              view, mac)
+                   else "not sealed with this deployment's secret")
+        if problem:
             view.release()
-            mm.close()
-            raise CorruptItem("checksum mismatch")
+            if isinstance(mm, mmap.mmap):
+                mm.close()
+            raise CorruptItem(problem)
         view.release()
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
         with contextlib.suppress(OSError):

@@ -213,3 +213,22 @@ def test_unreachable_master_clear_error_bounded_and_tiers_start_without_it(peers
 def test_master_launcher_refuses_a_taken_port(master):
     with pytest.raises(RuntimeError, match="already in use"):
         master_server(WORK / "test-store", master.port).start()
+
+
+def test_with_the_secret_a_planted_store_object_is_a_miss(master, peers, tmp_path):
+    """Anyone who reaches the master can upsert a well-formed object under an item's key;
+    consumers holding the deployment secret take only objects sealed with it."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"store-deployment-secret-0123456789")
+    secret.chmod(0o600)
+    sealed = store_config(master, secret_file=str(secret))
+    prod = peers.start(PRODUCER, **sealed)
+    cons = peers.start(CONSUMER, **{**sealed, "store_segment_bytes": 0})
+    ours = put(prod, "img", 1, [64, 128])
+    assert get(cons, "img")["checksum"] == ours["checksum"]
+    intruder = peers.start(PRODUCER, **store_config(master))  # no secret, same master
+    theirs = put(intruder, "img", 2, [64, 128])  # upsert: replaces ours under the same key
+    assert theirs["checksum"] != ours["checksum"]
+    assert get(intruder, "img")["checksum"] == theirs["checksum"]  # well-formed, unsealed
+    got = cons.call({"op": "get", "id": "img", "timeout_s": 1.0})
+    assert not got["found"]  # a miss (then a local encode), never the planted embedding

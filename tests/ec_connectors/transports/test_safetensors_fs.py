@@ -180,3 +180,43 @@ def test_puts_under_budget_do_not_list_the_directory_each_time(tmp_path, monkeyp
     t._scanned_at -= 10  # the scan is old: files others wrote must be counted again
     t.put("late", torch.zeros(64, 64))
     assert len(scans) == 2
+
+
+def test_with_the_deployment_secret_only_sealed_files_are_used(tmp_path):
+    """A well-formed file with a matching checksum, written by anyone without the secret
+    (or with another one), is a miss for a reader holding the secret; so are one item's
+    sealed bytes renamed to another item."""
+    from ec_connectors.protocol.secret import Seal
+
+    ours, theirs = Seal(b"s" * 32), Seal(b"t" * 32)
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    writer = make(tmp_path, seal=ours)
+    reader = make(tmp_path, seal=ours)
+    writer.put("good", x)
+    assert torch.equal(reader.get("good", soon()), x)
+    assert reader.seal.active and writer.path_for("good").read_bytes().count(b'"mac"') == 1
+    for who in (make(tmp_path), make(tmp_path, seal=theirs)):  # no secret / another secret
+        who.put("planted", y)
+        assert torch.equal(who.get("planted", soon()), y)  # well-formed for its writer
+        assert reader.get("planted", soon(0.05)) is None
+        assert reader.events.corrupt >= 1
+    # sealed bytes of "good" renamed to "goof" (a well-formed file: same header length,
+    # checksum intact): the seal binds the item, so it is a miss
+    data = writer.path_for("good").read_bytes().replace(b'"good"', b'"goof"')
+    writer.path_for("goof").write_bytes(data)
+    assert make(tmp_path).get("goof", soon()) is not None  # well-formed without the seal
+    assert reader.get("goof", soon(0.05)) is None
+    # without a secret a reader still takes sealed files (it cannot check the seal)
+    assert torch.equal(make(tmp_path).get("good", soon()), x)
+
+
+def test_reads_on_a_network_filesystem_are_copied_not_mapped(tmp_path):
+    t = make(tmp_path)
+    x = torch.randn(64, 32)
+    t.put("n", x)
+    t.copy_reads = True  # as when /proc/mounts puts the directory on nfs, ceph, fuse...
+    got = t.get("n", soon())
+    assert torch.equal(got, x)
+    t.path_for("n").unlink()  # another pod evicts it: our copy is unaffected
+    got.add_(1)
+    assert torch.equal(got, x + 1)
