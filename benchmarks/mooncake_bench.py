@@ -123,14 +123,14 @@ def engine_only_s(sizes: list[int], reps: int) -> dict[int, float]:
 
 
 def mooncake_s(sizes: list[int], reps: int, slice_size: str, base_port: int,
-               verify: bool, pool_device: str = "cpu", chunk_bytes: int = 8 * MiB
-               ) -> dict[int, float]:
+               verify: bool, pool_device: str = "cpu", chunk_bytes: int = 8 * MiB,
+               **extra) -> dict[int, float]:
     env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     if slice_size != "default":
         env["MC_TCP_SLICE_SIZE"] = slice_size
     cfg = {"transport": "mooncake", "host": "127.0.0.1", "base_port": base_port,
            "memory_pool_bytes": 512 * MiB, "verify_checksum": verify,
-           "memory_pool_device": pool_device, "transfer_chunk_bytes": chunk_bytes}
+           "memory_pool_device": pool_device, "transfer_chunk_bytes": chunk_bytes, **extra}
     log = os.path.join(tempfile.gettempdir(), "epd-mooncake-bench.log")
     prod = PeerClient(env=env, log_path=log)
     cons = PeerClient(env=env, log_path=log)

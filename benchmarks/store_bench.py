@@ -4,7 +4,12 @@ the Mooncake Store transport (`transport: "mooncake_store"`, with a real `moonca
 one run.
 
     .venv/bin/python benchmarks/store_bench.py [--sizes-mb 8 48 125] [--reps 5]
-        [--master-port 19900] [--te-base-port 16000] [--json PATH]
+        [--master-port 19900] [--te-base-port 16000] [--json PATH] [--secret]
+
+`--secret` runs the TE get and the store put/get again with a deployment secret (CURVE on the
+side channel, sealed store objects: HMAC-SHA256 on put and get) and prints the cost of
+authentication as ratios; 64 KiB items (inline: their bytes cross the encrypted side channel)
+are added to the sizes.
 
 "raw TCP" is `raw_tcp_s` of benchmarks/mooncake_bench.py: one stream into a preallocated
 buffer, acknowledged. "TE get" is `mooncake_s` of the same file: one whole consumer `get`
@@ -38,7 +43,8 @@ PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 
 
-def store_s(sizes: list[int], reps: int, master_port: int) -> dict[int, dict[str, float]]:
+def store_s(sizes: list[int], reps: int, master_port: int, **extra_config
+            ) -> dict[int, dict[str, float]]:
     """Median seconds per size of the store put, get (verified) and get without verify."""
     WORK.mkdir(parents=True, exist_ok=True)
     master = master_server(WORK, master_port)
@@ -55,7 +61,8 @@ def store_s(sizes: list[int], reps: int, master_port: int) -> dict[int, dict[str
         config = {"transport": "mooncake_store", "host": "127.0.0.1",
                   "store_master": master.address, "store_metadata": master.metadata_url,
                   "store_segment_bytes": 0, "store_buffer_bytes": buffer,
-                  "namespace": "store-bench", "embedding_dtype": "bfloat16", **extra}
+                  "namespace": "store-bench", "embedding_dtype": "bfloat16",
+                  **extra_config, **extra}
         p.call({"op": "init", "config": config, "placement": placement})
         return p
 
@@ -101,8 +108,12 @@ def main() -> None:
     ap.add_argument("--te-base-port", type=int, default=16000,
                     help="TE producer side channel; its announcements use this + 1000")
     ap.add_argument("--json", metavar="PATH", help="also write the results here")
+    ap.add_argument("--secret", action="store_true", help="also measure with a deployment "
+                    "secret (CURVE side channel, sealed store objects) and print the ratios")
     args = ap.parse_args()
     sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
+    if args.secret:
+        sizes = [64 * 1024, *sizes]
 
     print(f"[bench] raw TCP ({args.reps} reps)...", flush=True)
     tcp = {n: raw_tcp_s(n, args.reps) for n in sizes}
@@ -123,6 +134,28 @@ def main() -> None:
         print(f"{n / MiB:5.0f} MiB | {t * 1e3:7.2f} ms {n / t / 1e9:5.2f} GB/s | "
               f"{cell(n, te[n])} | {cell(n, store[n]['put'])} | {cell(n, store[n]['get'])} | "
               f"{cell(n, store[n]['get_nv'])}")
+
+    if args.secret:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            secret = Path(tmp) / "secret"
+            secret.write_bytes(os.urandom(32).hex().encode())
+            secret.chmod(0o600)
+            print("[bench] the same with a deployment secret...", flush=True)
+            te_s = mooncake_s(sizes, args.reps, "default", args.te_base_port + 100, verify=True,
+                              secret_file=str(secret))
+            store_sealed = store_s(sizes, args.reps, args.master_port + 10,
+                                   secret_file=str(secret))
+        print("\nCost of authentication (with the secret / without; medians of "
+              f"{args.reps}): TE get (CURVE side channel), store put and get (sealed)")
+        for n in sizes:
+            label = f"{n / MiB:5.0f} MiB" if n >= MiB else f"{n // 1024:5d} KiB"
+            print(f"{label} | TE get {te_s[n] * 1e3:8.2f} vs {te[n] * 1e3:8.2f} ms "
+                  f"({te_s[n] / te[n]:4.2f}x) | store put {store_sealed[n]['put'] * 1e3:8.2f} "
+                  f"vs {store[n]['put'] * 1e3:8.2f} ms ({store_sealed[n]['put'] / store[n]['put']:4.2f}x) | "  # noqa: E501
+                  f"store get {store_sealed[n]['get'] * 1e3:8.2f} vs {store[n]['get'] * 1e3:8.2f}"
+                  f" ms ({store_sealed[n]['get'] / store[n]['get']:4.2f}x)")
 
     if args.json:
         rows = [{"bytes": n, "raw_tcp_s": tcp[n], "te_get_s": te[n],

@@ -18,7 +18,7 @@ from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TransportName
 from ec_connectors.protocol.net import Endpoint, EndpointList
-from ec_connectors.protocol.secret import CurveKeys, Seal, curve_keys, read_secret
+from ec_connectors.protocol.secret import CurveKeys, IdSigner, Seal, curve_keys, read_secret
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -62,6 +62,12 @@ class CommonSettings(_Settings):
     def _secret_readable(cls, value: str | None) -> str | None:
         read_secret(value)  # a bad file is a config error now, not a failed handshake later
         return value
+
+    @property
+    def ids(self) -> IdSigner:
+        """Which item ids may be shared (signed by a gateway holding the secret; all without
+        one)."""
+        return IdSigner(read_secret(self.secret_file))
 
     @property
     def seal(self) -> Seal:

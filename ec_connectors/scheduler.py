@@ -82,6 +82,7 @@ class EPDSchedulerSide:
     ) -> None:
         self.config = config
         self.placeholders = placeholders
+        self.ids = config.ids  # a producer shares only ids the deployment vouches for
         self.transport = transport
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -384,11 +385,12 @@ class EPDSchedulerSide:
         described: dict[str, dict[str, Any]] = {}
         endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
         for item_id, num_embeds in items.items():
-            described[item_id] = item_entry(item_id, num_embeds, self._saved.get(item_id),
-                                            with_location=bool(endpoint))
+            if self.ids.vouched(item_id):  # a client-chosen id was not saved: not offered
+                described[item_id] = item_entry(item_id, num_embeds, self._saved.get(item_id),
+                                                with_location=bool(endpoint))
         for i, feature in enumerate(request.mm_features):
             item_id = feature.identifier
-            if item_id not in metadata:
+            if item_id not in metadata or not self.ids.vouched(item_id):
                 continue
             if item_id not in described:  # stored before (deduplicated): described too
                 described[item_id] = item_entry(item_id, request.get_num_encoder_embeds(i),

@@ -50,6 +50,7 @@ class EPDWorker:
         device: torch.device,
     ) -> None:
         self.config = config
+        self._ids = config.ids  # which item ids may be shared (protocol/secret.py)
         self.transport = transport
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -76,6 +77,13 @@ class EPDWorker:
     def save(self, item_id: str, tensor: torch.Tensor) -> None:
         """Queue one encoder output for writing. Blocks only when `max_pending_saves`
         writes are queued (backpressure), at most `save_queue_timeout_s`."""
+        if not self._ids.vouched(item_id):
+            # A client chose this id (not signed by a gateway holding the deployment secret):
+            # encoded for its own request only, never shared under a name it picked.
+            self.stats.inc("unvouched_ids")
+            self._reply(Saved(item_id=item_id, rank=self.rank, ok=False,
+                              error="id not vouched for by the deployment"))
+            return
         # A device tensor may be freed or reused by vLLM: copy it to host now. A CPU tensor
         # is a fresh encoder output that vLLM never mutates: keep a reference, no copy.
         tensor = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()

@@ -147,3 +147,39 @@ class Seal:
 def identity(namespace: str, key: str, dtype: str, shape, nbytes: int) -> str:
     """What a seal binds an object to (so bytes cannot be moved to another item or model)."""
     return f"{namespace}|{key}|{dtype}|{','.join(map(str, shape))}|{nbytes}"
+
+
+# -- item ids a deployment vouches for -------------------------------------------------------
+_ID_SEP = "~"
+
+
+class IdSigner:
+    """Item ids the deployment vouches for: the gateway derives an id from the media and
+    signs it (`<content id>~<tag>`, HMAC-SHA256 with the secret); a producer holding the
+    secret shares (saves, publishes) only items whose id carries a valid tag. Any other id a
+    client chose (a `uuid` sent straight to a vLLM producer, or to the pool) is encoded for
+    that request only, so nobody can store image A's embedding under image B's id. Without
+    a secret every id is accepted (one host, loopback: the gateway is the only client)."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self._key = (None if secret is None else
+                     hashlib.blake2b(b"ids", key=secret[:64], digest_size=32,
+                                     person=b"epd-ids-v1").digest())
+
+    @property
+    def active(self) -> bool:
+        return self._key is not None
+
+    def _tag(self, content_id: str) -> str:
+        assert self._key is not None
+        return hmac.new(self._key, content_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def sign(self, content_id: str) -> str:
+        return content_id if self._key is None else f"{content_id}{_ID_SEP}{self._tag(content_id)}"
+
+    def vouched(self, item_id: str) -> bool:
+        """Whether `item_id` may be shared with other instances."""
+        if self._key is None:
+            return True
+        content_id, sep, tag = item_id.rpartition(_ID_SEP)
+        return bool(sep) and hmac.compare_digest(self._tag(content_id), tag)

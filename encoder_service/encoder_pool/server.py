@@ -94,6 +94,7 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
 def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
     pool = pool or build_pool(config)
     publisher = Publisher(config.transport_config(), config.engine_id)
+    signer = config.transport_config().ids
     registry, batch_hist = make_registry(pool, publisher)
     pool.on_batch = lambda size, _s: batch_hist.observe(size)
 
@@ -142,6 +143,9 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
                 item_key(item_id)
             except InvalidItemId as exc:
                 return _error(400, f"bad item id: {exc}")
+            if not signer.vouched(item_id):  # the pool publishes: never under a client's name
+                return _error(403, f"item id {item_id[:80]!r} is not signed with the "
+                                   "deployment secret (the gateway signs the ids it derives)")
         items, bad = await asyncio.to_thread(door, req)
         if bad and policy == "fail":
             return _error(400, "; ".join(str(e) for e in bad.values()),

@@ -103,5 +103,5 @@ def make_availability(cfg: GatewayConfig) -> Availability:
         assert a.storage_path
         return SafetensorsAvailability(a.storage_path, cfg.namespace)
     if a.kind == "mooncake":
-        return MooncakeAvailability(a.producers, secret_file=a.secret_file)
+        return MooncakeAvailability(a.producers, secret_file=cfg.secret_file)
     return NoAvailability()

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol.net import EndpointList
 from ec_connectors.protocol.ports import GATEWAY_PORT
+from ec_connectors.protocol.secret import IdSigner, read_secret
 
 MiB = 1 << 20
 
@@ -104,9 +105,6 @@ class AvailabilityConfig(_Strict):
     storage_path: str | None = None
     namespace: str | None = None
     producers: EndpointList = Field(default_factory=list)
-    secret_file: str | None = Field(None, description="the deployment secret the producers "
-                                    "use (default $EPD_SECRET_FILE): their announcements are "
-                                    "CURVE-encrypted")
 
     @model_validator(mode="after")
     def _needs(self) -> AvailabilityConfig:
@@ -140,6 +138,20 @@ class GatewayConfig(_Strict):
     media: MediaConfig = MediaConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    secret_file: str | None = Field(
+        None, description="the deployment secret (default $EPD_SECRET_FILE): item ids are "
+                          "signed with it (producers share only signed ids), Mooncake "
+                          "announcements are read with it")
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret(cls, value: str | None) -> str | None:
+        read_secret(value)  # a bad file is a config error now
+        return value
+
+    @property
+    def ids(self) -> IdSigner:
+        return IdSigner(read_secret(self.secret_file))
 
     @field_validator("encoders", "decoders")
     @classmethod

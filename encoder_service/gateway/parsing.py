@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from ec_connectors.protocol.keys import content_item_id
+from ec_connectors.protocol.secret import IdSigner
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.media import check_audio, check_frames, check_image, check_video
@@ -104,6 +105,17 @@ def _check(modality: str, data: bytes, frames: list[bytes] | None,
         check_audio(data, cfg.limits)
 
 
+_signers: dict[str | None, IdSigner] = {}
+
+
+def _signer(cfg: GatewayConfig) -> IdSigner:
+    """The config's id signer, read once per secret file (not on every request)."""
+    signer = _signers.get(cfg.secret_file)
+    if signer is None:
+        signer = _signers[cfg.secret_file] = cfg.ids
+    return signer
+
+
 def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """The request's embedding-changing settings, and their canonical bytes for the id."""
     kwargs = {}
@@ -180,6 +192,7 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
     body.pop("ec_transfer_params", None)  # the gateway decides what decode instances get
     kwargs, settings = _settings(body)
     namespace = cfg.namespace + ("|" + settings.hex() if settings else "")
+    signer = _signer(cfg)
     items: dict[str, MediaPart] = {}
     n_parts = 0
     for msg in messages:
@@ -213,7 +226,7 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
                                    f"{cfg.limits.max_media_bytes} bytes", "media_too_large")
             if not data:
                 raise GatewayError(400, f"{ptype} is empty", "bad_part")
-            item_id = content_item_id(data, namespace)
+            item_id = signer.sign(content_item_id(data, namespace))
             verdict = f"{hash(cfg.limits)}:{modality}:{item_id}"
             if verdict not in _validated:
                 _check(modality, data, frames, cfg)

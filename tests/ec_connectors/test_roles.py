@@ -365,3 +365,23 @@ def test_an_item_loaded_twice_is_staged_once_and_its_bytes_return_to_zero(pair_f
     cons.worker.place(cache, {"twice": NUM_EMBEDS})
     assert torch.equal(cache["twice"], x)
     assert cons.worker.staged_bytes == 0
+
+
+def test_with_the_secret_a_producer_shares_only_ids_the_gateway_signed(pair_factory, tmp_path):
+    """A client that reaches a producer directly chooses its own `uuid`: with the deployment
+    secret such an id is encoded for that request only, never stored under a name it picked
+    (image A's embedding under image B's id); ids the gateway signed are shared as before."""
+    from ec_connectors.protocol.secret import IdSigner, read_secret
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"ids-deployment-secret-0123456789")
+    secret.chmod(0o600)
+    prod = pair_factory("producer", secret_file=str(secret))
+    signed = IdSigner(read_secret(secret)).sign("sha256-of-image-b")
+    x = torch.randn(NUM_EMBEDS, 8)
+    params = produce(prod, request("p", "sha256-of-image-b", signed),
+                     {"sha256-of-image-b": x, signed: x})
+    assert set(params["epd"]["items"]) == {signed}  # the client's own id is not offered
+    assert prod.worker.transport.exists(signed)
+    assert not prod.worker.transport.exists("sha256-of-image-b")
+    wait_until(lambda: prod.sched.stats.totals.get("unvouched_ids") == 1)

@@ -293,3 +293,19 @@ def test_omni_pool_encodes_16khz_audio_and_refuses_other_rates(tmp_path):
         assert items["a16"]["num_embeds"] == 50
         assert items["a44"]["status"] == "failed" and "16000 Hz" in items["a44"]["error"]
         assert items["junk"]["status"] == "failed" and "cannot decode" in items["junk"]["error"]
+
+
+def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path):
+    from ec_connectors.protocol.secret import IdSigner, read_secret
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"pool-deployment-secret-0123456789")
+    secret.chmod(0o600)
+    cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "transport": {
+        "storage_path": str(tmp_path / "store"), "secret_file": str(secret)}})
+    with Served(create_app(cfg), 18413) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.post("/v1/encode", json={"items": [{"id": "image-b", "data": b64(png(112))}]})
+        assert r.status_code == 403 and "not signed" in r.json()["error"]
+        signed = IdSigner(read_secret(secret)).sign("image-b")
+        r = c.post("/v1/encode", json={"items": [{"id": signed, "data": b64(png(112))}]})
+        assert r.status_code == 200 and r.json()["items"][signed]["status"] == "ok"

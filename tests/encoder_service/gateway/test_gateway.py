@@ -555,3 +555,28 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(stubs):
         assert metric(g, 'epd_gateway_rejected_total{reason="body_timeout"}') == 1
     finally:
         g.stop()
+
+
+def test_with_the_secret_the_gateway_signs_the_ids_it_derives(stubs, tmp_path):
+    from ec_connectors.protocol.secret import IdSigner, read_secret
+
+    enc, dec = stubs
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"gateway-deployment-secret-012345")
+    secret.chmod(0o600)
+    g = gateway([enc.url], [dec.url], secret_file=str(secret))
+    try:
+        image = sample_image_png(60)
+        assert post(g, body_with_url(data_url(image))).status_code == 200
+        sent = dec.calls[-1]["messages"][0]["content"][0]["uuid"]
+        signer = IdSigner(read_secret(secret))
+        assert sent == signer.sign(content_item_id(image, MODEL)) and signer.vouched(sent)
+        assert not signer.vouched(content_item_id(image, MODEL))
+        assert not IdSigner(b"x" * 32).vouched(sent)  # another deployment's secret
+    finally:
+        g.stop()
+    bad = tmp_path / "open"
+    bad.write_bytes(b"x" * 32)
+    bad.chmod(0o644)
+    with pytest.raises(GatewayConfigError, match="chmod 600"):
+        GatewayConfig.build({"decoders": ["http://a:1"], "secret_file": str(bad)})
