@@ -440,3 +440,71 @@ def test_a_pull_past_its_deadline_is_dropped_and_frees_the_consumers_buffer(peer
     assert wait_for(lambda: health(prod)["expired"] >= 1, 10, 0.05)
     assert wait_for(lambda: health(small)["quarantined"] == 0, 10, 0.05)
     assert health(small)["pool_used_bytes"] == 0
+
+
+@pytest.mark.skipif(not _netns_ok(), reason="needs root and `ip netns` (network namespaces)")
+def test_three_hosts_secret_partition_and_a_killed_host(peers, tmp_path):
+    """An encoder host, a decode host and an outsider, each a network namespace with its own
+    address on a bridge (in a fourth namespace: nothing touches the machine's own network).
+    The decode host pulls across the bridge with the deployment secret; the outsider, without
+    it or with another one, gets nothing; a partition (link down) and a killed encoder host
+    each cost a pull at most its deadline, and the link coming back heals it."""
+    tag = f"{os.getpid() % 10000}"
+    sw, hosts = f"epd-sw{tag}", {name: f"epd-{name}{tag}" for name in ("enc", "dec", "out")}
+    addr = {"enc": "10.78.0.1", "dec": "10.78.0.2", "out": "10.78.0.3"}
+    setup = [f"ip netns add {sw}", f"ip -n {sw} link add br0 type bridge",
+             f"ip -n {sw} link set br0 up"]
+    for i, (name, ns) in enumerate(hosts.items()):
+        dev, port = f"epdh{i}{tag}", f"epds{i}{tag}"
+        setup += [f"ip netns add {ns}", f"ip link add {dev} type veth peer name {port}",
+                  f"ip link set {dev} netns {ns}", f"ip link set {port} netns {sw}",
+                  f"ip -n {sw} link set {port} master br0", f"ip -n {sw} link set {port} up",
+                  f"ip -n {ns} addr add {addr[name]}/24 dev {dev}",
+                  f"ip -n {ns} link set {dev} up", f"ip -n {ns} link set lo up"]
+    dec_port = f"epds1{tag}"
+    try:
+        for cmd in setup:
+            assert os.system(cmd) == 0, cmd
+        base = next(_ports)
+        secret = secret_file(tmp_path)
+
+        def peer(placement, name, **extra):
+            return peers.start(placement, prefix=["ip", "netns", "exec", hosts[name]],
+                               **mc_config(base, host=addr[name], **extra))
+
+        prod = peer(PRODUCER, "enc", secret_file=secret)
+        cons = peer(CONSUMER, "dec", secret_file=secret)
+        shape = [1024, 4096]  # 8 MiB
+        put = prod.call({"op": "put", "id": "x", "seed": 21, "shape": shape,
+                         "dtype": "bfloat16"})
+        endpoint = put["location"]
+        assert endpoint == f"{addr['enc']}:{base}"
+        got = cons.call({"op": "get", "id": "x", "timeout_s": 10, "location": endpoint})
+        assert got["found"] and got["checksum"] == put["checksum"]
+        for extra in ({}, {"secret_file": secret_file(tmp_path, b"not-this-deployment-1234")}):
+            outsider = peer(CONSUMER, "out", **extra)
+            got = outsider.call({"op": "get", "id": "x", "timeout_s": 1.5,
+                                 "location": endpoint})
+            assert not got["found"]
+        # partition: the decode host's link goes down mid-deployment
+        assert os.system(f"ip -n {sw} link set {dec_port} down") == 0
+        t0 = time.monotonic()
+        got = cons.call({"op": "get", "id": "x", "timeout_s": 2.0, "location": endpoint,
+                         "nbytes": put["nbytes"]}, timeout_s=30)
+        assert not got["found"] and time.monotonic() - t0 < 2.0 + 3.0
+        assert os.system(f"ip -n {sw} link set {dec_port} up") == 0
+        assert wait_for(lambda: cons.call({"op": "get", "id": "x", "timeout_s": 3,
+                                            "location": endpoint})["found"], 30, 0.5)
+        # the encoder host dies: the next pull fails within its deadline, nothing hangs
+        prod.proc.kill()
+        prod.proc.wait(10)
+        t0 = time.monotonic()
+        got = cons.call({"op": "get", "id": "x", "timeout_s": 2.0, "location": endpoint},
+                        timeout_s=30)
+        assert not got["found"] and time.monotonic() - t0 < 2.0 + 3.0
+        assert health(cons)["pool_used_bytes"] == 0  # nothing leaked on any of these paths
+    finally:
+        peers.close()
+        peers.all.clear()
+        for ns in (*hosts.values(), sw):
+            os.system(f"ip netns del {ns} >/dev/null 2>&1")
