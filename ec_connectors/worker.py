@@ -92,8 +92,7 @@ class EPDWorker:
             logger.warning("EPD: save queue full for %.1f s; not storing item %r (consumers "
                            "will encode it locally). Raise max_pending_saves or check the "
                            "storage.", self.config.save_queue_timeout_s, item_id)
-            self._reply(Saved(item_id=item_id, rank=self.rank, ok=False,
-                              error="save queue full"))
+            self._failed(item_id, "save queue full")
             return
         try:
             self._writer.submit(self._write, item_id, tensor, time.perf_counter())
@@ -106,9 +105,8 @@ class EPDWorker:
         try:
             info = self.transport.put(item_id, tensor)
         except Exception as exc:
-            self.stats.inc("save_failures")
             logger.error("EPD: failed to store item %r: %s", item_id, exc)
-            self._reply(Saved(item_id=item_id, rank=self.rank, ok=False, error=str(exc)))
+            self._failed(item_id, str(exc))
             return
         finally:
             self._save_slots.release()
@@ -118,6 +116,16 @@ class EPDWorker:
         with self._lock:
             self._saves_done.add(item_id)
         self._reply(Saved(item_id=item_id, rank=self.rank, ok=True, info=info))
+
+    def _failed(self, item_id: str, reason: str) -> None:
+        """A save failed: counted, reported, and announced through the transport so waiting
+        consumers stop at once."""
+        self.stats.inc("save_failures")
+        try:
+            self.transport.save_failed(item_id, reason)
+        except Exception as exc:  # noqa: BLE001 - telling is best effort; the deadline holds
+            logger.warning("EPD: could not announce the failed save of %r: %s", item_id, exc)
+        self._reply(Saved(item_id=item_id, rank=self.rank, ok=False, error=reason))
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written (tests, shutdown)."""

@@ -8,6 +8,7 @@
     {"op": "get_many", "ids": ["img-1", "img-2"], "timeout_s": 5}
     {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
     {"op": "tamper", "id": "img-1"}         (mooncake_store: flip one stored payload byte)
+    {"op": "save_failed", "id": "img-1"}    (announce a failed save, as the worker does)
     {"op": "health"}
     {"op": "quit"}
 
@@ -86,6 +87,9 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         while (found := transport.probe(cmd["id"])) is None and time.monotonic() < deadline:
             time.sleep(0.005)
         return {"found": found, "exists": transport.exists(cmd["id"])}
+    if op == "save_failed":
+        transport.save_failed(cmd["id"], cmd.get("reason", "test"))
+        return {}
     if op == "tamper":
         return {"tampered": _tamper(transport, cmd["id"])}
     if op == "health":

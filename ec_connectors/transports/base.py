@@ -165,6 +165,12 @@ class Transport(ABC):
         """A consumer is being promised this stored item again: keep it (no-op by default)."""
         return None
 
+    def save_failed(self, item_id: str, reason: str) -> None:
+        """The producer could not store `item_id`: tell consumers waiting for it, where the
+        transport can, so they stop waiting (local encode) instead of running out their
+        deadline. No-op by default."""
+        return None
+
     def reap(self) -> None:
         """Periodic housekeeping (worker loader threads call it); no-op by default."""
         return None

@@ -40,6 +40,7 @@ from ec_connectors.transports.base import (
 logger = get_logger(__name__)
 
 SUFFIX = ".safetensors"
+FAILED_SUFFIX = ".failed"  # a tombstone: the producer could not store this item
 TMP_PREFIX = ".tmp-"
 TENSOR_NAME = "ec_cache"
 FORMAT = "epd-1"
@@ -163,6 +164,7 @@ class SafetensorsTransport(Transport):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        self._tombstone(key).unlink(missing_ok=True)  # stored now: consumers take it
         info = ItemInfo(
             item_id=item_id, key=key, shape=tuple(tensor.shape), dtype=name,
             nbytes=data.nbytes, checksum=digest, location=str(final),
@@ -182,8 +184,9 @@ class SafetensorsTransport(Transport):
             try:
                 return self._read(path, item_id)
             except FileNotFoundError:
-                if not wait or time.monotonic() + delay > deadline:
-                    self.events.missing += 1
+                if not wait or time.monotonic() + delay > deadline or \
+                        self._tombstone(item_key(item_id)).exists():
+                    self.events.missing += 1  # not there (in time), or its save failed
                     return None
                 time.sleep(delay)  # the producer may still be writing it
                 delay = min(delay * 2, 0.02)
@@ -253,6 +256,17 @@ class SafetensorsTransport(Transport):
             os.utime(path)  # LRU: a hit makes the file young again
         return flat.view(dtype).reshape(shape)
 
+    def _tombstone(self, key: str) -> Path:
+        return self.dir / (key + FAILED_SUFFIX)
+
+    def save_failed(self, item_id: str, reason: str) -> None:
+        """Leave a tombstone: consumers waiting for the file stop at once (a later successful
+        save removes it; eviction clears old ones)."""
+        key = item_key(item_id)
+        if not (self.dir / (key + SUFFIX)).exists():
+            with contextlib.suppress(OSError):
+                self._tombstone(key).write_text(reason[:200])
+
     # -- index & housekeeping -------------------------------------------------------------
     def renew(self, item_id: str) -> None:
         with contextlib.suppress(OSError):
@@ -288,8 +302,8 @@ class SafetensorsTransport(Transport):
                         st = e.stat()
                     except FileNotFoundError:
                         continue
-                    if e.name.startswith(TMP_PREFIX):
-                        if now - st.st_mtime > _STALE_TMP_S:  # a crashed writer's leftovers
+                    if e.name.startswith(TMP_PREFIX) or e.name.endswith(FAILED_SUFFIX):
+                        if now - st.st_mtime > _STALE_TMP_S:  # leftovers, old tombstones
                             Path(e.path).unlink(missing_ok=True)
                         continue
                     if e.name.endswith(SUFFIX):

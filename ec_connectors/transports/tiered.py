@@ -155,6 +155,10 @@ class TieredTransport(Transport):
         for tier in self.tiers:
             tier.renew(item_id)
 
+    def save_failed(self, item_id: str, reason: str) -> None:
+        for tier in self.tiers:
+            tier.save_failed(item_id, reason)
+
     def reap(self) -> None:
         for tier in self.tiers:
             tier.reap()

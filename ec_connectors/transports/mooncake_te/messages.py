@@ -41,7 +41,8 @@ class PullFailed(msgspec.Struct, tag=True):
     """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
     transfer | bad_request | namespace (the item belongs to another model) | expired (the
     pull's deadline passed before or while it was served: nothing more is written) | busy
-    (the producer's queue of pulls is full)."""
+    (the producer's queue of pulls is full) | failed (the producer could not store the item:
+    stop waiting for it)."""
 
     pull_id: int
     code: str

@@ -38,6 +38,7 @@ class ProducerStore:
         self._items: OrderedDict[str, Held] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         self.recently_evicted: OrderedDict[str, None] = OrderedDict()
+        self.recently_failed: OrderedDict[str, None] = OrderedDict()  # saves that failed
 
     def get(self, key: str) -> Held | None:
         with self._lock:
@@ -72,6 +73,15 @@ class ProducerStore:
         with self._lock:
             self._items[info.key] = Held(info, buf, time.monotonic() + self.lease_ttl_s)
             self.recently_evicted.pop(info.key, None)
+            self.recently_failed.pop(info.key, None)
+
+    def failed(self, key: str) -> None:
+        with self._lock:
+            if key in self._items:
+                return  # stored before: still served
+            self.recently_failed[key] = None
+            while len(self.recently_failed) > _RECENT_EVICTIONS:
+                self.recently_failed.popitem(last=False)
 
     def evict_one(self) -> Held | None:
         """Release the least recently used unleased, unpinned item; None if there is none."""

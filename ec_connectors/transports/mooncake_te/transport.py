@@ -224,7 +224,8 @@ class MooncakeTransport(Transport):
             return
         held = self.store.pin(msg.key)
         if held is None:
-            code = "evicted" if msg.key in self.store.recently_evicted else "unknown"
+            code = ("failed" if msg.key in self.store.recently_failed else
+                    "evicted" if msg.key in self.store.recently_evicted else "unknown")
             self._reply(peer, PullFailed(pull_id=msg.pull_id, code=code,
                                          error=f"item {msg.key} is {code} at {self.endpoint}"))
             return
@@ -292,7 +293,8 @@ class MooncakeTransport(Transport):
                 continue  # now we know the size: pull again from the same producer
             if outcome == "too_big":
                 break
-            if outcome in ("evicted", "corrupt", "timeout", "namespace") and len(sources) == 1:
+            if outcome in ("evicted", "corrupt", "timeout", "namespace", "failed") \
+                    and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
             if not wait and outcome == "unknown" and i >= len(sources):
@@ -406,6 +408,10 @@ class MooncakeTransport(Transport):
     def renew(self, item_id: str) -> None:
         if self.store is not None:
             self.store.renew(item_key(item_id))
+
+    def save_failed(self, item_id: str, reason: str) -> None:
+        if self.store is not None:  # pulls of it are answered "failed" from now on
+            self.store.failed(item_key(item_id))
 
     def exists(self, item_id: str) -> bool:
         return self.store is not None and self.store.get(item_key(item_id)) is not None

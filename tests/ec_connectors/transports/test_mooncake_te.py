@@ -508,3 +508,21 @@ def test_three_hosts_secret_partition_and_a_killed_host(peers, tmp_path):
         peers.all.clear()
         for ns in (*hosts.values(), sw):
             os.system(f"ip netns del {ns} >/dev/null 2>&1")
+
+
+def test_a_failed_save_is_answered_so_the_consumer_stops_waiting(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    endpoint = prod.info["endpoint"]
+    t0 = time.monotonic()
+    got = cons.call({"op": "get", "id": "never", "timeout_s": 1.0, "location": endpoint})
+    waited = time.monotonic() - t0
+    assert not got["found"] and waited >= 0.9  # unknown: maybe still queued, so it waits
+    prod.call({"op": "save_failed", "id": "gone"})
+    t0 = time.monotonic()
+    got = cons.call({"op": "get", "id": "gone", "timeout_s": 5.0, "location": endpoint})
+    assert not got["found"] and time.monotonic() - t0 < 1.0  # told: no 5 s wait
+    prod.call({"op": "put", "id": "gone", "seed": 2, "shape": [64, 64], "dtype": "bfloat16"})
+    assert cons.call({"op": "get", "id": "gone", "timeout_s": 5.0,
+                      "location": endpoint})["found"]  # stored later: served again

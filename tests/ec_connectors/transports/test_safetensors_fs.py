@@ -220,3 +220,15 @@ def test_reads_on_a_network_filesystem_are_copied_not_mapped(tmp_path):
     t.path_for("n").unlink()  # another pod evicts it: our copy is unaffected
     got.add_(1)
     assert torch.equal(got, x + 1)
+
+
+def test_a_failed_save_stops_waiting_consumers_at_once(tmp_path):
+    producer, consumer = make(tmp_path), make(tmp_path)
+    producer.save_failed("lost", "save queue full")
+    t0 = time.monotonic()
+    assert consumer.get("lost", soon(5.0)) is None
+    assert time.monotonic() - t0 < 0.5  # not the whole 5 s deadline
+    assert "lost" not in [k for k in consumer.list_keys()]
+    x = torch.randn(4, 4)
+    producer.put("lost", x)  # a later save succeeds: the tombstone goes
+    assert torch.equal(consumer.get("lost", soon()), x)
