@@ -43,7 +43,9 @@ class ControlEndpoint:
     identity of the sender (None on a DEALER), `payload` the raw frames after the header
     (inline item bytes on the peer channel). `decode` is the channel's wire (default: the
     control messages); frames it rejects are counted and dropped. A DEALER reports a lost
-    connection to `on_disconnect` (the peer process died). `curve`: the deployment's keys
+    connection to `on_disconnect` (the peer process died), and a connection attempt that
+    failed before any succeeded to `on_unreachable` (nobody listens there: refused). `curve`:
+    the deployment's keys
     (protocol/secret.py); the socket is then a CURVE server (bound) or client (connecting),
     and peers without the secret cannot talk to it.
     """
@@ -58,8 +60,10 @@ class ControlEndpoint:
         on_disconnect: Callable[[], None] | None = None,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        on_unreachable: Callable[[], None] | None = None,
     ) -> None:
         self._curve = curve
+        self._on_unreachable = on_unreachable
         self.address = address
         self.bind = bind
         self._on_message = on_message
@@ -98,8 +102,11 @@ class ControlEndpoint:
             (self._curve.server if self.bind else self._curve.client)(sock)
         # The monitor must exist before connect(): on loopback the connection can be up
         # before a later monitor attaches, and a missed CONNECTED hides every disconnect.
-        monitor = (sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-                   if self._on_disconnect is not None else None)
+        mask = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+        if self._on_unreachable is not None:
+            mask |= zmq.EVENT_CONNECT_RETRIED
+        monitor = (sock.get_monitor_socket(mask)
+                   if self._on_disconnect is not None or self._on_unreachable else None)
         if self.bind:
             path = self.address.removeprefix("ipc://")
             if self.address.startswith("ipc://") and os.path.exists(path):
@@ -155,14 +162,22 @@ class ControlEndpoint:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_CONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+                continue
+            if kind == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False
+                handler = self._on_disconnect
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not self.connected:
+                handler = self._on_unreachable
+            else:
+                continue
+            if handler is not None:
                 try:
-                    self._on_disconnect()  # type: ignore[misc]
+                    handler()
                 except Exception:
-                    logger.exception("EPD channel %s: disconnect handler failed", self.address)
+                    logger.exception("EPD channel %s: connection handler failed", self.address)
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:

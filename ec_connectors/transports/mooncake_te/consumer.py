@@ -60,7 +60,7 @@ class PeerLink:
                                        on_message=self._on_message, name=f"epd-peer-{port}",
                                        decode=messages.decode_peer,
                                        on_disconnect=self._on_disconnect, context=context,
-                                       curve=curve)
+                                       curve=curve, on_unreachable=self._on_unreachable)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""
@@ -133,6 +133,18 @@ class PeerLink:
             buf.release()
         logger.warning("EPD: lost the connection to producer %s (%d pulls in flight)",
                        self.endpoint, len(pending))
+
+    def _on_unreachable(self) -> None:
+        """Nobody listens at the producer's address (a connection attempt was refused before
+        any succeeded): its pulls fail now, not at their deadline; nothing was written."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            self.broken = True
+        for p in pending.values():
+            p.finish(error=f"producer {self.endpoint} unreachable (connection refused)")
+        if pending:
+            logger.warning("EPD: producer %s is unreachable (%d pulls failed at once)",
+                           self.endpoint, len(pending))
 
     def reap(self, ttl_s: float) -> None:
         cutoff = time.monotonic() - ttl_s

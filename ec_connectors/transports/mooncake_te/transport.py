@@ -293,8 +293,8 @@ class MooncakeTransport(Transport):
                 continue  # now we know the size: pull again from the same producer
             if outcome == "too_big":
                 break
-            if outcome in ("evicted", "corrupt", "timeout", "namespace", "failed") \
-                    and len(sources) == 1:
+            if outcome in ("evicted", "corrupt", "timeout", "namespace", "failed",
+                           "unreachable") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
             if not wait and outcome == "unknown" and i >= len(sources):
@@ -355,6 +355,9 @@ class MooncakeTransport(Transport):
             if "disconnected" in p.error:
                 self.events.peer_disconnects += 1
                 return "disconnected", None, nbytes
+            if "unreachable" in p.error:
+                self.events.peer_disconnects += 1
+                return "unreachable", None, nbytes
             self.events.pull_timeouts += 1
             logger.warning("EPD: pull of %s: %s", key, p.error)
             return "timeout", None, nbytes

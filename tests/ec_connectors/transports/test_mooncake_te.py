@@ -526,3 +526,22 @@ def test_a_failed_save_is_answered_so_the_consumer_stops_waiting(peers):
     prod.call({"op": "put", "id": "gone", "seed": 2, "shape": [64, 64], "dtype": "bfloat16"})
     assert cons.call({"op": "get", "id": "gone", "timeout_s": 5.0,
                       "location": endpoint})["found"]  # stored later: served again
+
+
+def test_a_dead_producer_costs_a_pull_milliseconds_not_its_deadline(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    put = prod.call({"op": "put", "id": "d", "seed": 9, "shape": [256, 2048],
+                     "dtype": "bfloat16"})
+    endpoint = put["location"]
+    assert cons.call({"op": "get", "id": "d", "timeout_s": 5, "location": endpoint})["found"]
+    prod.proc.kill()
+    prod.proc.wait(10)
+    time.sleep(0.3)  # the consumer's link sees the disconnect
+    for _ in range(2):  # nobody listens there now: refused at once, not 5 s of waiting
+        t0 = time.monotonic()
+        got = cons.call({"op": "get", "id": "d", "timeout_s": 5, "location": endpoint,
+                         "nbytes": put["nbytes"]})
+        assert not got["found"] and time.monotonic() - t0 < 1.5
+    assert health(cons)["pool_used_bytes"] == 0
