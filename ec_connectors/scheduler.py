@@ -267,11 +267,11 @@ class EPDSchedulerSide:
                         self.stats.inc("timeouts")
                     logger.warning("EPD: item %r for request %s: %s; not loaded", item_id,
                                    req_id, d.why)
-                if self._metadata_only(feature):
-                    ready = False  # no media: never schedule it without its embedding
-                    self._on_unavailable(request, item_id, True, d.why, metadata_only=True)
-                else:
-                    self._on_unavailable(request, item_id, item_id in hints, d.why)
+                no_media = self._metadata_only(feature)
+                if no_media:
+                    ready = False  # never schedule it without its embedding
+                self._on_unavailable(request, item_id, no_media or item_id in hints, d.why,
+                                     metadata_only=no_media)
         if not ready:
             self.stats.inc("deferrals")
             self._req_deferred_since.setdefault(req_id, now)

@@ -545,6 +545,17 @@ class MooncakeStoreTransport(Transport):
                     f"get_into {keys[j]}", on_late=bufs[j].release)  # -2: late, released then
         return rcs
 
+    def _payload_problem(self, header: StoreHeader, payload) -> str:
+        """With the secret the seal is checked (it covers integrity: one pass over the
+        bytes); without it the xxh3 checksum."""
+        if self._seal.active:
+            ok = self._seal.check(identity(header.namespace, header.key, header.dtype,
+                                           header.shape, header.nbytes), payload, header.mac)
+            return "" if ok else "not sealed with this deployment's secret (or damaged)"
+        if self.config.verify_checksum and checksum(payload) != header.checksum:
+            return "checksum mismatch"
+        return ""
+
     def _verified(self, key: str, item_id: str, buf, size: int):
         raw = buf.as_bytes()
         try:
@@ -555,12 +566,7 @@ class MooncakeStoreTransport(Transport):
             problem = ("another namespace" if header.namespace != self._ns_key else
                        "another item" if header.key != item_key(item_id) else
                        "size mismatch" if HEADER_BYTES + header.nbytes != size else
-                       "checksum mismatch" if self.config.verify_checksum and
-                       checksum(raw[HEADER_BYTES:size]) != header.checksum else
-                       "not sealed with this deployment's secret" if not self._seal.check(
-                           identity(header.namespace, header.key, header.dtype, header.shape,
-                                    header.nbytes), raw[HEADER_BYTES:size], header.mac)
-                       else "")
+                       self._payload_problem(header, raw[HEADER_BYTES:size]))
         except (ValueError, msgspec.DecodeError, struct.error) as exc:
             problem = f"bad header ({exc})"
         if problem:

@@ -107,6 +107,7 @@ class Gateway:
         self.cfg = cfg
         self.metrics = GatewayMetrics()
         self.availability = make_availability(cfg)
+        self.ids = cfg.ids  # signs the item ids it derives (with the deployment secret)
         self.client: httpx.AsyncClient | None = None
         self.fetch_client: httpx.AsyncClient | None = None
         self.router: EncoderRouter | None = None
@@ -224,7 +225,7 @@ class Gateway:
         try:
             try:
                 body = await self._read_json(request)
-                prepared = await prepare_chat(body, self.cfg, self._fetch)
+                prepared = await prepare_chat(body, self.cfg, self._fetch, self.ids)
             except GatewayError as exc:
                 await self._error(exc, "chat", rid)(scope, receive, send)
                 return

@@ -105,17 +105,6 @@ def _check(modality: str, data: bytes, frames: list[bytes] | None,
         check_audio(data, cfg.limits)
 
 
-_signers: dict[str | None, IdSigner] = {}
-
-
-def _signer(cfg: GatewayConfig) -> IdSigner:
-    """The config's id signer, read once per secret file (not on every request)."""
-    signer = _signers.get(cfg.secret_file)
-    if signer is None:
-        signer = _signers[cfg.secret_file] = cfg.ids
-    return signer
-
-
 def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """The request's embedding-changing settings, and their canonical bytes for the id."""
     kwargs = {}
@@ -178,7 +167,8 @@ async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConf
     return mime, data, None
 
 
-async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> PreparedRequest:
+async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,
+                       signer: IdSigner | None = None) -> PreparedRequest:
     """Validate `body` (a parsed chat completion request) and tag its media; see module doc."""
     if not isinstance(body, dict):
         raise GatewayError(400, "request body must be a JSON object")
@@ -192,7 +182,7 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher) -> Prepare
     body.pop("ec_transfer_params", None)  # the gateway decides what decode instances get
     kwargs, settings = _settings(body)
     namespace = cfg.namespace + ("|" + settings.hex() if settings else "")
-    signer = _signer(cfg)
+    signer = signer or IdSigner(None)  # the gateway's own, made once (Gateway.__init__)
     items: dict[str, MediaPart] = {}
     n_parts = 0
     for msg in messages:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -18,37 +17,8 @@ from ec_connectors.scheduler import EPDSchedulerSide
 from ec_connectors.transports import make_transport
 from ec_connectors.worker import EPDWorker
 from scheduler_hooks.staging import Status
+from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.helpers import wait_for
-
-NUM_EMBEDS = 16
-
-
-@dataclass
-class Pos:
-    offset: int
-    length: int
-
-
-@dataclass
-class Feature:
-    identifier: str
-    mm_position: Pos
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    mm_features: list[Feature]
-    ec_transfer_params: dict | None = None
-    embeds: list[int] = field(default_factory=list)
-
-    def get_num_encoder_embeds(self, i: int) -> int:
-        return self.embeds[i] if self.embeds else NUM_EMBEDS
-
-
-def request(req_id, *item_ids, params=None):
-    feats = [Feature(i, Pos(4 + 20 * n, NUM_EMBEDS)) for n, i in enumerate(item_ids)]
-    return FakeRequest(req_id, feats, params)
 
 
 class Pair:

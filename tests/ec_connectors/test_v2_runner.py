@@ -16,48 +16,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from encoder_service.local.testmodel import SPECS, build
+from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.helpers import WORK, wait_for
-
-NUM_EMBEDS = 16
-
-
-@dataclass
-class Pos:
-    offset: int
-    length: int
-
-    def get_num_embeds(self) -> int:
-        return self.length
-
-
-@dataclass
-class Feature:
-    identifier: str
-    mm_position: Pos
-    modality: str = "image"
-    data: object = None
-
-
-@dataclass
-class FakeRequest:
-    request_id: str
-    mm_features: list[Feature]
-    ec_transfer_params: dict | None = None
-    embeds: list[int] = field(default_factory=list)
-
-    def get_num_encoder_embeds(self, i: int) -> int:
-        return NUM_EMBEDS
-
-
-def request(req_id, item_id, params=None) -> FakeRequest:
-    return FakeRequest(req_id, [Feature(item_id, Pos(4, NUM_EMBEDS))], params)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +124,7 @@ def test_v2_adapter_saves_loads_and_reports_like_v1(instances):
     assert prod.saved == {"v2-item"}
 
     cons = instances("consumer")
-    creq = request("c1", "v2-item", params)
+    creq = request("c1", "v2-item", params=params)
     steps = 0
     while not cons.sched.ensure_cache_available(creq, 0):  # deferred: nothing to compute
         cons.idle()
@@ -178,7 +144,7 @@ def test_v2_adapter_saves_loads_and_reports_like_v1(instances):
 
 def test_v2_metadata_only_item_missing_fails_the_request_not_the_runner(instances):
     cons = instances("consumer")
-    creq = request("c2", "v2-ghost", {"epd": {"items": ["v2-ghost"]}})
+    creq = request("c2", "v2-ghost", params={"epd": {"items": ["v2-ghost"]}})
     # a metadata-only part: vLLM's processor kept only its grid, no pixels
     creq.mm_features[0].data = {"image_grid_thw": torch.tensor([1, 8, 8])}
     cons.sched._sched.config = cons.sched._sched.config.model_copy(
