@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol import ports
+from ec_connectors.protocol.fingerprint import model_fingerprint
 from ec_connectors.protocol.names import TransportName
 from ec_connectors.protocol.net import Endpoint, EndpointList
 from ec_connectors.protocol.secret import CurveKeys, IdSigner, Seal, curve_keys, read_secret
@@ -52,6 +53,10 @@ class CommonSettings(_Settings):
     # Items from different models must never mix: keys live under this namespace.
     # Default: the served model name.
     namespace: str | None = None
+    # Which weights and config made the items (protocol/fingerprint.py; default: computed
+    # from the served model's directory at start). Producers and consumers of another model
+    # under the same namespace refuse each other's items; "" turns the check off.
+    model_fingerprint: str | None = Field(None, pattern=r"^[0-9A-Za-z._-]{0,64}$")
     # The deployment secret (protocol/secret.py), default $EPD_SECRET_FILE: the Mooncake TE
     # side channels and announcements run CURVE with keys derived from it; without one they
     # serve loopback only.
@@ -62,6 +67,13 @@ class CommonSettings(_Settings):
     def _secret_readable(cls, value: str | None) -> str | None:
         read_secret(value)  # a bad file is a config error now, not a failed handshake later
         return value
+
+    @property
+    def scope(self) -> str:
+        """What an item's identity is checked against: the namespace and the model's
+        fingerprint (peer pulls, store objects, sealed files)."""
+        ns = self.namespace or "default"
+        return f"{ns}#{self.model_fingerprint}" if self.model_fingerprint else ns
 
     @property
     def ids(self) -> IdSigner:
@@ -210,6 +222,10 @@ class EPDConfig(ConsumerSettings, ProducerSettings, StoreSettings, MooncakeSetti
             if isinstance(name, list | tuple):
                 name = name[0]
             update["namespace"] = str(name)
+        if cfg.model_fingerprint is None and model is not None:
+            extra = "" if os.path.isdir(model.model) else \
+                f"{model.revision}\0{model.hf_config.to_json_string()}"
+            update["model_fingerprint"] = model_fingerprint(model.model, extra)
         if cfg.embedding_dtype is None and model is not None:
             update["embedding_dtype"] = str(model.dtype).removeprefix("torch.")
         return cfg.model_copy(update=update) if update else cfg

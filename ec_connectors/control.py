@@ -44,7 +44,9 @@ class ControlEndpoint:
     (inline item bytes on the peer channel). `decode` is the channel's wire (default: the
     control messages); frames it rejects are counted and dropped. A DEALER reports a lost
     connection to `on_disconnect` (the peer process died), and a connection attempt that
-    failed before any succeeded to `on_unreachable` (nobody listens there: refused). `curve`:
+    failed before any succeeded to `on_unreachable` (nobody listens there: refused). A
+    DEALER's `greeting` is sent on every (re)connection (what a new connection must hear; it
+    may trail messages queued before it). `curve`:
     the deployment's keys
     (protocol/secret.py); the socket is then a CURVE server (bound) or client (connecting),
     and peers without the secret cannot talk to it.
@@ -61,9 +63,11 @@ class ControlEndpoint:
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
         on_unreachable: Callable[[], None] | None = None,
+        greeting: msgspec.Struct | None = None,
     ) -> None:
         self._curve = curve
         self._on_unreachable = on_unreachable
+        self._greeting = greeting
         self.address = address
         self.bind = bind
         self._on_message = on_message
@@ -105,8 +109,8 @@ class ControlEndpoint:
         mask = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
         if self._on_unreachable is not None:
             mask |= zmq.EVENT_CONNECT_RETRIED
-        monitor = (sock.get_monitor_socket(mask)
-                   if self._on_disconnect is not None or self._on_unreachable else None)
+        monitor = (sock.get_monitor_socket(mask) if self._on_disconnect is not None
+                   or self._on_unreachable or self._greeting is not None else None)
         if self.bind:
             path = self.address.removeprefix("ipc://")
             if self.address.startswith("ipc://") and os.path.exists(path):
@@ -165,6 +169,8 @@ class ControlEndpoint:
             kind = event["event"]
             if kind == zmq.EVENT_CONNECTED:
                 self.connected = True
+                if self._greeting is not None:
+                    self.send(self._greeting)
                 continue
             if kind == zmq.EVENT_DISCONNECTED and self.connected:
                 self.connected = False

@@ -28,6 +28,9 @@ COUNTERS = {
     "engine_cache_hits": "Items a request took from vLLM's encoder cache (held for another "
                          "request): no load, no wait",
     "unwanted_drops": "Staged items dropped because no request waits for them any more",
+    "staged_bytes": "Bytes staged on workers (loaded, waiting to be placed)",
+    "unstaged_bytes": "Bytes that left staging (placed, dropped or expired); staged minus "
+                      "unstaged is what workers hold now",
     "deferrals": "Scheduler steps a request waited for its items",
     "timeouts": "Items that missed their load deadline",
     "pull_timeouts": "Pulls a producer did not answer in time (frozen or overloaded peer)",

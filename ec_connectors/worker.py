@@ -35,6 +35,7 @@ from ec_connectors.stats import COUNTERS, StatsRecorder
 from ec_connectors.transports.base import Transport, Want
 
 logger = get_logger(__name__)
+_REAP_MARGIN_S = 10.0  # the worker drops an unplaced copy this long after the scheduler would
 
 
 class EPDWorker:
@@ -158,8 +159,8 @@ class EPDWorker:
             self._loaders.submit(self._drain_prefetches)
         elif isinstance(msg, Renew):
             self._loaders.submit(self.transport.renew, msg.item_id)  # may touch storage
-        elif isinstance(msg, Drop):
-            self._unstage(msg.item_id)
+        elif isinstance(msg, Drop) and self._unstage(msg.item_id) is not None:
+            self.report_stats()
 
     def _drain_prefetches(self) -> None:
         with self._lock:
@@ -210,6 +211,7 @@ class EPDWorker:
                 else:
                     self._staged[item_id] = (tensor, time.monotonic())
                     self._staged_bytes += tensor.nbytes
+                    self.stats.inc("staged_bytes", tensor.nbytes)
         if tensor is None:
             self.stats.inc("load_failures")
             logger.info("EPD: item %r not staged: %s", item_id, error)
@@ -225,12 +227,15 @@ class EPDWorker:
             if entry is None:
                 return None
             self._staged_bytes -= entry[0].nbytes
-            return entry[0]
+        self.stats.inc("unstaged_bytes", entry[0].nbytes)
+        return entry[0]
 
     def _reap(self) -> None:
-        """Drop staged items nobody placed within `staged_ttl_s` (aborted requests)."""
+        """Drop staged items nobody placed within `staged_ttl_s` (aborted requests). The
+        scheduler forgets them first (its clock starts earlier, at the prefetch) and drops
+        them; the margin keeps this safety net from taking a copy it is about to place."""
         self.transport.reap()
-        cutoff = time.monotonic() - self.config.staged_ttl_s
+        cutoff = time.monotonic() - self.config.staged_ttl_s - _REAP_MARGIN_S
         with self._lock:
             stale = [k for k, (_, ts) in self._staged.items() if ts < cutoff]
         for k in stale:

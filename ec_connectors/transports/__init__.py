@@ -18,6 +18,7 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
         return SafetensorsTransport(
             config.storage_path, config.namespace or "default", config.max_storage_bytes,
             fsync=config.fsync, verify_checksum=config.verify_checksum, seal=config.seal,
+            model=config.model_fingerprint or "",
         )
     if name == "mooncake":
         if placement.role == "scheduler":

@@ -371,7 +371,7 @@ class MooncakeStoreTransport(Transport):
         super().__init__()
         self.config = config
         self.placement = placement
-        self.namespace = config.namespace or "default"
+        self.namespace = config.scope  # the model's name and fingerprint: keys and headers
         self.dtype_label = config.embedding_dtype or "any"
         self._ns_key = namespace_key(self.namespace)
         self._seal = config.seal  # with the deployment secret: objects are authenticated

@@ -93,10 +93,13 @@ class SafetensorsTransport(Transport):
         fsync: bool = False,
         verify_checksum: bool = True,
         seal: Seal | None = None,
+        model: str = "",
     ) -> None:
         super().__init__()
         self.root = Path(root)
         self._ns = namespace_key(namespace)
+        self.model = model  # the model fingerprint files record and loads require
+        self._scope = f"{self._ns}#{model}" if model else self._ns
         self.dir = self.root / self._ns
         self.seal = seal or Seal(None)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -140,11 +143,12 @@ class SafetensorsTransport(Transport):
                 "item_id": item_id,
                 "nbytes": str(data.nbytes),
                 "xxh3": digest,
+                **({"model": self.model} if self.model else {}),
             },
         }
         if self.seal.active:
             header["__metadata__"]["mac"] = self.seal.mac(
-                identity(self._ns, key, name, tensor.shape, data.nbytes), data)
+                identity(self._scope, key, name, tensor.shape, data.nbytes), data)
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the tensor data 8-byte aligned
         final = self.dir / (key + SUFFIX)
@@ -216,10 +220,14 @@ class SafetensorsTransport(Transport):
                 digest = meta["xxh3"]
                 stored_id = meta["item_id"]
                 mac = meta.get("mac", "")
+                model = meta.get("model", "")
             except (ValueError, KeyError, TypeError) as exc:
                 raise CorruptItem(f"unreadable header: {exc}") from None
             if stored_id != item_id:
                 raise CorruptItem("file belongs to another item id")
+            if self.model and model != self.model:  # same served name, other weights
+                raise CorruptItem(f"made by another model (fingerprint {model or 'none'}, "
+                                  f"this one is {self.model})")
             numel = 1
             for s in shape:
                 numel *= s
@@ -241,7 +249,7 @@ class SafetensorsTransport(Transport):
                 offset = 8 + hlen
         view = memoryview(mm)[offset: offset + nbytes]
         if self.seal.active:  # the HMAC covers integrity too: one pass over the bytes
-            ok = self.seal.check(identity(self._ns, item_key(item_id), dtype_name(dtype),
+            ok = self.seal.check(identity(self._scope, item_key(item_id), dtype_name(dtype),
                                           shape, nbytes), view, mac)
             problem = "" if ok else "not sealed with this deployment's secret (or damaged)"
         else:

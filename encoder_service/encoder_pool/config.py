@@ -98,6 +98,10 @@ class PoolConfig(BaseModel):
 
         extra = dict(self.transport)
         extra.setdefault("namespace", self.namespace)
+        if "model_fingerprint" not in extra:  # as vLLM servers of these weights compute it
+            from ec_connectors.protocol.fingerprint import model_fingerprint
+
+            extra["model_fingerprint"] = model_fingerprint(self.model)
         extra.setdefault("embedding_dtype", self.embedding_dtype)
         return EPDConfig.from_dict(extra)
 

@@ -4,13 +4,15 @@ over the safetensors transport. Counts come from the consumer's Prometheus /metr
 
 from __future__ import annotations
 
+import random
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from encoder_service.local.processes import VllmServer, start_all
+from encoder_service.local.processes import VllmServer, metric_value, start_all
 from encoder_service.local.testmodel import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import (
@@ -38,11 +40,17 @@ def cluster(tmp_path_factory):
                       epd_config("ec_producer", storage), cpu_core=0)
     cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
                       epd_config("ec_consumer", storage), cpu_core=1)
-    start_all([agg, prod, cons], progress=lambda m: print(f"[e2e] {m}", flush=True))
+    # vLLM's encoder cache holds max_num_batched_tokens: 256 = four 64-token images
+    tight = VllmServer("consumer-tight-cache", model, BASE_PORT + 3, logs,
+                       epd_config("ec_consumer", storage), cpu_core=1,
+                       extra_args=["--max-num-batched-tokens", "256"])
+    servers = [agg, prod, cons, tight]
+    start_all(servers, progress=lambda m: print(f"[e2e] {m}", flush=True))
     client = httpx.Client(timeout=120)
-    yield {"agg": agg, "prod": prod, "cons": cons, "storage": storage, "client": client}
+    yield {"agg": agg, "prod": prod, "cons": cons, "tight": tight, "storage": storage,
+           "client": client}
     client.close()
-    for s in (agg, prod, cons):
+    for s in servers:
         s.stop()
 
 
@@ -105,3 +113,38 @@ def test_hostile_item_ids_write_nothing_outside_the_storage_dir(cluster, tmp_pat
     files = [p for p in c["storage"].rglob("*") if p.is_file()]
     assert files and all(p.parent.parent == c["storage"] for p in files)
     assert all(len(p.name) < 120 for p in files)
+
+
+def test_duplicate_requests_under_a_tiny_encoder_cache_lose_nothing_and_leak_nothing(cluster):
+    """200 requests, each image asked twice at once, 16 in flight, on a consumer whose vLLM
+    encoder cache holds four images: items are staged, shared, evicted and loaded again while
+    other requests wait for them. Every answer equals the aggregated one, the engine lives,
+    and every staged byte leaves staging."""
+    c = cluster
+    tight = c["tight"]
+    cases = [case(c, seed=700 + n) for n in range(12)]
+    params = [encode(c, image, item_id) for image, item_id, _ in cases]
+    order = [n for n in range(len(cases)) for _ in range(2)] * 9  # 216 -> 200 below
+    random.Random(7).shuffle(order)
+    order = order[:200]
+
+    def one(i: int) -> bool:
+        n = order[i]
+        image, item_id, reference = cases[n]
+        promised = params[n] if i % 2 else {"epd": {"items": [item_id]}}  # ids only: looked up
+        return tokens(ask(c, tight, image, item_id, promised, max_tokens=4)) == reference[:4]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(len(order))))
+    assert all(results), f"{results.count(False)} answers differ from aggregated serving"
+    assert c["client"].get(tight.url + "/health").status_code == 200
+
+    def tight_metric(name: str) -> float:
+        return metric_value(c["client"].get(tight.url + "/metrics").text, f"vllm:epd_{name}")
+
+    print({m: tight_metric(f"{m}_total") for m in ("loads", "engine_cache_hits", "deferrals",
+                                                   "unwanted_drops", "local_encode_fallbacks")})
+    assert tight_metric("loads_total") >= len(cases)  # really loaded, not encoded locally
+    assert wait_for(lambda: tight_metric("staged_bytes_total") ==
+                    tight_metric("unstaged_bytes_total"), timeout=20, interval=0.5), (
+        tight_metric("staged_bytes_total"), tight_metric("unstaged_bytes_total"))

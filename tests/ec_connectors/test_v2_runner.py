@@ -158,3 +158,14 @@ def test_v2_metadata_only_item_missing_fails_the_request_not_the_runner(instance
         assert time.monotonic() < deadline, "never failed"
         time.sleep(0.01)
     assert "v2-ghost" not in cons.encoder_cache
+
+
+def test_servers_of_one_model_agree_on_its_fingerprint(vllm_configs):
+    """Computed from the served directory, as the encoder pool computes it from its own."""
+    from ec_connectors.config import EPDConfig
+    from ec_connectors.protocol.fingerprint import model_fingerprint
+
+    cfgs = [EPDConfig.from_vllm_config(c) for c in vllm_configs.values()]
+    fp = model_fingerprint(vllm_configs["producer"].model_config.model)
+    assert [c.model_fingerprint for c in cfgs] == [fp, fp] and len(fp) == 16
+    assert cfgs[0].scope == f"{cfgs[0].namespace}#{fp}"

@@ -89,7 +89,7 @@ class MooncakeCatalog(Transport):
     def _apply(self, msg: PeerMessage) -> None:
         if not isinstance(msg, Announce | Evicted | Snapshot):
             return
-        if self.config.namespace and msg.namespace and msg.namespace != self.config.namespace:
+        if self.config.namespace and msg.namespace and msg.namespace != self.config.scope:
             return  # another model's producer: its items are not ours to use
         endpoint = msg.endpoint
         parse_endpoint(endpoint)

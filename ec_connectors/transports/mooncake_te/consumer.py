@@ -20,7 +20,12 @@ from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te import messages
-from ec_connectors.transports.mooncake_te.messages import PeerMessage, Progress, Pull
+from ec_connectors.transports.mooncake_te.messages import (
+    PeerMessage,
+    Progress,
+    Pull,
+    Register,
+)
 
 logger = get_logger(__name__)
 
@@ -45,10 +50,11 @@ class PendingPull:
 
 class PeerLink:
     """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
-    flight to it and the buffers it may still write into."""
+    flight to it and the buffers it may still write into. `hello` (messages.Register) opens
+    every connection: the producer writes only into the range it names and proves."""
 
     def __init__(self, endpoint: str, context: zmq.Context,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None, hello: Register | None = None) -> None:
         host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
         self._ids = itertools.count(1)
@@ -60,7 +66,8 @@ class PeerLink:
                                        on_message=self._on_message, name=f"epd-peer-{port}",
                                        decode=messages.decode_peer,
                                        on_disconnect=self._on_disconnect, context=context,
-                                       curve=curve, on_unreachable=self._on_unreachable)
+                                       curve=curve, on_unreachable=self._on_unreachable,
+                                       greeting=hello)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""

@@ -29,6 +29,21 @@ class Pull(msgspec.Struct, tag=True):
     timeout_s: float = 0.0  # 0: no deadline (older consumers)
 
 
+class Register(msgspec.Struct, tag=True):
+    """consumer -> producer, on every (re)connection of the side channel: "write my pulls only
+    into [base, base + length) of transfer engine session `session`". The proof that the
+    session is the sender's own: `nonce` sits at `proof_addr` in that session's registered
+    memory, which the producer reads through the engine before it accepts the range (the
+    channel is encrypted, so nobody else knows the nonce). Pulls on a connection are written
+    only into a range it registered this way."""
+
+    session: str
+    base: int
+    length: int
+    proof_addr: int
+    nonce: bytes
+
+
 class Pulled(msgspec.Struct, tag=True):
     """producer -> consumer: the item is in your buffer (or in the next frame, `inline`)."""
 
@@ -40,7 +55,9 @@ class Pulled(msgspec.Struct, tag=True):
 class PullFailed(msgspec.Struct, tag=True):
     """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
     transfer | bad_request | namespace (the item belongs to another model) | expired (the
-    pull's deadline passed before or while it was served: nothing more is written) | busy
+    pull's deadline passed before or while it was served: nothing more is written) |
+    unregistered (the destination is not inside a range this connection registered and
+    proved: nothing is written) | busy
     (the producer's queue of pulls is full) | failed (the producer could not store the item:
     stop waiting for it)."""
 
@@ -85,7 +102,8 @@ class Snapshot(msgspec.Struct, tag=True):
     namespace: str = ""
 
 
-PeerMessage = Pull | Pulled | PullFailed | Progress | Announce | Evicted | Snapshot
+PeerMessage = (Pull | Register | Pulled | PullFailed | Progress | Announce | Evicted
+               | Snapshot)
 
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
 

@@ -1,12 +1,15 @@
 """Producer side of the Mooncake TE transport: the items a worker holds in its registered pool
-(leases, pins, LRU, backpressure) and the ZMQ PUB that announces them to catalogs."""
+(leases, pins, LRU, backpressure), the ZMQ PUB that announces them to catalogs, and the
+ranges consumers proved are theirs (the only places pulls are written to)."""
 
 from __future__ import annotations
 
+import hmac
 import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -186,3 +189,89 @@ class Announcer:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=5)
+
+
+@dataclass
+class _Claim:
+    """A connection's registered range; `ok` once its nonce was read back from its session."""
+
+    session: str
+    base: int
+    end: int
+    done: threading.Event
+    ok: bool = False
+    error: str = ""
+
+
+class ConsumerRanges:
+    """Where a producer may write: per side-channel connection (ZMQ ROUTER identity), the one
+    range it registered and proved (messages.Register). A pull names a destination; it is
+    written only when that lies inside its own connection's proven range, so a peer holding
+    the deployment secret still cannot aim the producer at another consumer's memory."""
+
+    NONCE_BYTES = 16
+    _MAX_CONNECTIONS = 4096  # the oldest registrations go first beyond this
+
+    def __init__(self, read: Callable[[str, int, int, int], int], scratch_addr: int,
+                 scratch_bytes: int) -> None:
+        self._read = read  # engine.transfer_sync_read(session, local, remote, n) -> rc
+        self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for off in range(0, scratch_bytes - self.NONCE_BYTES + 1, 64):
+            self._slots.put(scratch_addr + off)
+        self._claims: OrderedDict[bytes, _Claim] = OrderedDict()
+        self._cond = threading.Condition()
+
+    def register(self, peer: bytes, session: str, base: int, length: int) -> _Claim:
+        claim = _Claim(session, base, base + max(0, length), threading.Event())
+        with self._cond:
+            self._claims[peer] = claim
+            self._claims.move_to_end(peer)
+            while len(self._claims) > self._MAX_CONNECTIONS:
+                self._claims.popitem(last=False)
+            self._cond.notify_all()
+        return claim
+
+    def prove(self, claim: _Claim, proof_addr: int, nonce: bytes, scratch: memoryview,
+              scratch_base: int, timeout_s: float) -> None:
+        """Read the nonce back from the claimed session (a serve thread; one engine read)."""
+        try:
+            if len(nonce) != self.NONCE_BYTES:
+                claim.error = f"a nonce of {len(nonce)} bytes, not {self.NONCE_BYTES}"
+                return
+            try:
+                slot = self._slots.get(timeout=timeout_s)
+            except queue.Empty:
+                claim.error = "too many registrations at once"
+                return
+            try:
+                rc = self._read(claim.session, slot, proof_addr, self.NONCE_BYTES)
+                off = slot - scratch_base
+                seen = bytes(scratch[off:off + self.NONCE_BYTES])
+            finally:
+                self._slots.put(slot)
+            if rc != 0:
+                claim.error = f"cannot read the proof from session {claim.session} (rc {rc})"
+            elif not hmac.compare_digest(seen, nonce):
+                claim.error = f"the proof read from session {claim.session} does not match"
+            else:
+                claim.ok = True
+        finally:
+            claim.done.set()
+
+    def check(self, peer: bytes, session: str, addr: int, nbytes: int, deadline: float) -> str:
+        """"" when [addr, addr + nbytes) of `session` lies in the range `peer` proved, else why
+        not. Waits (until `deadline`) for a registration still on its way or being proved."""
+        with self._cond:
+            self._cond.wait_for(lambda: peer in self._claims,
+                                max(0.0, deadline - time.monotonic()))
+            claim = self._claims.get(peer)
+        if claim is None:
+            return "this connection registered no range"
+        if not claim.done.wait(max(0.0, deadline - time.monotonic())):
+            return "the connection's range is not proven yet"
+        if not claim.ok:
+            return f"the connection's range was refused: {claim.error}"
+        if session != claim.session or not claim.base <= addr <= addr + nbytes <= claim.end:
+            return (f"{nbytes} bytes at {addr:#x} of {session} are outside the range this "
+                    f"connection registered")
+        return ""

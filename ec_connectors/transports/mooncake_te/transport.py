@@ -3,7 +3,10 @@
 Producer worker: `put` copies the encoder output once into its registered pool and announces
 it (ZMQ PUB). A ZMQ ROUTER side channel answers `Pull`: the producer writes the item straight
 into the consumer's registered buffer with the transfer engine (RDMA or TCP), then replies
-`Pulled`. Small items ride inline in the reply (one round trip, no engine call).
+`Pulled`. Small items ride inline in the reply (one round trip, no engine call). Every connection of
+the side channel opens with the consumer's `Register`: its pool's range, proven by a nonce the
+producer reads back from the consumer's memory; writes go only into that range, so a peer
+cannot aim a producer at another consumer's buffers.
 Items are held under a byte budget (the pool): leased for `lease_ttl_s` after their save,
 never deleted on pull (any number of consumers), LRU-evicted only once unleased and unpinned;
 when everything is leased a save waits (backpressure) and then fails loudly.
@@ -25,6 +28,7 @@ Routing, retries across tiers and request lifecycle live above (worker.py, sched
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -60,12 +64,19 @@ from ec_connectors.transports.mooncake_te.messages import (
     Pull,
     Pulled,
     PullFailed,
+    Register,
 )
-from ec_connectors.transports.mooncake_te.producer import Announcer, ProducerStore
+from ec_connectors.transports.mooncake_te.producer import (
+    Announcer,
+    ConsumerRanges,
+    ProducerStore,
+)
 
 logger = get_logger(__name__)
 
 _UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save may still be queued
+_OWN_PAGE = 4096  # registered page: our proof nonce, then a producer's scratch slots
+_REGISTER_WAIT_S = 5.0  # a pull waits this long at most for its connection's Register
 
 
 class MooncakeTransport(Transport):
@@ -84,12 +95,22 @@ class MooncakeTransport(Transport):
                            "channel, announcements and transfer engine serve loopback only, "
                            "not %s; give every EPD process the same secret to serve other "
                            "hosts", SECRET_ENV, resolve_host(config.host))
-        self.namespace = config.namespace or "default"  # one model per producer process
+        self.namespace = config.scope  # one model (name and fingerprint) per producer process
         self.engine = start_engine(config, self.host)
         self._zmq = zmq.Context()  # ours alone, so close() can terminate it
         self.session = f"{self.host}:{self.engine.get_rpc_port()}"
         self.pool = MemoryPool(config.memory_pool_bytes, config.memory_pool_device,
                                register=self._register)
+        # Our own registered page: the nonce a consumer proves its session with (first
+        # bytes), and a producer's scratch for reading other consumers' proofs (the rest).
+        self._own = torch.zeros(_OWN_PAGE, dtype=torch.uint8)
+        self._register(self._own.data_ptr(), _OWN_PAGE, "cpu:0")
+        nonce = os.urandom(ConsumerRanges.NONCE_BYTES)
+        self._own[:len(nonce)] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
+        self._hello = Register(session=self.session, base=self.pool.base_addr,
+                               length=self.pool.capacity, proof_addr=self._own.data_ptr(),
+                               nonce=nonce)
+        self.ranges: ConsumerRanges | None = None
         self.store: ProducerStore | None = None
         self.server: ControlEndpoint | None = None
         self.announcer: Announcer | None = None
@@ -97,8 +118,10 @@ class MooncakeTransport(Transport):
         self._links: dict[str, PeerLink] = {}
         self._links_lock = threading.Lock()
         self._serve = ThreadPoolExecutor(config.serve_threads, thread_name_prefix="epd-serve")
+        # Proofs of registrations run apart: pulls on the serve threads may be waiting for them.
+        self._prove = ThreadPoolExecutor(2, thread_name_prefix="epd-register")
         self.pull_stats = {"pulls": 0, "inline": 0, "unknown": 0, "evicted": 0,
-                           "transfer_errors": 0, "expired": 0}
+                           "transfer_errors": 0, "expired": 0, "unregistered": 0}
         self._queued_pulls = 0  # producer: pulls accepted and not yet served
         if placement.is_producer:
             self._start_producer()
@@ -107,9 +130,9 @@ class MooncakeTransport(Transport):
     def endpoint(self) -> str:
         return self._endpoint
 
-    def _register(self, addr: int, size: int) -> None:
-        location = "cpu:0" if self.config.memory_pool_device == "cpu" else \
-            f"cuda:{torch.cuda.current_device()}"
+    def _register(self, addr: int, size: int, location: str = "") -> None:
+        location = location or ("cpu:0" if self.config.memory_pool_device == "cpu" else
+                                f"cuda:{torch.cuda.current_device()}")
         try:
             rc = self.engine.register_memory(addr, size, location)
         except TypeError:  # wheels before 0.3.13 take no location (they detect it)
@@ -124,6 +147,8 @@ class MooncakeTransport(Transport):
                  for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE)]
         self._endpoint = f"{self.host}:{ports[0]}"
         self.store = ProducerStore(self.pool, c.lease_ttl_s)
+        self.ranges = ConsumerRanges(self.engine.transfer_sync_read, self._own.data_ptr() + 64,
+                                     _OWN_PAGE - 64)
         try:
             self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
                                           on_message=self._on_pull, name="epd-peer-server",
@@ -171,6 +196,18 @@ class MooncakeTransport(Transport):
         return info
 
     def _on_pull(self, msg: PeerMessage, peer: bytes | None, _payload: list[bytes]) -> None:
+        if isinstance(msg, Register) and peer is not None and self.ranges is not None:
+            claim = self.ranges.register(peer, msg.session, msg.base, msg.length)
+            try:
+                parse_endpoint(msg.session)
+            except ValueError as exc:
+                claim.error = str(exc)
+                claim.done.set()
+                return
+            scratch = memoryview(self._own.numpy())
+            self._prove.submit(self.ranges.prove, claim, msg.proof_addr, msg.nonce, scratch,
+                               self._own.data_ptr(), self.config.transfer_timeout_base_s)
+            return
         if not isinstance(msg, Pull) or peer is None:
             return
         try:
@@ -239,6 +276,14 @@ class MooncakeTransport(Transport):
                 self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
                                              error=f"needs {info.nbytes} bytes"))
                 return
+            assert self.ranges is not None
+            refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
+                                        min(expires, time.monotonic() + _REGISTER_WAIT_S))
+            if refused:
+                self.pull_stats["unregistered"] += 1
+                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="unregistered",
+                                             error=f"{self.endpoint} writes nothing: {refused}"))
+                return
             chunk = self.config.transfer_chunk_bytes or info.nbytes
             for start in range(0, info.nbytes, chunk):
                 if self._expired(msg, peer, expires):
@@ -265,7 +310,8 @@ class MooncakeTransport(Transport):
                 link.close()
                 link = None
             if link is None:
-                link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self.curve)
+                link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self.curve,
+                                                        hello=self._hello)
             return link
 
     def _sources(self, location: str) -> list[str]:
@@ -294,7 +340,7 @@ class MooncakeTransport(Transport):
             if outcome == "too_big":
                 break
             if outcome in ("evicted", "corrupt", "timeout", "namespace", "failed",
-                           "unreachable") and len(sources) == 1:
+                           "unreachable", "unregistered") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
             if not wait and outcome == "unknown" and i >= len(sources):
@@ -435,7 +481,8 @@ class MooncakeTransport(Transport):
         with self._links_lock:
             quarantined = sum(link.quarantined for link in self._links.values())
         return {"transport": self.name, "ok": True, "endpoint": self.endpoint,
-                "session": self.session, "pool_used_bytes": self.pool.used_bytes,
+                "session": self.session, "pool_addr": self.pool.base_addr,
+                "pool_used_bytes": self.pool.used_bytes,
                 "pool_bytes": self.pool.capacity, "held_items": len(self.store or ()),
                 "quarantined": quarantined, **self.pull_stats}
 
@@ -444,6 +491,7 @@ class MooncakeTransport(Transport):
             if part is not None:
                 part.close()
         self._serve.shutdown(wait=True, cancel_futures=True)
+        self._prove.shutdown(wait=True, cancel_futures=True)
         with self._links_lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
@@ -451,7 +499,8 @@ class MooncakeTransport(Transport):
         if self.store is not None:
             self.store.clear()
         self.pool.close()
-        with contextlib.suppress(Exception):
-            self.engine.unregister_memory(self.pool.base_addr)
+        for addr in (self.pool.base_addr, self._own.data_ptr()):
+            with contextlib.suppress(Exception):
+                self.engine.unregister_memory(addr)
         self.engine = None
         self._zmq.destroy(linger=0)  # sockets are closed by now; never waits

@@ -107,6 +107,12 @@ def test_items_of_another_model_are_refused(peers):
     assert not refused["found"] and time.monotonic() - t0 < 2  # refused at once, not retried
     got = same.call({"op": "get", "id": "shared-uuid", "timeout_s": 5, "location": endpoint})
     assert got["found"] and got["checksum"] == put["checksum"]
+    # the same served name on other weights (another model fingerprint) is another model
+    retrained = peers.start(CONSUMER, **mc_config(base, namespace="model-a",
+                                                  model_fingerprint="0123456789abcdef"))
+    refused = retrained.call({"op": "get", "id": "shared-uuid", "timeout_s": 5,
+                              "location": endpoint})
+    assert not refused["found"]
 
 
 def test_consumer_finds_items_through_configured_producers(peers):
@@ -404,6 +410,60 @@ def test_side_channel_and_announcements_need_the_deployment_secret(peers, tmp_pa
     finally:
         ctx.destroy(linger=0)
     assert health(prod)["held_items"] == 2
+
+
+def test_a_producer_writes_only_into_the_range_its_connection_proved(peers, tmp_path):
+    """A peer holding the deployment secret still cannot aim the producer at another
+    consumer's memory: a pull is written only into the range its own connection registered
+    and proved by a nonce the producer reads back from that memory."""
+    from ec_connectors.messages import encode
+    from ec_connectors.protocol.keys import item_key
+    from ec_connectors.protocol.secret import curve_keys, read_secret
+    from ec_connectors.transports.mooncake_te.messages import Pull, PullFailed, Register
+
+    base = next(_ports)
+    secret = secret_file(tmp_path)
+    prod = peers.start(PRODUCER, **mc_config(base, secret_file=secret))
+    victim = peers.start(CONSUMER, **mc_config(base, secret_file=secret))
+    shape = [512, 1024]  # 1 MiB: written through the engine, not inline
+    put = prod.call({"op": "put", "id": "r", "seed": 5, "shape": shape, "dtype": "bfloat16"})
+    endpoint = put["location"]
+    got = victim.call({"op": "get", "id": "r", "timeout_s": 10, "location": endpoint})
+    assert got["found"] and got["checksum"] == put["checksum"]  # the victim's own pulls work
+    v = health(victim)
+    ctx = zmq.Context()
+    try:
+        def attempt(pull_id: int, hello: Register | None) -> PullFailed:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            curve_keys(read_secret(secret)).client(dealer)
+            dealer.connect(f"tcp://{endpoint}")
+            if hello is not None:
+                dealer.send(encode(hello))
+            dealer.send(encode(Pull(pull_id=pull_id, key=item_key("r"), session=v["session"],
+                                    dst_addr=v["pool_addr"], capacity=put["nbytes"],
+                                    timeout_s=1.0)))
+            assert dealer.poll(8000), "the producer must answer a refused pull"
+            from ec_connectors.transports.mooncake_te.messages import decode_peer
+
+            reply = decode_peer(dealer.recv())
+            dealer.close()
+            return reply
+
+        # no registration at all; then the victim's session and range claimed with a guessed
+        # nonce (the producer reads the victim's real one and refuses)
+        for i, hello in enumerate((None, Register(
+                session=v["session"], base=v["pool_addr"], length=v["pool_bytes"],
+                proof_addr=v["pool_addr"], nonce=os.urandom(16)))):
+            reply = attempt(i + 1, hello)
+            assert isinstance(reply, PullFailed) and reply.code == "unregistered", reply
+    finally:
+        ctx.destroy(linger=0)
+    assert health(prod)["unregistered"] == 2
+    # the victim still pulls correctly, and nothing was written into its pool meanwhile
+    got = victim.call({"op": "get", "id": "r", "timeout_s": 10, "location": endpoint})
+    assert got["found"] and got["checksum"] == put["checksum"]
+    assert health(victim)["pool_used_bytes"] == 0
 
 
 def test_without_a_secret_the_data_plane_stays_on_loopback(peers):
