@@ -233,8 +233,7 @@ class EPDSchedulerSide:
                 # In the KV cache, or in vLLM's own encoder cache (placed there, or encoded;
                 # vLLM serves it: no load, no wait): a copy staged for it is not needed. A
                 # preempted request whose item was evicted since is loaded again.
-                if not done:
-                    self.stats.inc("engine_cache_hits")
+                self.stats.inc("engine_cache_hits" if not done else "prefix_cached")
                 if item_id in waits:  # (no lock taken for the usual running request)
                     self._release(item_id, req_id)
                 continue

@@ -27,6 +27,8 @@ COUNTERS = {
     "hits": "Scheduler lookups that found an item ready",
     "engine_cache_hits": "Items a request took from vLLM's encoder cache (held for another "
                          "request): no load, no wait",
+    "prefix_cached": "Items whose tokens the prefix cache already holds (num_computed_tokens "
+                     "covers them): neither waited for nor transferred",
     "unwanted_drops": "Staged items dropped because no request waits for them any more",
     "staged_bytes": "Bytes staged on workers (loaded, waiting to be placed)",
     "unstaged_bytes": "Bytes that left staging (placed, dropped or expired); staged minus "

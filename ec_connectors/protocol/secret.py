@@ -183,3 +183,11 @@ class IdSigner:
             return True
         content_id, sep, tag = item_id.rpartition(_ID_SEP)
         return bool(sep) and hmac.compare_digest(self._tag(content_id), tag)
+
+
+def admin_token(secret: bytes) -> str:
+    """The bearer token of a gateway's admin endpoints (join/leave at run time): derived from
+    the deployment secret, so the secret itself never travels (`epd admin-token` prints it)."""
+    return hmac.new(hashlib.blake2b(b"admin", key=secret[:64], digest_size=32,
+                                    person=b"epd-admin-v1").digest(),
+                    b"epd-admin", hashlib.sha256).hexdigest()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import re
 import time
@@ -29,8 +30,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from ec_connectors.protocol.params import PARAMS_KEY
+from ec_connectors.protocol.secret import admin_token, is_loopback, read_secret
 from encoder_service.gateway.availability import make_availability
-from encoder_service.gateway.config import GatewayConfig
+from encoder_service.gateway.config import AdminChange, GatewayConfig
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
 from encoder_service.gateway.encoder_clients import (
     EncodeOutcome,
@@ -46,6 +48,7 @@ from encoder_service.gateway.parsing import (
     placeholder_metadata,
     prepare_chat,
 )
+from encoder_service.gateway.routing import Chooser
 from encoder_service.gateway.urls import fetch_media
 
 logger = logging.getLogger("epd.gateway")
@@ -108,6 +111,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.availability = make_availability(cfg)
         self.ids = cfg.ids  # signs the item ids it derives (with the deployment secret)
+        secret = read_secret(cfg.secret_file)
+        self._admin_token = None if secret is None else admin_token(secret)
         self.client: httpx.AsyncClient | None = None
         self.fetch_client: httpx.AsyncClient | None = None
         self.router: EncoderRouter | None = None
@@ -125,18 +130,23 @@ class Gateway:
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
             connect=t.connect_s, read=t.decode_s, write=t.decode_s, pool=t.connect_s))
         self.fetch_client = httpx.AsyncClient(trust_env=False)
-        if self.cfg.encoder_backend == "pool":
-            clients: list[EncoderClient] = [PoolEncoderClient(u, self.client, t.encoder_s)
-                                            for u in self.cfg.encoders]
-        else:
-            clients = [VllmEncoderClient(u, self.cfg.model, self.client, t.encoder_s)
-                       for u in self.cfg.encoders]
-        self.router = EncoderRouter(clients, cooldown_s=self.cfg.cooldown_s)
+        r = self.cfg.routing
+        self.router = EncoderRouter([self._encoder_client(u) for u in self.cfg.encoders],
+                                    cooldown_s=self.cfg.cooldown_s,
+                                    chooser=Chooser(r.encoders, r.load_factor),
+                                    single_flight=r.single_flight)
         self.decoders = DecodePool(self.cfg)
         await self.decoders.start()
         logger.info("gateway ready model=%s encoders=%s (%s) decoders=%s availability=%s",
                     self.cfg.model, self.cfg.encoders, self.cfg.encoder_backend,
                     self.cfg.decoders, self.availability.name)
+
+    def _encoder_client(self, url: str) -> EncoderClient:
+        assert self.client is not None
+        t = self.cfg.timeouts.encoder_s
+        if self.cfg.encoder_backend == "pool":
+            return PoolEncoderClient(url, self.client, t)
+        return VllmEncoderClient(url, self.cfg.model, self.client, t)
 
     async def shutdown(self) -> None:
         if self._background:
@@ -296,9 +306,12 @@ class Gateway:
             m.stage_encode.observe(time.perf_counter() - t)
             info["encode_ms"] = _ms(time.perf_counter() - t)
             hints.update(outcome.hints)
-            info.update(encoded=len(outcome.hints), fallback=len(outcome.failed),
+            info.update(encoded=len(outcome.hints) - outcome.shared,
+                        shared=outcome.shared, fallback=len(outcome.failed),
                         enc_retries=outcome.retries)
-            m.items_encoded.inc(len(outcome.hints))
+            m.items_encoded.inc(len(outcome.hints) - outcome.shared)
+            if outcome.shared:
+                m.items_shared.inc(outcome.shared)
             if outcome.retries:
                 m.retries.labels("encoder").inc(outcome.retries)
             if errors:
@@ -318,7 +331,8 @@ class Gateway:
         body, n_meta = (metadata_only_body(prepared.body, metadata)
                         if metadata and self.cfg.media.metadata_only else (prepared.body, 0))
         info["metadata_only"] = n_meta
-        up = await self._open("/v1/chat/completions", _json_encode(body), rid)
+        key = ids[0] if ids else None  # its decode instance: where its first item went before
+        up = await self._open("/v1/chat/completions", _json_encode(body), rid, key=key)
         if n_meta and await up.failed_before_answer(prepared.stream):
             # e.g. an embedding evicted or lost on its way: the decode instance has no
             # media to encode it from; the raw media let it (nothing lost)
@@ -328,7 +342,8 @@ class Gateway:
                            "action=retrying once with the raw media", rid, up.url,
                            up.status_code)
             info["metadata_only"] = 0
-            up = await self._open("/v1/chat/completions", _json_encode(prepared.body), rid)
+            up = await self._open("/v1/chat/completions", _json_encode(prepared.body), rid,
+                                  key=key)
         elif n_meta:
             m.items_metadata_only.inc(n_meta)
         return up, info
@@ -352,10 +367,10 @@ class Gateway:
         return out
 
     async def _open(self, path: str, payload: bytes | None, rid: str,
-                    method: str = "POST") -> Upstream:
+                    method: str = "POST", key: str | None = None) -> Upstream:
         assert self.decoders is not None
         try:
-            up = await self.decoders.open(method, path, payload, rid)
+            up = await self.decoders.open(method, path, payload, rid, key=key)
         except GatewayError:
             self.metrics.upstream_errors.labels("decode").inc()
             raise
@@ -504,14 +519,71 @@ class Gateway:
             except httpx.HTTPError:
                 return False
 
-        urls = [*self.cfg.decoders, *self.cfg.encoders]
+        assert self.decoders is not None and self.router is not None
+        decoders, encoders = list(self.decoders.urls), list(self.router.clients)
+        urls = [*decoders, *encoders]
         oks = await asyncio.gather(*(probe(u) for u in urls))
         state = dict(zip(urls, oks, strict=True))
-        dec = {u: state[u] for u in self.cfg.decoders}
-        enc = {u: state[u] for u in self.cfg.encoders}
+        dec = {u: state[u] for u in decoders}
+        enc = {u: state[u] for u in encoders}
         ok = any(dec.values())
         return JSONResponse({"status": "ok" if ok else "unavailable", "decoders": dec,
                              "encoders": enc}, status_code=200 if ok else 503)
+
+    async def instances(self, request: Request) -> JSONResponse:
+        """Each encoder and decode instance: state (up, cooling_down, draining), in flight,
+        and what it was given (decoders: `affinity` = requests that went to their first
+        item's own instance)."""
+        assert self.decoders is not None and self.router is not None
+        return JSONResponse({"encoders": self.router.describe(),
+                             "decoders": self.decoders.describe(),
+                             "routing": self.cfg.routing.model_dump()})
+
+    def _admin_allowed(self, request: Request) -> bool:
+        if self._admin_token is not None:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            return hmac.compare_digest(given.encode(), self._admin_token.encode())
+        client = request.client
+        return client is not None and is_loopback(client.host)
+
+    async def admin_instances(self, request: Request) -> JSONResponse:
+        """POST {"role": "encoder"|"decoder", "url": BASE_URL, "action": "add"|"remove",
+        "drain_timeout_s": 60}: join or leave at run time. A removed instance gets nothing new
+        and is forgotten once its requests in flight are done (or the timeout passed)."""
+        assert self.decoders is not None and self.router is not None
+        if not self.cfg.routing.admin:
+            return JSONResponse({"error": "admin endpoints are off (routing.admin)"}, 404)
+        if not self._admin_allowed(request):
+            return JSONResponse({"error": "admin endpoints need the deployment's admin token "
+                                 "(`epd admin-token`) as a Bearer token; without a secret, "
+                                 "loopback callers only"}, 403)
+        try:
+            change = AdminChange.model_validate(await self._read_json(request))
+        except GatewayError as exc:
+            return JSONResponse(exc.body(), exc.status)
+        except ValueError as exc:
+            return JSONResponse({"error": f"bad admin request: {exc}"}, 400)
+        url = change.url
+        if change.action == "add":
+            if change.role == "encoder":
+                self.router.add(self._encoder_client(url))
+            else:
+                self.decoders.add(url)
+            logger.info("instance joined role=%s url=%s", change.role, url)
+            return JSONResponse({"url": url, "role": change.role, "state": "up"})
+        known = self.router.clients if change.role == "encoder" else self.decoders.urls
+        if url not in known:
+            return JSONResponse({"error": f"no {change.role} {url}"}, 404)
+        if change.role == "decoder" and len(self.decoders.urls) - len(
+                self.decoders.draining) <= 1 and url not in self.decoders.draining:
+            return JSONResponse({"error": "the last prefill/decode instance cannot leave"},
+                                409)
+        pool = self.router if change.role == "encoder" else self.decoders
+        logger.info("instance leaving role=%s url=%s action=draining", change.role, url)
+        drained = await pool.drain(url, change.drain_timeout_s)
+        logger.info("instance left role=%s url=%s drained=%s", change.role, url, drained)
+        return JSONResponse({"url": url, "role": change.role, "state": "removed",
+                             "drained": drained})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry),
@@ -562,6 +634,8 @@ def create_app(cfg: GatewayConfig) -> GatewayApp:
         Route("/v1/completions", _Endpoint(gw.completions), methods=["POST"]),
         Route("/v1/models", _Endpoint(gw.models), methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
+        Route("/instances", gw.instances, methods=["GET"]),
+        Route("/admin/instances", gw.admin_instances, methods=["POST"]),
         Route("/metrics", gw.metrics_endpoint, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

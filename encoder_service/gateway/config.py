@@ -91,6 +91,37 @@ class TimeoutConfig(_Strict):
     health_s: float = Field(1.0, gt=0)
 
 
+class RoutingConfig(_Strict):
+    """Which encoder encodes an item and which decode instance serves a request (routing.py).
+    `affinity`: rendezvous hashing on the item id (the decode side: on the request's first
+    item) with bounded loads, the same on every gateway replica; `least_loaded`,
+    `round_robin` for comparison."""
+
+    encoders: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    decoders: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    load_factor: float = Field(1.25, ge=1.0, description="an instance carrying more than "
+                               "this times the average in-flight load is passed over")
+    single_flight: bool = Field(True, description="concurrent requests for one item not yet "
+                                "encoded share one encode")
+    admin: bool = Field(True, description="serve POST /admin/instances (join/leave at run "
+                        "time): with the deployment secret, callers must show its admin "
+                        "token; without one, loopback callers only")
+
+
+class AdminChange(_Strict):
+    """One membership change (POST /admin/instances)."""
+
+    role: Literal["encoder", "decoder"]
+    url: str
+    action: Literal["add", "remove"]
+    drain_timeout_s: float = Field(60.0, gt=0, le=3600)
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _check_base_url(v)
+
+
 class AvailabilityConfig(_Strict):
     """Where the gateway looks up items that are already encoded (so they skip encoding).
 
@@ -134,6 +165,7 @@ class GatewayConfig(_Strict):
                                       description="try an encoder or decode instance last for "
                                                   "this long after it failed")
     availability: AvailabilityConfig = AvailabilityConfig()
+    routing: RoutingConfig = RoutingConfig()
     limits: LimitsConfig = LimitsConfig()
     media: MediaConfig = MediaConfig()
     timeouts: TimeoutConfig = TimeoutConfig()

@@ -1,4 +1,5 @@
-"""Prefill/decode instances: least-loaded choice, one retry before the first byte.
+"""Prefill/decode instances: affinity choice under bounded load (routing.py), one retry before
+the first byte, membership that changes at run time (drained before an instance leaves).
 
 `DecodePool.open` sends the request and returns once the response headers arrived (the
 first byte): a connect error, a timeout before headers or a 5xx is retried once on another
@@ -15,16 +16,18 @@ path and measured about 0.45 ms less per request here (see benchmarks/serve_benc
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Set
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import msgspec
 
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.routing import Chooser, rendezvous
 
 
 class UpstreamError(Exception):
@@ -128,12 +131,14 @@ class DecodePool:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.urls = list(cfg.decoders)
         self.inflight = {u: 0 for u in self.urls}
+        self.chooser = Chooser(cfg.routing.decoders, cfg.routing.load_factor)
+        self.draining: set[str] = set()
+        self.counts = {u: {"requests": 0, "affinity": 0} for u in self.urls}
         t = cfg.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s,
                                              sock_read=t.decode_s)
         self.cooldown_s = cfg.cooldown_s
         self.down_until = {u: 0.0 for u in self.urls}
-        self._rr = itertools.count()
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -145,31 +150,68 @@ class DecodePool:
         if self.session is not None:
             await self.session.close()
 
-    def order(self, exclude: set[str] = frozenset(), start: int = 0) -> list[str]:
-        """Instances to try, best first: not cooling down after a failure, least in flight,
-        ties rotating from `start`."""
+    def order(self, key: str | None = None, exclude: Set[str] = frozenset()) -> list[str]:
+        """Instances to try, best first: the policy's order for `key` (the request's first
+        item; None: least loaded) among those not cooling down after a failure, then those
+        cooling down. Draining instances get nothing new."""
         now = time.monotonic()
-        n = len(self.urls)
-        cands = [(self.down_until[u] > now, self.inflight[u], (i - start) % n, u)
-                 for i, u in enumerate(self.urls) if u not in exclude]
-        return [u for *_, u in sorted(cands)]
+        live = [u for u in self.urls if u not in exclude and u not in self.draining]
+        up = [u for u in live if self.down_until[u] <= now]
+        cooling = [u for u in live if self.down_until[u] > now]
+        return (self.chooser.order(key, up, self.inflight)
+                + self.chooser.order(key, cooling, self.inflight))
+
+    # -- membership --------------------------------------------------------------------------
+    def add(self, url: str) -> None:
+        if url not in self.urls:
+            self.urls.append(url)
+        self.inflight.setdefault(url, 0)
+        self.down_until[url] = 0.0
+        self.counts.setdefault(url, {"requests": 0, "affinity": 0})
+        self.draining.discard(url)
+
+    async def drain(self, url: str, timeout_s: float) -> bool:
+        """No new requests for `url`; wait (up to `timeout_s`) for its answers in flight to
+        end, then forget it. True when it left drained."""
+        self.draining.add(url)
+        deadline = time.monotonic() + timeout_s
+        while self.inflight.get(url, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = not self.inflight.get(url, 0)
+        if url in self.draining:
+            with contextlib.suppress(ValueError):
+                self.urls.remove(url)
+            self.draining.discard(url)
+        return drained
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"url": u, "state": "draining" if u in self.draining else
+                 "cooling_down" if self.down_until.get(u, 0) > now else "up",
+                 "inflight": self.inflight.get(u, 0), **self.counts.get(u, {})}
+                for u in self.urls]
 
     def _failed(self, url: str) -> None:
         self.inflight[url] -= 1
         self.down_until[url] = time.monotonic() + self.cooldown_s
 
     async def open(self, method: str, path: str, content: bytes | None,
-                   request_id: str) -> Upstream:
+                   request_id: str, key: str | None = None) -> Upstream:
+        """`key`: what the request's affinity follows (its first item id), None for none."""
         assert self.session is not None, "DecodePool.start() was not called"
         tried: set[str] = set()
         last_error = ""
-        start = next(self._rr)
+        preferred = ""
         for attempt in range(2):
-            cands = self.order(exclude=tried, start=start)
+            cands = self.order(key, exclude=tried)
             if not cands:
                 break
             url = cands[0]
+            if attempt == 0 and key is not None:
+                preferred = rendezvous(key, self.urls)[0]
             tried.add(url)
+            self.counts[url]["requests"] += 1
+            self.counts[url]["affinity"] += url == preferred
             headers = {"x-request-id": f"{request_id}-dec{attempt}"}
             if content is not None:
                 headers["content-type"] = "application/json"
@@ -190,7 +232,7 @@ class DecodePool:
                 self.inflight[url] -= 1
                 raise
             up = Upstream(resp, url, attempt, sent, self)
-            if resp.status >= 500 and attempt == 0 and len(self.urls) > 1:
+            if resp.status >= 500 and attempt == 0 and len(self.order(key, tried)) > 0:
                 last_error = f"{url}: HTTP {resp.status}"
                 await up.release()
                 self.down_until[url] = time.monotonic() + self.cooldown_s

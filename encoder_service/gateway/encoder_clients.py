@@ -9,18 +9,19 @@ or the request's end).
 `VllmEncoderClient` talks to a vLLM ec_producer over HTTP; `PoolEncoderClient` to the
 batching encoder pool (`epd encoder`: `/v1/encode`, `/v1/release`).
 
-`EncoderRouter.encode` groups a request's items per encoder (one call per encoder,
-least-loaded first), retries a failed group once on another encoder, and reports the items
-that still failed: the caller sends those as raw media (local encode on the decode side).
+`EncoderRouter.encode` sends each item to its encoder (routing.py: the encoder its id hashes
+to, unless that one is overloaded), one call per encoder, retries a failed group once on the
+next encoder, shares an encode already under way for the same item (single flight), and
+reports the items that still failed: the caller sends those as raw media (local encode on the
+decode side).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,6 +29,7 @@ import httpx
 
 from ec_connectors.protocol.params import PARAMS_KEY
 from encoder_service.gateway.parsing import MediaPart
+from encoder_service.gateway.routing import Chooser
 
 
 class EncoderFailed(Exception):
@@ -146,91 +148,221 @@ class EncodeOutcome:
     failed: list[str] = field(default_factory=list)
     retries: int = 0
     calls: int = 0
+    shared: int = 0  # items another request of this gateway was encoding (single flight)
     # (client, item ids it encoded) for clients that want `release` once the decode is done
     holders: list[tuple[Releasing, list[str]]] = field(default_factory=list)
+    router: EncoderRouter | None = None
 
     async def release(self) -> None:
-        """Tell every holding encoder the decode side is done (once; never raises)."""
+        """Tell every holding encoder the decode side is done (once; never raises). Items
+        other requests still use are released by the last of them."""
         holders, self.holders = self.holders, []
+        if self.router is not None:
+            holders = self.router.unref(holders)
         if holders:
             await asyncio.gather(*(c.release(ids) for c, ids in holders),
                                  return_exceptions=True)
 
 
+# (hint, holding client or None); hint None: the item failed (it goes raw)
+_Result = tuple[dict[str, Any] | None, Releasing | None]
+
+
 class EncoderRouter:
-    """Least-loaded dispatch with a cool-down for encoders that just failed."""
+    """Each item to its encoder (routing.Chooser: affinity by default), one call per encoder
+    per request, a failed call retried once on the item's next encoder, a cool-down for
+    encoders that just failed, and single flight: an item already being encoded for another
+    request of this gateway is waited for, not encoded again. Encoders join and leave at
+    run time (`add`, `drain`)."""
 
-    def __init__(self, clients: Sequence[EncoderClient], cooldown_s: float = 5.0) -> None:
-        self.clients = list(clients)
+    def __init__(self, clients: Sequence[EncoderClient], cooldown_s: float = 5.0,
+                 chooser: Chooser | None = None, single_flight: bool = True) -> None:
+        self.clients: dict[str, EncoderClient] = {c.name: c for c in clients}
         self.cooldown_s = cooldown_s
-        self.inflight = {c.name: 0 for c in self.clients}
-        self.down_until = {c.name: 0.0 for c in self.clients}
-        self._rr = itertools.count()
+        self.chooser = chooser or Chooser("least_loaded", 1.25)
+        self.single_flight = single_flight
+        self.inflight = {name: 0 for name in self.clients}
+        self.down_until = {name: 0.0 for name in self.clients}
+        self.draining: set[str] = set()
+        self.counts = {name: {"items": 0, "calls": 0, "failures": 0} for name in self.clients}
+        self._flights: dict[str, asyncio.Future[_Result]] = {}
+        self._refs: dict[tuple[str, str], int] = {}  # (encoder, item) -> outcomes holding it
 
-    def candidates(self, exclude: set[str] = frozenset()) -> list[EncoderClient]:
-        """Usable encoders, least-loaded first (ties rotate). If all are cooling down, they
-        are all tried anyway rather than none."""
+    # -- membership --------------------------------------------------------------------------
+    def add(self, client: EncoderClient) -> None:
+        self.clients[client.name] = client
+        self.inflight.setdefault(client.name, 0)
+        self.down_until[client.name] = 0.0
+        self.counts.setdefault(client.name, {"items": 0, "calls": 0, "failures": 0})
+        self.draining.discard(client.name)
+
+    async def drain(self, name: str, timeout_s: float) -> bool:
+        """Stop sending `name` new items, wait (up to `timeout_s`) for its calls in flight,
+        then forget it. True when it left drained."""
+        self.draining.add(name)
+        deadline = time.monotonic() + timeout_s
+        while self.inflight.get(name, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = not self.inflight.get(name, 0)
+        if name in self.draining:  # not re-added meanwhile
+            self.clients.pop(name, None)
+            self.draining.discard(name)
+        return drained
+
+    def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        pool = [c for c in self.clients if c.name not in exclude]
-        up = [c for c in pool if self.down_until[c.name] <= now] or pool
-        start = next(self._rr)
-        order = {c.name: (i - start) % max(len(up), 1) for i, c in enumerate(up)}
-        return sorted(up, key=lambda c: (self.inflight[c.name], order[c.name]))
+        return [{"url": name, "state": "draining" if name in self.draining else
+                 "cooling_down" if self.down_until.get(name, 0) > now else "up",
+                 "inflight": self.inflight.get(name, 0), **self.counts.get(name, {})}
+                for name in self.clients]
+
+    # -- choice ------------------------------------------------------------------------------
+    def candidates(self, key: str | None = None, exclude: Set[str] = frozenset(),
+                   load: dict[str, int] | None = None) -> list[EncoderClient]:
+        """Usable encoders for `key`, best first. If all are cooling down, they are all
+        tried anyway rather than none; draining ones never."""
+        now = time.monotonic()
+        pool = [n for n in self.clients if n not in exclude and n not in self.draining]
+        up = [n for n in pool if self.down_until[n] <= now] or pool
+        return [self.clients[n] for n in self.chooser.order(key, up, load or self.inflight)]
 
     async def _call(self, client: EncoderClient, items: Sequence[MediaPart],
-                    request_id: str) -> dict[str, Any]:
-        self.inflight[client.name] += 1
+                    request_id: str, reserved: bool = False) -> dict[str, Any]:
+        """One encode call; `reserved`: its in-flight count was taken when it was chosen."""
+        name = client.name
+        if not reserved:
+            self.inflight[name] += 1
+        self.counts[name]["calls"] += 1
+        self.counts[name]["items"] += len(items)
         try:
             out = await client.encode(items, request_id)
         except EncoderFailed:
-            self.down_until[client.name] = time.monotonic() + self.cooldown_s
+            self.down_until[name] = time.monotonic() + self.cooldown_s
+            self.counts[name]["failures"] += 1
             raise
         finally:
-            self.inflight[client.name] -= 1
-        self.down_until[client.name] = 0.0
+            self.inflight[name] -= 1
+        self.down_until[name] = 0.0
         return out
 
     async def _group(self, first: EncoderClient, items: Sequence[MediaPart], request_id: str,
-                     outcome: EncodeOutcome, errors: list[str]) -> None:
+                     outcome: EncodeOutcome, errors: list[str],
+                     results: dict[str, _Result]) -> None:
         tried = {first.name}
         client: EncoderClient | None = first
         for attempt in range(2):
             assert client is not None
             outcome.calls += 1
             try:
-                made = await self._call(client, items, f"{request_id}-enc{attempt}")
+                made = await self._call(client, items, f"{request_id}-enc{attempt}",
+                                        reserved=attempt == 0)
             except EncoderFailed as exc:
                 errors.append(str(exc))
             else:
-                done = [it.item_id for it in items if it.item_id in made]
-                outcome.hints.update((i, made[i]) for i in done)
-                if len(done) < len(items):  # failed alone (bad for this encoder): raw
-                    missing = [it.item_id for it in items if it.item_id not in made]
-                    outcome.failed.extend(missing)
+                holder = client if isinstance(client, Releasing) else None
+                for it in items:
+                    results[it.item_id] = (made[it.item_id], holder) if it.item_id in made \
+                        else (None, None)
+                missing = [it.item_id for it in items if it.item_id not in made]
+                if missing:  # failed alone (bad for this encoder): raw
                     errors.append(f"{client.name}: {len(missing)} item(s) not encoded")
-                if done and isinstance(client, Releasing):
-                    outcome.holders.append((client, done))
                 return
-            others = self.candidates(exclude=tried)
+            others = self.candidates(items[0].item_id, exclude=tried)
             if attempt == 0 and others:
                 outcome.retries += 1
                 client = others[0]
                 tried.add(client.name)
             else:
                 break
-        outcome.failed.extend(it.item_id for it in items)
+        for it in items:
+            results[it.item_id] = (None, None)
+
+    async def _encode_now(self, items: Sequence[MediaPart], request_id: str,
+                          outcome: EncodeOutcome, errors: list[str]) -> dict[str, _Result]:
+        """Each item to its encoder (grouped: one call per encoder), retries included."""
+        load = dict(self.inflight)  # this request's items count too: a big one spreads
+        groups: dict[str, list[MediaPart]] = {}
+        for it in items:
+            cands = self.candidates(it.item_id, load=load)
+            target = cands[0].name
+            load[target] = load.get(target, 0) + 1
+            groups.setdefault(target, []).append(it)
+        for target in groups:  # counted now: the next request's choice sees these calls
+            self.inflight[target] += 1
+        results: dict[str, _Result] = {}
+        await asyncio.gather(*(self._group(self.clients[n], g, request_id, outcome, errors,
+                                           results) for n, g in groups.items()))
+        return results
+
+    def _take(self, outcome: EncodeOutcome, item_id: str, result: _Result) -> None:
+        hint, holder = result
+        if hint is None:
+            outcome.failed.append(item_id)
+            return
+        outcome.hints[item_id] = hint
+        if holder is not None:
+            ref = (holder.name, item_id)  # type: ignore[attr-defined]
+            self._refs[ref] = self._refs.get(ref, 0) + 1
+            for c, ids in outcome.holders:
+                if c is holder:
+                    ids.append(item_id)
+                    break
+            else:
+                outcome.holders.append((holder, [item_id]))
+
+    def unref(self, holders: list[tuple[Releasing, list[str]]]
+              ) -> list[tuple[Releasing, list[str]]]:
+        """What an outcome's release may really release: items no other request holds."""
+        out = []
+        for client, ids in holders:
+            free = []
+            for item_id in ids:
+                ref = (client.name, item_id)  # type: ignore[attr-defined]
+                n = self._refs.get(ref, 1) - 1
+                if n <= 0:
+                    self._refs.pop(ref, None)
+                    free.append(item_id)
+                else:
+                    self._refs[ref] = n
+            if free:
+                out.append((client, free))
+        return out
 
     async def encode(self, items: Sequence[MediaPart], request_id: str
                      ) -> tuple[EncodeOutcome, list[str]]:
         """Encode `items`; returns the outcome and the error messages seen."""
-        outcome, errors = EncodeOutcome(), []
+        outcome, errors = EncodeOutcome(router=self), []
         if not items:
             return outcome, errors
         if not self.clients:
             outcome.failed = [it.item_id for it in items]
             return outcome, ["no encoders configured"]
-        targets = self.candidates()[: len(items)]
-        groups = [items[i::len(targets)] for i in range(len(targets))]
-        await asyncio.gather(*(self._group(t, g, request_id, outcome, errors)
-                               for t, g in zip(targets, groups, strict=True)))
+        mine: list[MediaPart] = []
+        waits: dict[str, asyncio.Future[_Result]] = {}
+        for it in items:
+            flight = self._flights.get(it.item_id) if self.single_flight else None
+            if flight is not None:
+                waits[it.item_id] = flight
+            elif it.item_id not in waits and all(m.item_id != it.item_id for m in mine):
+                mine.append(it)
+        if mine:
+            loop = asyncio.get_running_loop()
+            futures = {it.item_id: loop.create_future() for it in mine}
+            if self.single_flight:
+                self._flights.update(futures)
+            # its own task: a leader whose client goes away still finishes for the others
+            task = asyncio.ensure_future(self._encode_now(mine, request_id, outcome, errors))
+            task.add_done_callback(lambda t: self._land(futures, t))
+            waits.update(futures)
+        outcome.shared = len(waits) - len(mine)
+        for item_id, fut in waits.items():
+            self._take(outcome, item_id, await asyncio.shield(fut))
         return outcome, errors
+
+    def _land(self, futures: dict[str, asyncio.Future[_Result]], task: asyncio.Task) -> None:
+        results = {} if task.cancelled() or task.exception() is not None else task.result()
+        for item_id, fut in futures.items():
+            if self._flights.get(item_id) is fut:
+                del self._flights[item_id]
+            if not fut.done():
+                fut.set_result(results.get(item_id, (None, None)))

@@ -49,5 +49,6 @@ class GatewayMetrics:
         self.items_hit = self.items.labels("cache_hit")
         self.items_encoded = self.items.labels("encoded")
         self.items_metadata_only = self.items.labels("metadata_only")
+        self.items_shared = self.items.labels("shared")  # another request's encode, shared
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)

@@ -11,7 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -35,9 +37,10 @@ def cluster(tmp_path_factory):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     work = WORK / "test-gateway-e2e"
     conf = tmp_path_factory.mktemp("up") / "up.json"
+    storage = tmp_path_factory.mktemp("ec-store")
     conf.write_text(json.dumps({
         "model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
-        "storage_path": str(tmp_path_factory.mktemp("ec-store")),
+        "storage_path": str(storage),
         "gateway": {"timeouts": {"encoder_s": 20}}}))
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0).start()
     work.mkdir(parents=True, exist_ok=True)
@@ -57,7 +60,8 @@ def cluster(tmp_path_factory):
 
     try:
         assert wait_for(ready, timeout=420, interval=1.0), "cluster not ready in 420 s"
-        yield {"agg": agg, "up": up, "client": client, "log": work / "epd-up.log"}
+        yield {"agg": agg, "up": up, "client": client, "log": work / "epd-up.log",
+               "storage": storage, "work": work}
     finally:
         client.close()
         agg.stop()
@@ -172,6 +176,63 @@ def test_client_disconnect_aborts_the_upstream_request(cluster):
     ask(c, GW, sample_image_png(seed=505), max_tokens=900, ignore_eos=True)
     assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
                     >= tokens + 900, timeout=5, interval=0.1)
+
+
+def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_gateways(
+        cluster):
+    """A second gateway process over the same encoder and decode instance (stateless
+    replicas): 8 requests through each at once for an image nobody encoded yet. Single flight
+    inside each gateway, affinity across them, and the encoder's own cache: one encode."""
+    c = cluster
+    image = sample_image_png(seed=777)
+    ref = reference(c, image)
+    port2 = UP_PORT + 20
+    log = open(c["work"] / "gateway2.log", "wb")  # noqa: SIM115 - closed below
+    gw2 = child_process.popen(
+        [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(port2),
+         "--model", MODEL_NAME, "--encoder", ENC_URL, "--decoder", DEC_URL,
+         "--storage-path", str(c["storage"])], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    gw2_url = f"http://127.0.0.1:{port2}"
+    try:
+        def up() -> bool:
+            try:
+                return c["client"].get(gw2_url + "/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(up, timeout=60, interval=0.2), "second gateway did not start"
+        def items(outcome: str) -> float:
+            return sum(metric_value(c["client"].get(u + "/metrics").text,
+                                    f'epd_gateway_items_total{{outcome="{outcome}"}}')
+                       for u in (GW, gw2_url))
+
+        saves = vllm_metric(c, ENC_URL, "vllm:epd_saves_total")
+        before = {o: items(o) for o in ("encoded", "shared", "cache_hit")}
+        start = threading.Barrier(16)
+
+        def one(i: int) -> list[int]:
+            body = chat_body(MODEL_NAME, image, PROMPT, max_tokens=8)
+            with httpx.Client(timeout=120) as client:
+                start.wait(timeout=30)  # all 16 at once
+                r = client.post((GW, gw2_url)[i % 2] + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(one, range(16)))
+        assert answers == [ref] * 16
+        time.sleep(1.0)  # the producer reports its saves a step later
+        assert vllm_metric(c, ENC_URL, "vllm:epd_saves_total") == saves + 1  # one encode
+        delta = {o: items(o) - n for o, n in before.items()}
+        print("two gateways, 16 requests:", delta)
+        assert delta["encoded"] <= 2  # at most one leader per gateway; the rest shared or hit
+        assert sum(delta.values()) == 16
+        listed = c["client"].get(gw2_url + "/instances").json()
+        assert [e["url"] for e in listed["encoders"]] == [ENC_URL]
+    finally:
+        gw2.send_signal(signal.SIGTERM)
+        gw2.wait(timeout=30)
+        log.close()
 
 
 def test_encoder_killed_mid_run_answers_stay_correct(cluster):

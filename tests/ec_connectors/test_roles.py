@@ -117,6 +117,20 @@ def test_producer_to_consumer_round_trip(pair_factory):
     assert cons.sched.ensure_cache_available(req, 0)
 
 
+def test_an_item_the_prefix_cache_covers_is_neither_waited_for_nor_moved(pair_factory):
+    """vLLM passes num_computed_tokens with its prefix-cache hit: an item whose tokens are
+    all inside it needs no embedding, even one a producer promised."""
+    prod, cons = pair_factory("producer"), pair_factory("consumer")
+    params = produce(prod, request("p1", "img"), {"img": torch.randn(NUM_EMBEDS, 32)})
+    req = request("c1", "img", params=params)
+    pos = req.mm_features[0].mm_position
+    assert cons.sched.ensure_cache_available(req, pos.offset + pos.length)
+    assert cons.sched.stats.totals.get("prefix_cached") == 1
+    assert not cons.sched.has_cache_item("img") and len(cons.sched.staging) == 0
+    time.sleep(0.2)
+    assert cons.worker.staged_bytes == 0 and not cons.sched.stats.totals.get("loads")
+
+
 def test_consumer_finds_items_without_params_through_the_index(pair_factory):
     prod, cons = pair_factory("producer"), pair_factory("consumer")
     x = torch.randn(NUM_EMBEDS, 8)

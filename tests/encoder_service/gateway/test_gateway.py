@@ -285,10 +285,13 @@ def test_encoder_failure_retries_then_falls_back_to_raw_media(stubs):
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     g = gateway([dead, enc.url], [dec.url], cooldown_s=30)
     try:
-        img = sample_image_png(21)
+        from encoder_service.gateway.routing import rendezvous
+
+        # an image whose encoder (by affinity) is the dead one: the first request is retried
+        # on the other; then the dead one cools down and is not tried again
+        img = next(im for im in (sample_image_png(seed) for seed in range(21, 200))
+                   if rendezvous(content_item_id(im, MODEL), [dead, enc.url])[0] == dead)
         ok = 0
-        # ties rotate, so one of the two requests starts on the dead encoder and is retried;
-        # then the dead one cools down and is not tried again
         for _ in range(2):
             r = post(g, chat_body(MODEL, img, "x"))
             assert r.status_code == 200
@@ -313,8 +316,14 @@ def test_decoder_failure_before_first_byte_retries_on_another(stubs):
     dead = f"http://127.0.0.1:{free_port()}"
     g = gateway([enc.url], [dead, dec.url])
     try:
-        for seed in (31, 32):
-            assert post(g, chat_body(MODEL, sample_image_png(seed), "x")).status_code == 200
+        from encoder_service.gateway.routing import rendezvous
+
+        # the first image's decode instance (by affinity) is the dead one: retried on the
+        # other; the dead one then cools down, so the second is not retried
+        first = next(im for im in (sample_image_png(seed) for seed in range(31, 200))
+                     if rendezvous(content_item_id(im, MODEL), [dead, dec.url])[0] == dead)
+        for img in (first, sample_image_png(300)):
+            assert post(g, chat_body(MODEL, img, "x")).status_code == 200
         assert metric(g, 'epd_gateway_retries_total{target="decode"}') == 1
     finally:
         g.stop()
@@ -359,7 +368,7 @@ def test_router_prefers_the_least_loaded_encoder():
     async def run():
         first = asyncio.create_task(router.encode(items(1), "r1"))
         await asyncio.sleep(0.05)  # one encoder now has a call in flight
-        await router.encode(items(1), "r2")
+        await router.encode([MediaPart("other", "image", 1, {})], "r2")  # not a shared item
         await first
 
     asyncio.run(run())

@@ -1,0 +1,225 @@
+"""Routing: rendezvous hashing with bounded loads, affinity across gateway replicas, single
+flight, reference-counted releases (router logic with stand-in encoders; the e2e tests run
+it against real vLLM servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
+from encoder_service.gateway.parsing import MediaPart
+from encoder_service.gateway.routing import Chooser, bounded, rendezvous
+
+NAMES = [f"http://enc{i}:8000" for i in range(4)]
+
+
+def test_rendezvous_is_stable_balanced_and_moves_little_when_members_change():
+    keys = [f"item-{k}" for k in range(4000)]
+    first = {k: rendezvous(k, NAMES)[0] for k in keys}
+    assert first == {k: rendezvous(k, list(reversed(NAMES)))[0] for k in keys}  # order-free
+    share = Counter(first.values())
+    assert all(800 < n < 1200 for n in share.values()), share
+    # one encoder leaves: only its items move, and they spread over the rest
+    fewer = NAMES[1:]
+    moved = [k for k in keys if rendezvous(k, fewer)[0] != first[k]]
+    assert set(moved) == {k for k in keys if first[k] == NAMES[0]}
+    # one joins: it takes about a fifth, from everyone, and nothing else moves
+    more = [*NAMES, "http://enc4:8000"]
+    moved = [k for k in keys if rendezvous(k, more)[0] != first[k]]
+    assert all(rendezvous(k, more)[0] == "http://enc4:8000" for k in moved)
+    assert 600 < len(moved) < 1000
+
+
+def test_bounded_load_spills_a_hot_instance_to_the_next_in_order():
+    order = rendezvous("hot", NAMES)
+    assert bounded(order, {}, 1.25) == order[0]
+    # the first choice carries far more than the average: the next in order takes it
+    assert bounded(order, {order[0]: 10}, 1.25) == order[1]
+    assert bounded(order, {order[0]: 10, order[1]: 10}, 1.25) == order[2]
+    assert bounded(order, {n: 1 for n in order}, 1.25) == order[0]  # balanced: stays
+
+
+class Encoder:
+    def __init__(self, name: str, delay: float = 0.05, fail: bool = False) -> None:
+        self.name, self.delay, self.fail = name, delay, fail
+        self.calls: list[list[str]] = []
+        self.released: list[list[str]] = []
+
+    async def encode(self, items, request_id):
+        self.calls.append([it.item_id for it in items])
+        await asyncio.sleep(self.delay)
+        if self.fail:
+            raise EncoderFailed(f"{self.name} down")
+        return {it.item_id: {"by": self.name} for it in items}
+
+    async def release(self, item_ids):
+        self.released.append(list(item_ids))
+
+
+def part(item_id: str) -> MediaPart:
+    return MediaPart(item_id, "image", 1, {})
+
+
+def affinity_router(encoders, **kw) -> EncoderRouter:
+    return EncoderRouter(encoders, chooser=Chooser("affinity", 1.25), **kw)
+
+
+def test_a_repeated_item_reaches_the_same_encoder_from_any_gateway():
+    fleet = [Encoder(n) for n in NAMES]
+    gateways = [affinity_router(fleet), affinity_router(list(reversed(fleet)))]
+    for k in range(40):
+        for gw in gateways:
+            out, _ = asyncio.run(gw.encode([part(f"img-{k}")], f"r{k}"))
+            assert out.hints[f"img-{k}"]["by"] == rendezvous(f"img-{k}", NAMES)[0]
+    # each item went to one encoder only
+    where = {}
+    for enc in fleet:
+        for call in enc.calls:
+            for item in call:
+                assert where.setdefault(item, enc.name) == enc.name
+
+
+def test_sixteen_concurrent_requests_for_one_new_item_make_one_encode():
+    fleet = [Encoder(n, delay=0.2) for n in NAMES]
+    router = affinity_router(fleet)
+
+    async def run():
+        return await asyncio.gather(*(router.encode([part("new")], f"r{i}")
+                                      for i in range(16)))
+
+    outs = [o for o, _ in asyncio.run(run())]
+    assert sum(len(e.calls) for e in fleet) == 1
+    assert all(o.hints["new"]["by"] == outs[0].hints["new"]["by"] for o in outs)
+    assert sorted(o.shared for o in outs) == [0] + [1] * 15
+    # the pool is told once, when the last request using the item is done
+    holder = next(e for e in fleet if e.calls)
+    for o in outs[:-1]:
+        asyncio.run(o.release())
+    assert holder.released == []
+    asyncio.run(outs[-1].release())
+    assert holder.released == [["new"]]
+    # once landed, a later request encodes again (the encoder's own cache answers it)
+    asyncio.run(router.encode([part("new")], "later"))
+    assert len(holder.calls) == 2
+
+
+def test_a_shared_encode_that_fails_fails_for_everyone_and_a_cancelled_leader_still_serves():
+    dead = affinity_router([Encoder(n, fail=True) for n in NAMES[:2]])
+
+    async def both(router):
+        return await asyncio.gather(*(router.encode([part("x")], f"r{i}") for i in range(3)))
+
+    outs = asyncio.run(both(dead))
+    assert all(o.failed == ["x"] for o, _ in outs)
+
+    fleet = [Encoder(n, delay=0.2) for n in NAMES]
+    router = affinity_router(fleet)
+
+    async def leader_leaves():
+        leader = asyncio.create_task(router.encode([part("y")], "leader"))
+        await asyncio.sleep(0.02)
+        follower = asyncio.create_task(router.encode([part("y")], "follower"))
+        await asyncio.sleep(0.02)
+        leader.cancel()  # its client went away
+        return await follower
+
+    out, _ = asyncio.run(leader_leaves())
+    assert "y" in out.hints and out.shared == 1
+    assert sum(len(e.calls) for e in fleet) == 1
+
+
+def test_a_hot_stream_of_items_spreads_under_bounded_load():
+    fleet = [Encoder(n, delay=0.05) for n in NAMES]
+    router = affinity_router(fleet, single_flight=False)
+
+    async def run():
+        # 32 distinct items at once that all hash to one encoder would pile up there
+        home = rendezvous("a", NAMES)[0]
+        same = [f"k{i}" for i in range(2000) if rendezvous(f"k{i}", NAMES)[0] == home][:32]
+        await asyncio.gather(*(router.encode([part(k)], k) for k in same))
+        return home
+
+    home = asyncio.run(run())
+    busiest = max(fleet, key=lambda e: len(e.calls))
+    assert busiest.name == home and len(busiest.calls) < 32  # spilled over
+    assert sum(len(e.calls) for e in fleet) == 32
+
+
+def test_a_draining_encoder_gets_nothing_new_and_leaves_after_its_calls():
+    fleet = [Encoder(n, delay=0.2) for n in NAMES[:2]]
+    router = affinity_router(fleet)
+    target = next(k for k in (f"i{n}" for n in range(100))
+                  if rendezvous(k, NAMES[:2])[0] == NAMES[0])
+
+    async def run():
+        busy = asyncio.create_task(router.encode([part(target)], "busy"))
+        await asyncio.sleep(0.02)
+        drain = asyncio.create_task(router.drain(NAMES[0], 5.0))
+        await asyncio.sleep(0.02)
+        out, _ = await router.encode([part(target + "-again")], "new")
+        assert (await busy)[0].hints[target]["by"] == NAMES[0]  # finished, not cut
+        return out, await drain
+
+    out, drained = asyncio.run(run())
+    assert drained and NAMES[0] not in router.clients
+    assert out.hints[target + "-again"]["by"] == NAMES[1]
+    router.add(Encoder(NAMES[0]))
+    assert [d["url"] for d in router.describe()] == [NAMES[1], NAMES[0]]
+
+
+# -- membership at run time, through the gateway's HTTP endpoints (stand-in upstreams) ------
+def test_instances_join_and_leave_while_load_runs_and_nothing_is_lost(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from ec_connectors.protocol.secret import admin_token
+    from encoder_service.local.requests import chat_body, sample_image_png
+    from tests.encoder_service.gateway.test_gateway import MODEL, Stub, gateway
+
+    enc, first, second = Stub("encoder"), Stub("decoder"), Stub("decoder")
+    for s in (first, second):
+        s.delay = 0.05
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a-deployment-secret-of-some-length")
+    secret.chmod(0o600)
+    g = gateway([enc.url], [first.url], secret_file=str(secret))
+    token = {"authorization": f"Bearer {admin_token(secret.read_bytes())}"}
+    try:
+        admin = g.url + "/admin/instances"
+        join = {"role": "decoder", "url": second.url, "action": "add"}
+        assert httpx.post(admin, json=join).status_code == 403  # no token, no change
+        assert httpx.post(admin, json=join, headers={"authorization": "Bearer x"}
+                          ).status_code == 403
+        bad = httpx.post(admin, json={**join, "url": "ftp://x"}, headers=token)
+        assert bad.status_code == 400 and "base URL" in bad.text
+
+        def ask(n: int) -> int:
+            return httpx.post(g.url + "/v1/chat/completions", timeout=30, json=chat_body(
+                MODEL, sample_image_png(seed=n % 7), "x")).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            load = [pool.submit(ask, n) for n in range(60)]
+            time.sleep(0.2)
+            assert httpx.post(admin, json=join, headers=token).json()["state"] == "up"
+            time.sleep(0.2)
+            left = httpx.post(admin, headers=token, timeout=30, json={
+                "role": "decoder", "url": first.url, "action": "remove"}).json()
+            codes = [f.result() for f in load]
+        assert codes == [200] * 60
+        assert left == {"url": first.url, "role": "decoder", "state": "removed",
+                        "drained": True}
+        seen = len(second.calls)
+        assert seen > 0 and ask(99) == 200 and len(second.calls) == seen + 1
+        listed = httpx.get(g.url + "/instances").json()
+        assert [d["url"] for d in listed["decoders"]] == [second.url]
+        assert listed["encoders"][0]["url"] == enc.url and listed["encoders"][0]["items"] > 0
+        last = httpx.post(admin, headers=token, json={"role": "decoder", "url": second.url,
+                                                      "action": "remove"})
+        assert last.status_code == 409  # the last decode instance stays
+    finally:
+        g.stop()
+        for s in (enc, first, second):
+            s.stop()
