@@ -53,6 +53,7 @@ class BenchSpec:
     image_size: int = 112
     prompt: str = "describe this"
     mix: dict[str, float] = field(default_factory=lambda: {"image": 1.0})
+    zipf: float = 0.0  # > 0: image k (of distinct_images) is asked with weight 1 / k**zipf
     seed: int = 0
     timeout_s: float = 120.0
     label: str = ""
@@ -108,11 +109,15 @@ class BenchResult:
 
 
 def image_sequence(spec: BenchSpec) -> list[int]:
-    """Image index per request: `reuse` of them repeat an earlier image (seeded)."""
+    """Image index per request: `reuse` of them repeat an earlier image, or (zipf > 0) each
+    drawn from a Zipf popularity over `distinct` images (seeded)."""
     n = spec.num_requests
     distinct = spec.distinct_images or max(1, round(n * (1 - spec.reuse)))
     distinct = min(distinct, n)
     rng = random.Random(spec.seed)
+    if spec.zipf > 0:
+        weights = [1 / (k + 1) ** spec.zipf for k in range(distinct)]
+        return rng.choices(range(distinct), weights=weights, k=n)
     new_at = {0, *rng.sample(range(1, n), distinct - 1)} if n > 1 else {0}
     seq, seen = [], 0
     for i in range(n):
@@ -316,6 +321,8 @@ def main(argv: list[str]) -> int:
     s.add_argument("--reuse", type=float, default=0.5, help="share of requests repeating an "
                    "image already sent")
     s.add_argument("--distinct-images", type=int, help="overrides --reuse")
+    s.add_argument("--zipf", type=float, default=0.0, help="> 0: requests pick among "
+                   "--distinct-images with Zipf popularity of this exponent (e.g. 1.1)")
     s.add_argument("--max-tokens", type=int, default=16)
     s.add_argument("--image-size", type=int, default=112)
     s.add_argument("--seed", type=int, default=0)
@@ -336,7 +343,8 @@ def main(argv: list[str]) -> int:
     spec = BenchSpec(url=a.url.rstrip("/"), model=a.model, num_requests=a.num_requests,
                      concurrency=a.concurrency, request_rate=a.request_rate, reuse=a.reuse,
                      distinct_images=a.distinct_images, max_tokens=a.max_tokens,
-                     image_size=a.image_size, seed=a.seed, label=a.label, mix=mix)
+                     image_size=a.image_size, seed=a.seed, label=a.label, mix=mix,
+                     zipf=a.zipf)
     res = asyncio.run(run_bench(spec, progress=not a.no_progress))
     print(format_table({a.label: res.summary}))
     write_json({a.label: res}, a.json)

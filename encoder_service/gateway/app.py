@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -42,6 +42,7 @@ from encoder_service.gateway.encoder_clients import (
     VllmEncoderClient,
 )
 from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.failover import StreamTracker, continuation, exact_resume
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.parsing import (
     metadata_only_body,
@@ -251,10 +252,15 @@ class Gateway:
                 self._release(held[0] if held else None)  # once: no-op when released
 
             async def answer() -> None:
-                up, info = await self._route(prepared, rid, held)
+                up, info, sent = await self._route(prepared, rid, held)
                 info["parse_ms"] = _ms(t_parse)
+                resume = None
+                if self.cfg.routing.failover:
+                    def resume(tracker, failed_url):  # noqa: E306 - the answer's own
+                        return self._resume(sent, tracker, failed_url, rid)
                 await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream,
-                                  info, watch, on_first=release)
+                                  info, watch, on_first=release, resume=resume,
+                                  wants_ids=prepared.body.get("return_token_ids") is True)
 
             try:
                 await self._guarded(answer, watch, "chat", rid, scope, receive, send)
@@ -286,9 +292,9 @@ class Gateway:
         logger.info("client disconnected rid=%s; upstream requests cancelled", rid)
 
     async def _route(self, prepared: Any, rid: str, held: list[EncodeOutcome]
-                     ) -> tuple[Upstream, dict[str, Any]]:
+                     ) -> tuple[Upstream, dict[str, Any], dict[str, Any]]:
         """Encode what is missing (the outcome is appended to `held`), then open the decode
-        request."""
+        request; returns it, the log fields and the body it was sent."""
         assert self.router is not None and self.decoders is not None
         ids = [it.item_id for it in prepared.items]
         hits = self.availability.available(ids) if ids else set()
@@ -331,6 +337,9 @@ class Gateway:
         body, n_meta = (metadata_only_body(prepared.body, metadata)
                         if metadata and self.cfg.media.metadata_only else (prepared.body, 0))
         info["metadata_only"] = n_meta
+        if prepared.stream and self.cfg.routing.failover:  # token ids: a break can resume
+            body = {**body, "return_token_ids": True}
+            prepared.body["return_token_ids"] = True
         key = ids[0] if ids else None  # its decode instance: where its first item went before
         up = await self._open("/v1/chat/completions", _json_encode(body), rid, key=key)
         if n_meta and await up.failed_before_answer(prepared.stream):
@@ -342,11 +351,46 @@ class Gateway:
                            "action=retrying once with the raw media", rid, up.url,
                            up.status_code)
             info["metadata_only"] = 0
-            up = await self._open("/v1/chat/completions", _json_encode(prepared.body), rid,
-                                  key=key)
+            body = prepared.body
+            up = await self._open("/v1/chat/completions", _json_encode(body), rid, key=key)
         elif n_meta:
             m.items_metadata_only.inc(n_meta)
-        return up, info
+        return up, info, body
+
+    async def _resume(self, sent: dict[str, Any], tracker: StreamTracker | None,
+                      failed_url: str, rid: str
+                      ) -> tuple[Upstream, AsyncIterator[bytes], bytes] | None:
+        """Another decode instance continuing the answer `tracker` saw break off at
+        `failed_url`, when it continues it exactly (failover.py): the upstream, its chunk
+        iterator and its first bytes (already read); None when not. `tracker` None: a
+        non-streamed answer, asked again whole."""
+        assert self.decoders is not None
+        self.decoders.cool_down(failed_url)
+        body = sent if tracker is None else continuation(sent, tracker)
+        if body is None:
+            return None
+        try:
+            up = await self.decoders.open("POST", "/v1/chat/completions", _json_encode(body),
+                                          f"{rid}-resume", exclude={failed_url})
+        except GatewayError:
+            return None
+        if up.status_code != 200:
+            await up.release()
+            return None
+        if tracker is None:  # a whole answer, asked again
+            return up, up.chunks(), b""
+        chunks = up.chunks().__aiter__()
+        head = b""
+        try:
+            while b"prompt_token_ids" not in head and len(head) < (1 << 24):
+                head += await asyncio.wait_for(chunks.__anext__(), self.cfg.timeouts.decode_s)
+        except (StopAsyncIteration, UpstreamError, asyncio.TimeoutError):
+            await up.release()
+            return None
+        if not exact_resume(head, tracker):
+            await up.release()
+            return None
+        return up, chunks, head
 
     def _placeholders(self, hints: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Placeholder metadata of the hinted items (from this request's encoders, else
@@ -381,10 +425,14 @@ class Gateway:
 
     async def _relay(self, up: Upstream, scope: Scope, receive: Receive, send: Send, rid: str,
                      t0: float, endpoint: str, stream: bool, info: dict[str, Any],
-                     watch: _Watch, on_first: Any = None) -> None:
+                     watch: _Watch, on_first: Any = None, resume: Any = None,
+                     wants_ids: bool = False) -> None:
         """Pass the upstream answer through, closing `up` on every path (cancelled by `watch`
         on a client disconnect: the upstream connection is closed, vLLM aborts the request).
-        `on_first()` runs once the first answer bytes are in (the decode has prefilled)."""
+        `on_first()` runs once the first answer bytes are in (the decode has prefilled).
+        `resume(tracker, failed_url)`: a stream that breaks off continues on another
+        instance when it can (failover.py); a non-streamed answer that breaks off is asked
+        again elsewhere (the client has seen nothing)."""
         headers = [(b"x-request-id", rid.encode())]
         ctype = up.content_type
         if ctype:
@@ -394,15 +442,27 @@ class Gateway:
         m = self.metrics
         try:
             if not stream:
-                try:
-                    data = await asyncio.wait_for(up.read(), self.cfg.timeouts.decode_s)
-                except asyncio.TimeoutError:
-                    raise GatewayError(504, "the prefill/decode instance did not answer "
-                                       "in time", "decode_timeout") from None
-                except UpstreamError as exc:
-                    m.upstream_errors.labels("decode").inc()
-                    raise GatewayError(502, f"the prefill/decode instance {up.url} broke off "
-                                       f"its answer ({exc})", "decode_broke") from None
+                for attempt in range(2):
+                    try:
+                        data = await asyncio.wait_for(up.read(), self.cfg.timeouts.decode_s)
+                        break
+                    except asyncio.TimeoutError:
+                        raise GatewayError(504, "the prefill/decode instance did not answer "
+                                           "in time", "decode_timeout") from None
+                    except UpstreamError as exc:
+                        m.upstream_errors.labels("decode").inc()
+                        again = (await resume(None, up.url)
+                                 if resume is not None and attempt == 0 else None)
+                        if again is None:
+                            raise GatewayError(502, f"the prefill/decode instance {up.url} "
+                                               f"broke off its answer ({exc})",
+                                               "decode_broke") from None
+                        m.failovers.labels("resumed").inc()  # the client saw nothing yet
+                        logger.warning("decode answer broke rid=%s decoder=%s error=%s "
+                                       "action=asked %s again", rid, up.url, exc, again[0].url)
+                        await up.release()
+                        up = again[0]
+                        info["failover"] = up.url
                 first = time.perf_counter()
                 if on_first is not None:
                     on_first()
@@ -414,26 +474,54 @@ class Gateway:
             else:
                 await send({"type": "http.response.start", "status": status,
                             "headers": headers})
-                try:
-                    async for chunk in up.chunks():
-                        if first is None:
-                            first = time.perf_counter()
-                            if on_first is not None:
-                                on_first()
-                        await send({"type": "http.response.body", "body": chunk,
-                                    "more_body": True})
-                    watch.finish()
-                    await send({"type": "http.response.body", "body": b""})
-                except UpstreamError as exc:
-                    watch.finish()
-                    m.upstream_errors.labels("decode").inc()
-                    logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid,
-                                   up.url, exc)
-                    status = 502
-                    err = {"error": {"message": "the prefill/decode instance broke off the "
-                                     f"stream ({exc})", "type": "upstream_error", "code": 502}}
-                    await send({"type": "http.response.body",  # tell, not a silent cut
-                                "body": b"data: " + _json_encode(err) + b"\n\n"})
+                tracker = StreamTracker(wants_ids) if resume is not None else None
+                chunks = up.chunks().__aiter__()
+                while True:
+                    try:
+                        async for chunk in chunks:
+                            if first is None:
+                                first = time.perf_counter()
+                                if on_first is not None:
+                                    on_first()
+                            if tracker is not None:
+                                chunk = tracker.feed(chunk)
+                                if not chunk:
+                                    continue
+                            await send({"type": "http.response.body", "body": chunk,
+                                        "more_body": True})
+                        watch.finish()
+                        await send({"type": "http.response.body", "body": b""})
+                        break
+                    except UpstreamError as exc:
+                        m.upstream_errors.labels("decode").inc()
+                        again = (await resume(tracker, up.url)
+                                 if tracker is not None and "failover" not in info else None)
+                        if again is not None:
+                            m.failovers.labels("resumed").inc()
+                            logger.warning("decode stream broke rid=%s decoder=%s error=%s "
+                                           "action=resumed on %s after %d tokens", rid, up.url,
+                                           exc, again[0].url, len(tracker.token_ids))
+                            await up.release()
+                            up, chunks, head = again
+                            info["failover"] = up.url
+                            tracker.resume()
+                            data = tracker.feed(head)
+                            if data:
+                                await send({"type": "http.response.body", "body": data,
+                                            "more_body": True})
+                            continue
+                        if tracker is not None:
+                            m.failovers.labels("refused").inc()
+                        watch.finish()
+                        logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid,
+                                       up.url, exc)
+                        status = 502
+                        err = {"error": {"message": "the prefill/decode instance broke off "
+                                         f"the stream ({exc})", "type": "upstream_error",
+                                         "code": 502}}
+                        await send({"type": "http.response.body",  # tell, not a silent cut
+                                    "body": b"data: " + _json_encode(err) + b"\n\n"})
+                        break
         except OSError:  # the ASGI server reports a vanished client this way
             watch.finish()
             self._client_gone(rid)

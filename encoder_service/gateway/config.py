@@ -99,10 +99,15 @@ class RoutingConfig(_Strict):
 
     encoders: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
     decoders: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
-    load_factor: float = Field(1.25, ge=1.0, description="an instance carrying more than "
-                               "this times the average in-flight load is passed over")
+    load_factor: float = Field(1.25, ge=1.0, description="an encoder carrying more than "
+                               "this times the average in-flight load is passed over for an "
+                               "item no encoder holds yet")
+    decoder_load_factor: float = Field(1.1, ge=1.0, description="the same for decode "
+                                       "instances (cache affinity weighed against queues)")
     single_flight: bool = Field(True, description="concurrent requests for one item not yet "
                                 "encoded share one encode")
+    failover: bool = Field(True, description="a decode instance that dies mid-answer: "
+                           "another one continues it (failover.py)")
     admin: bool = Field(True, description="serve POST /admin/instances (join/leave at run "
                         "time): with the deployment secret, callers must show its admin "
                         "token; without one, loopback callers only")

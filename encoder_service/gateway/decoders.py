@@ -131,7 +131,7 @@ class DecodePool:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.urls = list(cfg.decoders)
         self.inflight = {u: 0 for u in self.urls}
-        self.chooser = Chooser(cfg.routing.decoders, cfg.routing.load_factor)
+        self.chooser = Chooser(cfg.routing.decoders, cfg.routing.decoder_load_factor)
         self.draining: set[str] = set()
         self.counts = {u: {"requests": 0, "affinity": 0} for u in self.urls}
         t = cfg.timeouts
@@ -193,13 +193,19 @@ class DecodePool:
 
     def _failed(self, url: str) -> None:
         self.inflight[url] -= 1
+        self.cool_down(url)
+
+    def cool_down(self, url: str) -> None:
+        """`url` failed: try it last for `cooldown_s`."""
         self.down_until[url] = time.monotonic() + self.cooldown_s
 
     async def open(self, method: str, path: str, content: bytes | None,
-                   request_id: str, key: str | None = None) -> Upstream:
-        """`key`: what the request's affinity follows (its first item id), None for none."""
+                   request_id: str, key: str | None = None,
+                   exclude: Set[str] = frozenset()) -> Upstream:
+        """`key`: what the request's affinity follows (its first item id), None for none;
+        `exclude`: instances not to use (one that just broke off this answer)."""
         assert self.session is not None, "DecodePool.start() was not called"
-        tried: set[str] = set()
+        tried: set[str] = set(exclude)
         last_error = ""
         preferred = ""
         for attempt in range(2):

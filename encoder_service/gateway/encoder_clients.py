@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -30,6 +31,8 @@ import httpx
 from ec_connectors.protocol.params import PARAMS_KEY
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser
+
+_MAX_HOLDERS = 65536  # items whose encoder the router remembers
 
 
 class EncoderFailed(Exception):
@@ -186,6 +189,9 @@ class EncoderRouter:
         self.draining: set[str] = set()
         self.counts = {name: {"items": 0, "calls": 0, "failures": 0} for name in self.clients}
         self._flights: dict[str, asyncio.Future[_Result]] = {}
+        # item -> the encoder that last made it (it holds it now, most likely): preferred
+        # over the hash, whatever its load, since serving from memory is cheap
+        self._holders: OrderedDict[str, str] = OrderedDict()
         self._refs: dict[tuple[str, str], int] = {}  # (encoder, item) -> outcomes holding it
 
     # -- membership --------------------------------------------------------------------------
@@ -261,6 +267,8 @@ class EncoderRouter:
             else:
                 holder = client if isinstance(client, Releasing) else None
                 for it in items:
+                    if it.item_id in made:
+                        self._held_by(it.item_id, client.name)
                     results[it.item_id] = (made[it.item_id], holder) if it.item_id in made \
                         else (None, None)
                 missing = [it.item_id for it in items if it.item_id not in made]
@@ -284,7 +292,11 @@ class EncoderRouter:
         groups: dict[str, list[MediaPart]] = {}
         for it in items:
             cands = self.candidates(it.item_id, load=load)
-            target = cands[0].name
+            holder = (self._holders.get(it.item_id) if self.chooser.policy == "affinity"
+                      else None)
+            target = holder if holder is not None and any(
+                c.name == holder for c in cands) and self.down_until[holder] <= time.monotonic() \
+                else cands[0].name
             load[target] = load.get(target, 0) + 1
             groups.setdefault(target, []).append(it)
         for target in groups:  # counted now: the next request's choice sees these calls
@@ -293,6 +305,12 @@ class EncoderRouter:
         await asyncio.gather(*(self._group(self.clients[n], g, request_id, outcome, errors,
                                            results) for n, g in groups.items()))
         return results
+
+    def _held_by(self, item_id: str, name: str) -> None:
+        self._holders[item_id] = name
+        self._holders.move_to_end(item_id)
+        if len(self._holders) > _MAX_HOLDERS:
+            self._holders.popitem(last=False)
 
     def _take(self, outcome: EncodeOutcome, item_id: str, result: _Result) -> None:
         hint, holder = result

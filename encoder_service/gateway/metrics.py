@@ -41,6 +41,10 @@ class GatewayMetrics:
         self.disconnects = Counter("epd_gateway_client_disconnects",
                                    "Client disconnects that aborted upstream requests",
                                    registry=r)
+        self.failovers = Counter("epd_gateway_failovers", "Answers a decode instance broke "
+                                 "off after the first byte: resumed on another, or not "
+                                 "(refused: it could not be continued exactly)", ["outcome"],
+                                 registry=r)
         # children bound once: labels() is a dict lookup under a lock on every call
         self.stage_parse = self.stage.labels("parse")
         self.stage_encode = self.stage.labels("encode")

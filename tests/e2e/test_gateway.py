@@ -178,6 +178,33 @@ def test_client_disconnect_aborts_the_upstream_request(cluster):
                     >= tokens + 900, timeout=5, interval=0.1)
 
 
+class Gateway2:
+    """Another `epd gateway` process over this cluster's servers (a stateless replica)."""
+
+    def __init__(self, c, port: int, decoders: list[str]) -> None:
+        self.log = open(c["work"] / f"gateway-{port}.log", "wb")  # noqa: SIM115 - stop()
+        self.proc = child_process.popen(
+            [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(port),
+             "--model", MODEL_NAME, "--encoder", ENC_URL,
+             *(x for d in decoders for x in ("--decoder", d)),
+             "--storage-path", str(c["storage"])],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return c["client"].get(self.url + "/health").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(up, timeout=60, interval=0.2), "second gateway did not start"
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        self.log.close()
+
+
 def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_gateways(
         cluster):
     """A second gateway process over the same encoder and decode instance (stateless
@@ -186,21 +213,9 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
     c = cluster
     image = sample_image_png(seed=777)
     ref = reference(c, image)
-    port2 = UP_PORT + 20
-    log = open(c["work"] / "gateway2.log", "wb")  # noqa: SIM115 - closed below
-    gw2 = child_process.popen(
-        [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(port2),
-         "--model", MODEL_NAME, "--encoder", ENC_URL, "--decoder", DEC_URL,
-         "--storage-path", str(c["storage"])], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    gw2_url = f"http://127.0.0.1:{port2}"
+    gw2 = Gateway2(c, UP_PORT + 20, [DEC_URL])
+    gw2_url = gw2.url
     try:
-        def up() -> bool:
-            try:
-                return c["client"].get(gw2_url + "/health").status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_for(up, timeout=60, interval=0.2), "second gateway did not start"
         def items(outcome: str) -> float:
             return sum(metric_value(c["client"].get(u + "/metrics").text,
                                     f'epd_gateway_items_total{{outcome="{outcome}"}}')
@@ -230,9 +245,65 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
         listed = c["client"].get(gw2_url + "/instances").json()
         assert [e["url"] for e in listed["encoders"]] == [ENC_URL]
     finally:
-        gw2.send_signal(signal.SIGTERM)
-        gw2.wait(timeout=30)
-        log.close()
+        gw2.stop()
+
+
+def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluster):
+    """A second decode instance serves a long greedy stream and is SIGKILLed after the first
+    tokens. The gateway continues the answer on the other instance when the continuation is
+    provably exact (its prompt is the first prompt plus the tokens sent): the client then gets
+    one stream whose tokens are exactly the aggregated server's. When it is not (the chat
+    template renders the begun message differently), the stream ends with an error event
+    after a correct prefix. Never a wrong, repeated or missing token."""
+    from ec_connectors.protocol.keys import content_item_id
+    from encoder_service.gateway.routing import rendezvous
+    from encoder_service.local.up import epd_config
+
+    c = cluster
+    dec2 = VllmServer("decode-2", build(WORK / "models" / "tiny-llava", SPECS["tiny"]),
+                      UP_PORT + 21, c["work"], epd_config("ec_consumer", c["storage"]),
+                      cpu_core=1).start()
+    gw2 = None
+    try:
+        dec2.wait()
+        gw2 = Gateway2(c, UP_PORT + 22, [DEC_URL, dec2.url])
+        image = next(im for im in (sample_image_png(seed=n) for n in range(800, 900))
+                     if rendezvous(content_item_id(im, MODEL_NAME), [DEC_URL, dec2.url])[0]
+                     == dec2.url)  # its affinity: the instance that will die
+        long = {"max_tokens": 300, "ignore_eos": True}
+        ref = ask(c, c["agg"].url, image, **long)["token_ids"]
+        body = {**chat_body(MODEL_NAME, image, PROMPT), **long, "stream": True}
+        got: list[int] = []
+        errors: list[dict] = []
+        killed = False
+        with httpx.Client(timeout=120) as client, client.stream(
+                "POST", gw2.url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    errors.append(event)
+                    continue
+                got += event["choices"][0].get("token_ids") or [] if event["choices"] else []
+                if got and not killed:
+                    os.killpg(dec2.proc.pid, signal.SIGKILL)  # mid-stream
+                    killed = True
+        text = c["client"].get(gw2.url + "/metrics").text
+        resumed = metric_value(text, 'epd_gateway_failovers_total{outcome="resumed"}')
+        refused = metric_value(text, 'epd_gateway_failovers_total{outcome="refused"}')
+        print(f"failover: resumed={resumed} refused={refused} after {len(got)} of "
+              f"{len(ref)} tokens")
+        assert killed and resumed + refused == 1
+        if resumed:
+            assert got == ref and not errors  # one uninterrupted, exact stream
+        else:
+            assert got == ref[:len(got)] and len(errors) == 1  # a correct prefix, then told
+    finally:
+        if gw2 is not None:
+            gw2.stop()
+        dec2.stop()
 
 
 def test_encoder_killed_mid_run_answers_stay_correct(cluster):

@@ -42,6 +42,14 @@ def _free(port: int) -> bool:
             return False
 
 
+def test_zipf_sequences_favour_the_first_images():
+    seq = image_sequence(BenchSpec(url="x", num_requests=2000, distinct_images=50, zipf=1.1))
+    counts = [seq.count(k) for k in range(50)]
+    assert set(seq) <= set(range(50)) and counts[0] > 5 * counts[20] > 0
+    assert seq == image_sequence(BenchSpec(url="x", num_requests=2000, distinct_images=50,
+                                           zipf=1.1))  # seeded
+
+
 @pytest.mark.parametrize("n,reuse", [(200, 0.5), (10, 0.0), (50, 0.9)])
 def test_image_sequence_has_the_requested_reuse(n, reuse):
     seq = image_sequence(BenchSpec(url="x", num_requests=n, reuse=reuse))

@@ -1,0 +1,151 @@
+"""Mid-stream failover of a streamed chat answer: when the decode instance dies after the
+first token, another instance continues the same answer and the client sees one stream.
+
+How: the gateway asks the decode instance for token ids (vLLM's `return_token_ids`) and
+follows the stream event by event (`StreamTracker`): the text and the token ids the client
+has been sent. On a break it asks another instance to continue the assistant message it had
+begun (`continue_final_message`, the text so far, `max_tokens` less what was sent) and checks
+that the prompt that instance built ends with exactly the tokens already sent: greedy
+decoding then produces the same continuation as the lost instance would have, with no token
+repeated or missing. When the new prompt is not exactly the old prompt plus those tokens (the
+chat template or the tokenizer renders the begun message differently), or the request cannot
+be continued (several choices, tool calls, logprobs), the stream ends with an error event, as
+without failover: never a wrong token. A non-streamed answer that breaks off is simply asked
+again elsewhere (the client has seen nothing). Token ids the client did not ask for are
+removed from what it gets.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import msgspec
+
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+
+
+class StreamTracker:
+    """Follows a chat completion stream (SSE bytes in, SSE bytes out): what was sent.
+    `resume()` switches it to a continuation's stream: its role chunk is dropped (the client
+    had one) and its chunks carry the first stream's id."""
+
+    def __init__(self, client_wants_ids: bool) -> None:
+        self.client_wants_ids = client_wants_ids
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.finished = False  # a finish_reason or [DONE] passed
+        self.continuable = True  # one plain-text choice so far
+        self.stream_id: str | None = None
+        self.prompt_ids: list[int] | None = None  # the first stream's prompt
+        self._resumed = False
+        self._pending = b""
+
+    def resume(self) -> None:
+        self._resumed = True
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The part of `chunk` to send on (whole events only; a partial one waits)."""
+        data = self._pending + chunk
+        *events, self._pending = data.split(b"\n\n")
+        out = [self._event(e) for e in events]
+        return b"".join(e + b"\n\n" for e in out if e)
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data: "):
+            return event
+        if event.startswith(b"data: [DONE]"):
+            self.finished = True
+            return event
+        try:
+            body = _decode(event[6:])
+        except msgspec.DecodeError:
+            self.continuable = False
+            return event
+        if not isinstance(body, dict):
+            return event
+        changed = False
+        choices = body.get("choices") or []
+        if len(choices) > 1:
+            self.continuable = False
+        role_only = bool(choices)
+        for choice in choices:
+            delta = choice.get("delta") or {}
+            if set(delta) - {"role", "content"} or choice.get("logprobs"):
+                self.continuable = False  # tool calls, reasoning, logprobs: not continued
+            if delta.get("content"):
+                self.text.append(delta["content"])
+            self.token_ids.extend(choice.get("token_ids") or ())
+            if choice.get("finish_reason"):
+                self.finished = True
+            if (delta.get("content") or choice.get("token_ids") or choice.get("finish_reason")
+                    or "role" not in delta):
+                role_only = False
+            if not self.client_wants_ids and choice.pop("token_ids", None) is not None:
+                changed = True
+        prompt = body.get("prompt_token_ids")
+        if prompt is not None and self.prompt_ids is None and not self._resumed:
+            self.prompt_ids = list(prompt)
+        if not self.client_wants_ids and body.pop("prompt_token_ids", None) is not None:
+            changed = True
+        if self._resumed:
+            if role_only:
+                return b""  # the continuation's role chunk: the client has one
+            if self.stream_id and body.get("id") != self.stream_id:
+                body["id"], changed = self.stream_id, True
+        elif self.stream_id is None and isinstance(body.get("id"), str):
+            self.stream_id = body["id"]
+        return b"data: " + _encode(body) if changed else event
+
+
+def upstream_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The body to send upstream for a streamed chat request (token ids on) and whether the
+    client asked for them itself."""
+    wants = body.get("return_token_ids") is True
+    if wants:
+        return body, True
+    return {**body, "return_token_ids": True}, False
+
+
+def continuation(body: dict[str, Any], sent: StreamTracker) -> dict[str, Any] | None:
+    """The request that continues the answer `sent` began (None: it cannot be continued)."""
+    if (not sent.continuable or sent.finished or not sent.token_ids or sent.prompt_ids is None
+            or body.get("n", 1) != 1):
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    cont = copy.copy(body)
+    cont["messages"] = [*messages, {"role": "assistant", "content": "".join(sent.text)}]
+    cont["continue_final_message"] = True
+    cont["add_generation_prompt"] = False
+    cont["return_token_ids"] = True
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int):
+            left = body[key] - len(sent.token_ids)
+            if left <= 0:
+                return None
+            cont[key] = left
+    if isinstance(body.get("min_tokens"), int):
+        cont["min_tokens"] = max(0, body["min_tokens"] - len(sent.token_ids))
+    return cont
+
+
+def exact_resume(first_events: bytes, sent: StreamTracker) -> bool:
+    """Is the continuation's prompt exactly the first prompt followed by the tokens already
+    sent? (vLLM puts `prompt_token_ids` in the first chunk when asked for token ids.) Chat
+    templates and tokenizers may render the begun assistant message differently (a merge
+    across the boundary, a separator): then greedy decoding could go another way, so no."""
+    for event in first_events.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        try:
+            body = _decode(event[6:])
+        except msgspec.DecodeError:
+            return False
+        prompt = body.get("prompt_token_ids") if isinstance(body, dict) else None
+        if prompt is not None:
+            return sent.prompt_ids is not None and prompt == sent.prompt_ids + sent.token_ids
+    return False
