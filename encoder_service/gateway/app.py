@@ -49,6 +49,7 @@ from encoder_service.gateway.parsing import (
     placeholder_metadata,
     prepare_chat,
 )
+from encoder_service.gateway.probes import Prober
 from encoder_service.gateway.routing import Chooser
 from encoder_service.gateway.urls import fetch_media
 
@@ -119,6 +120,7 @@ class Gateway:
         self.router: EncoderRouter | None = None
         self.decoders: DecodePool | None = None
         self._background: set[asyncio.Task] = set()  # releases in flight (strong refs)
+        self.prober: Prober | None = None
         self._active = 0  # chat/completions requests admitted and not finished
         # item id -> placeholder metadata its encoder published: a later request for an
         # item that is already available goes metadata-only too
@@ -138,9 +140,33 @@ class Gateway:
                                     single_flight=r.single_flight)
         self.decoders = DecodePool(self.cfg)
         await self.decoders.start()
+        if r.probe_interval_s > 0:
+            self.prober = Prober(self.client, self.cfg.model, r.probe_interval_s,
+                                 r.probe_timeout_s, self._probe_targets, self._probed)
+            self.prober.start()
         logger.info("gateway ready model=%s encoders=%s (%s) decoders=%s availability=%s",
                     self.cfg.model, self.cfg.encoders, self.cfg.encoder_backend,
                     self.cfg.decoders, self.availability.name)
+
+    def _probe_targets(self) -> list[tuple[str, str]]:
+        assert self.decoders is not None and self.router is not None
+        kind = "pool" if self.cfg.encoder_backend == "pool" else "vllm"
+        return [*((u, "vllm") for u in self.decoders.urls),
+                *((u, kind) for u in self.router.clients)]
+
+    def _probed(self, url: str, ok: bool) -> None:
+        """A failed probe: tried last until the next probe passes; a passed one clears it."""
+        assert self.decoders is not None and self.router is not None
+        r = self.cfg.routing
+        hold = 0.0 if ok else max(self.cfg.cooldown_s, r.probe_interval_s + r.probe_timeout_s)
+        if url in self.decoders.down_until:
+            self.decoders.cool_down(url, hold)
+        if url in self.router.down_until:
+            self.router.down_until[url] = time.monotonic() + hold
+        if not ok:
+            logger.warning("probe failed url=%s error=%s action=tried last until a probe "
+                           "passes", url, self.prober.results[url].error if self.prober
+                           else "")
 
     def _encoder_client(self, url: str) -> EncoderClient:
         assert self.client is not None
@@ -150,6 +176,8 @@ class Gateway:
         return VllmEncoderClient(url, self.cfg.model, self.client, t)
 
     async def shutdown(self) -> None:
+        if self.prober is not None:
+            await self.prober.stop()
         if self._background:
             await asyncio.wait(list(self._background), timeout=self.cfg.timeouts.connect_s)
         if self.decoders is not None:
@@ -623,9 +651,13 @@ class Gateway:
         and what it was given (decoders: `affinity` = requests that went to their first
         item's own instance)."""
         assert self.decoders is not None and self.router is not None
-        return JSONResponse({"encoders": self.router.describe(),
-                             "decoders": self.decoders.describe(),
-                             "routing": self.cfg.routing.model_dump()})
+        probes = self.prober.results if self.prober is not None else {}
+        out = {"encoders": self.router.describe(), "decoders": self.decoders.describe(),
+               "routing": self.cfg.routing.model_dump()}
+        for entry in (*out["encoders"], *out["decoders"]):
+            if entry["url"] in probes:
+                entry["probe"] = probes[entry["url"]].describe()
+        return JSONResponse(out)
 
     def _admin_allowed(self, request: Request) -> bool:
         if self._admin_token is not None:

@@ -108,6 +108,10 @@ class RoutingConfig(_Strict):
                                 "encoded share one encode")
     failover: bool = Field(True, description="a decode instance that dies mid-answer: "
                            "another one continues it (failover.py)")
+    probe_interval_s: float = Field(10.0, ge=0, description="every instance gets a real "
+                                    "forward (one-token completion) this often; one that "
+                                    "fails cools down until a probe passes (0: off)")
+    probe_timeout_s: float = Field(10.0, gt=0)
     admin: bool = Field(True, description="serve POST /admin/instances (join/leave at run "
                         "time): with the deployment secret, callers must show its admin "
                         "token; without one, loopback callers only")

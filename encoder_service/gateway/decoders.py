@@ -195,9 +195,10 @@ class DecodePool:
         self.inflight[url] -= 1
         self.cool_down(url)
 
-    def cool_down(self, url: str) -> None:
-        """`url` failed: try it last for `cooldown_s`."""
-        self.down_until[url] = time.monotonic() + self.cooldown_s
+    def cool_down(self, url: str, seconds: float | None = None) -> None:
+        """`url` failed: try it last for `seconds` (default `cooldown_s`)."""
+        self.down_until[url] = time.monotonic() + (self.cooldown_s if seconds is None
+                                                   else seconds)
 
     async def open(self, method: str, path: str, content: bytes | None,
                    request_id: str, key: str | None = None,

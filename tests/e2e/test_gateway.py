@@ -41,7 +41,8 @@ def cluster(tmp_path_factory):
     conf.write_text(json.dumps({
         "model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
         "storage_path": str(storage),
-        "gateway": {"timeouts": {"encoder_s": 20}}}))
+        # no probes: the tests count the encoder's finished requests
+        "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}))
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0).start()
     work.mkdir(parents=True, exist_ok=True)
     up_log = open(work / "epd-up.log", "wb")  # noqa: SIM115 - closed at teardown
@@ -248,7 +249,59 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
         gw2.stop()
 
 
-def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluster):
+@pytest.fixture(scope="module")
+def second_decoder(cluster):
+    """A second real decode instance on the same storage (started once, for the tests of
+    membership and failover)."""
+    from encoder_service.local.up import epd_config
+
+    c = cluster
+    dec2 = VllmServer("decode-2", build(WORK / "models" / "tiny-llava", SPECS["tiny"]),
+                      UP_PORT + 21, c["work"], epd_config("ec_consumer", c["storage"]),
+                      cpu_core=1).start()
+    try:
+        dec2.wait()
+        yield dec2
+    finally:
+        dec2.stop()
+
+
+def test_decode_instances_join_and_leave_under_load_and_no_request_is_lost(cluster,
+                                                                           second_decoder):
+    """A gateway replica serving with one decode instance: under load, the second joins,
+    then the first leaves (drained); every answer equals the aggregated server's."""
+    c, dec2 = cluster, second_decoder
+    gw2 = Gateway2(c, UP_PORT + 23, [DEC_URL])
+    images = [sample_image_png(seed=850 + i) for i in range(4)]
+    refs = [reference(c, im) for im in images]
+    admin = gw2.url + "/admin/instances"  # no secret: loopback callers may
+    try:
+        def one(i: int) -> bool:
+            body = chat_body(MODEL_NAME, images[i % 4], PROMPT, max_tokens=8)
+            with httpx.Client(timeout=120) as client:
+                r = client.post(gw2.url + "/v1/chat/completions", json=body)
+            return r.status_code == 200 and r.json()["choices"][0]["token_ids"] == refs[i % 4]
+
+        with ThreadPoolExecutor(4) as pool:
+            results = [pool.submit(one, i) for i in range(24)]
+            time.sleep(0.5)
+            joined = c["client"].post(admin, json={"role": "decoder", "url": dec2.url,
+                                                   "action": "add"})
+            assert joined.status_code == 200, joined.text
+            time.sleep(0.5)
+            left = c["client"].post(admin, json={"role": "decoder", "url": DEC_URL,
+                                                 "action": "remove"}, timeout=120)
+            assert left.json()["drained"] is True, left.text
+            assert all(f.result() for f in results)
+        listed = c["client"].get(gw2.url + "/instances").json()
+        assert [d["url"] for d in listed["decoders"]] == [dec2.url]
+        assert listed["decoders"][0]["requests"] > 0  # the newcomer served some
+    finally:
+        gw2.stop()
+
+
+def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluster,
+                                                                          second_decoder):
     """A second decode instance serves a long greedy stream and is SIGKILLed after the first
     tokens. The gateway continues the answer on the other instance when the continuation is
     provably exact (its prompt is the first prompt plus the tokens sent): the client then gets
@@ -257,15 +310,10 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
     after a correct prefix. Never a wrong, repeated or missing token."""
     from ec_connectors.protocol.keys import content_item_id
     from encoder_service.gateway.routing import rendezvous
-    from encoder_service.local.up import epd_config
 
-    c = cluster
-    dec2 = VllmServer("decode-2", build(WORK / "models" / "tiny-llava", SPECS["tiny"]),
-                      UP_PORT + 21, c["work"], epd_config("ec_consumer", c["storage"]),
-                      cpu_core=1).start()
+    c, dec2 = cluster, second_decoder
     gw2 = None
     try:
-        dec2.wait()
         gw2 = Gateway2(c, UP_PORT + 22, [DEC_URL, dec2.url])
         image = next(im for im in (sample_image_png(seed=n) for n in range(800, 900))
                      if rendezvous(content_item_id(im, MODEL_NAME), [DEC_URL, dec2.url])[0]
@@ -303,7 +351,6 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
     finally:
         if gw2 is not None:
             gw2.stop()
-        dec2.stop()
 
 
 def test_encoder_killed_mid_run_answers_stay_correct(cluster):

@@ -292,7 +292,8 @@ def test_frozen_then_killed_producer_releases_quarantine(peers):
 def _netns_ok() -> bool:
     if os.geteuid() != 0:
         return False
-    return os.system("ip netns add epd-probe >/dev/null 2>&1 && ip netns del epd-probe") == 0
+    name = f"epd-probe-{os.getpid()}"  # per process: xdist workers collect at the same time
+    return os.system(f"ip netns add {name} >/dev/null 2>&1 && ip netns del {name}") == 0
 
 
 @pytest.mark.skipif(not _netns_ok(), reason="needs root and `ip netns` (network namespaces)")

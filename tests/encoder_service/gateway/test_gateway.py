@@ -98,7 +98,14 @@ class Stub:
         async def health(request: Request):
             return JSONResponse({})
 
+        async def completions(request: Request):  # the gateway's probes
+            await asyncio.sleep(self.delay)
+            if self.fail:
+                return JSONResponse({"error": "boom"}, status_code=500)
+            return JSONResponse({"choices": [{"text": "."}]})
+
         app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                Route("/v1/completions", completions, methods=["POST"]),
                                 Route("/health", health)])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                                     log_level="error"))
@@ -120,6 +127,7 @@ def stubs():
 
 
 def gateway(enc: list[str], dec: list[str], **extra) -> GatewayThread:
+    extra.setdefault("routing", {"probe_interval_s": 0})  # probes: test_routing.py
     cfg = GatewayConfig.build({"port": free_port(), "model": MODEL, "encoders": enc,
                                "decoders": dec, **extra})
     return GatewayThread(cfg).start()

@@ -223,3 +223,71 @@ def test_instances_join_and_leave_while_load_runs_and_nothing_is_lost(tmp_path):
         g.stop()
         for s in (enc, first, second):
             s.stop()
+
+
+def test_a_hung_instance_fails_its_forward_probe_and_is_tried_last_until_it_passes():
+    import httpx
+
+    from tests.encoder_service.gateway.test_gateway import Stub, gateway
+    from tests.helpers import wait_for
+
+    enc, good, hung = Stub("encoder"), Stub("decoder"), Stub("decoder")
+    hung.delay = 3.0  # its HTTP server answers /health, its "engine" does not answer in time
+    g = gateway([enc.url], [good.url, hung.url],
+                routing={"probe_interval_s": 0.2, "probe_timeout_s": 0.5})
+
+    def state() -> dict:
+        listed = httpx.get(g.url + "/instances").json()
+        return {d["url"]: d for d in listed["decoders"]}
+
+    try:
+        assert wait_for(lambda: "probe" in state().get(hung.url, {}) and
+                        not state()[hung.url]["probe"]["ok"], timeout=10, interval=0.1)
+        s = state()
+        assert s[hung.url]["state"] == "cooling_down" and "ReadTimeout" in \
+            s[hung.url]["probe"]["error"]
+        assert s[good.url]["probe"]["ok"] and s[good.url]["state"] == "up"
+        hung.delay = 0.0  # it recovers: the next probe passing puts it back
+        assert wait_for(lambda: state()[hung.url]["state"] == "up", timeout=10, interval=0.1)
+    finally:
+        g.stop()
+        for s in (enc, good, hung):
+            s.stop()
+
+
+def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
+    """Two real encoder pools (the tiny LLaVA, real HTTP, safetensors publishing) behind a
+    gateway that looks nothing up: the same image three times is encoded once, by the pool
+    its id hashes to, and served from that pool's memory after."""
+    import httpx
+
+    from ec_connectors.protocol.keys import content_item_id
+    from encoder_service.encoder_pool.config import PoolConfig
+    from encoder_service.encoder_pool.server import create_app
+    from encoder_service.local.requests import chat_body, sample_image_png
+    from encoder_service.local.testmodel import SPECS, build
+    from tests.encoder_service.gateway.test_gateway import MODEL, Stub, gateway
+    from tests.helpers import WORK, Served
+
+    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+    cfgs = [PoolConfig.from_dict({"model": model, "served_model_name": MODEL,
+                                  "max_wait_ms": 5, "retain": "keep",
+                                  "transport": {"storage_path": str(tmp_path / "ec")}})
+            for _ in range(2)]
+    dec = Stub("decoder")
+    with Served(create_app(cfgs[0]), 18440) as p0, Served(create_app(cfgs[1]), 18441) as p1:
+        g = gateway([p0.url, p1.url], [dec.url], encoder_backend="pool")
+        try:
+            image = sample_image_png(seed=4242)
+            for _ in range(3):
+                r = httpx.post(g.url + "/v1/chat/completions", timeout=60,
+                               json=chat_body(MODEL, image, "x"))
+                assert r.status_code == 200, r.text
+            stats = {p.url: httpx.get(p.url + "/v1/stats").json() for p in (p0, p1)}
+            home = rendezvous(content_item_id(image, MODEL), [p0.url, p1.url])[0]
+            assert stats[home]["items_encoded"] == 1 and stats[home]["reuse_hits"] == 2
+            other = next(u for u in stats if u != home)
+            assert stats[other]["items_encoded"] == 0 and stats[other]["reuse_hits"] == 0
+        finally:
+            g.stop()
+            dec.stop()
