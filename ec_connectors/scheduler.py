@@ -221,6 +221,7 @@ class EPDSchedulerSide:
                 return False
             return True
         req_id = request.request_id
+        first_look = req_id not in self._req_hints  # a prefix hit shows on the first look
         hints = self._hints(request)
         waits = self._req_waits.get(req_id, ())
         ready = True
@@ -233,7 +234,10 @@ class EPDSchedulerSide:
                 # In the KV cache, or in vLLM's own encoder cache (placed there, or encoded;
                 # vLLM serves it: no load, no wait): a copy staged for it is not needed. A
                 # preempted request whose item was evicted since is loaded again.
-                self.stats.inc("engine_cache_hits" if not done else "prefix_cached")
+                if not done:
+                    self.stats.inc("engine_cache_hits")
+                elif first_look:  # computed before this request ran: the prefix cache
+                    self.stats.inc("prefix_cached")
                 if item_id in waits:  # (no lock taken for the usual running request)
                     self._release(item_id, req_id)
                 continue

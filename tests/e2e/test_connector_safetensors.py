@@ -115,6 +115,29 @@ def test_hostile_item_ids_write_nothing_outside_the_storage_dir(cluster, tmp_pat
     assert all(len(p.name) < 120 for p in files)
 
 
+def test_an_item_inside_a_prefix_cache_hit_is_neither_waited_for_nor_moved(cluster):
+    """The same long request twice: the second one's image tokens are all in vLLM's prefix
+    cache (num_computed_tokens covers them), so the connector neither waits for the item
+    nor loads it again."""
+    from encoder_service.local.requests import chat_body
+
+    c = cluster
+    image, item_id, _ = case(c, seed=909)
+    params = encode(c, image, item_id)
+    prompt = " ".join(["describe every part of this picture in detail"] * 40)  # > 2 blocks
+    body = chat_body(MODEL_NAME, image, prompt, item_id=item_id, max_tokens=4,
+                     ec_transfer_params=params)
+    loads, skipped = metric(c, "loads_total"), metric(c, "prefix_cached_total")
+    first = c["client"].post(c["cons"].url + "/v1/chat/completions", json=body)
+    assert first.status_code == 200, first.text
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    second = c["client"].post(c["cons"].url + "/v1/chat/completions", json=body)
+    assert second.status_code == 200, second.text
+    assert tokens(second.json()) == tokens(first.json())
+    assert wait_metric(c, "prefix_cached_total", skipped + 1) == skipped + 1
+    assert metric(c, "loads_total") == loads + 1  # nothing moved the second time
+
+
 def test_duplicate_requests_under_a_tiny_encoder_cache_lose_nothing_and_leak_nothing(cluster):
     """200 requests, each image asked twice at once, 16 in flight, on a consumer whose vLLM
     encoder cache holds four images: items are staged, shared, evicted and loaded again while
