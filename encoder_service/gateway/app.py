@@ -42,7 +42,13 @@ from encoder_service.gateway.encoder_clients import (
     VllmEncoderClient,
 )
 from encoder_service.gateway.errors import GatewayError
-from encoder_service.gateway.failover import StreamTracker, continuation, exact_resume
+from encoder_service.gateway.failover import (
+    GenerateToChat,
+    StreamTracker,
+    continuation,
+    exact_resume,
+    generate_request,
+)
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.parsing import (
     metadata_only_body,
@@ -394,6 +400,10 @@ class Gateway:
         non-streamed answer, asked again whole."""
         assert self.decoders is not None
         self.decoders.cool_down(failed_url)
+        if tracker is not None:
+            by_tokens = await self._resume_tokens(sent, tracker, failed_url, rid)
+            if by_tokens is not None:
+                return by_tokens
         body = sent if tracker is None else continuation(sent, tracker)
         if body is None:
             return None
@@ -419,6 +429,47 @@ class Gateway:
             await up.release()
             return None
         return up, chunks, head
+
+    async def _resume_tokens(self, sent: dict[str, Any], tracker: StreamTracker,
+                             failed_url: str, rid: str
+                             ) -> tuple[Upstream, AsyncIterator[bytes], bytes] | None:
+        """The token-in continuation (failover.py): render the chat request on another
+        instance, check the prompt, generate from it plus the tokens sent. None when an
+        instance does not serve the token-in API or the prompt differs."""
+        assert self.decoders is not None and self.client is not None
+        if not tracker.continuable or tracker.finished or not tracker.token_ids:
+            return None
+        targets = self.decoders.order(None, exclude={failed_url})
+        if not targets:
+            return None
+        render = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
+        try:
+            r = await self.client.post(targets[0] + "/v1/chat/completions/render",
+                                       content=_json_encode(render),
+                                       headers={"content-type": "application/json"})
+            rendered = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        req = generate_request(rendered, sent, tracker) if rendered is not None else None
+        if req is None:
+            return None
+        try:
+            up = await self.decoders.open("POST", "/inference/v1/generate", _json_encode(req),
+                                          f"{rid}-resume", exclude={failed_url})
+        except GatewayError:
+            return None
+        if up.status_code != 200:
+            await up.release()
+            return None
+        to_chat = GenerateToChat(tracker.stream_id, str(sent.get("model", self.cfg.model)))
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for chunk in up.chunks():
+                out = to_chat.feed(chunk)
+                if out:
+                    yield out
+
+        return up, chunks(), b""
 
     def _placeholders(self, hints: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Placeholder metadata of the hinted items (from this request's encoders, else

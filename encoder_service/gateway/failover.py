@@ -2,17 +2,21 @@
 first token, another instance continues the same answer and the client sees one stream.
 
 How: the gateway asks the decode instance for token ids (vLLM's `return_token_ids`) and
-follows the stream event by event (`StreamTracker`): the text and the token ids the client
-has been sent. On a break it asks another instance to continue the assistant message it had
-begun (`continue_final_message`, the text so far, `max_tokens` less what was sent) and checks
-that the prompt that instance built ends with exactly the tokens already sent: greedy
-decoding then produces the same continuation as the lost instance would have, with no token
-repeated or missing. When the new prompt is not exactly the old prompt plus those tokens (the
-chat template or the tokenizer renders the begun message differently), or the request cannot
-be continued (several choices, tool calls, logprobs), the stream ends with an error event, as
-without failover: never a wrong token. A non-streamed answer that breaks off is simply asked
-again elsewhere (the client has seen nothing). Token ids the client did not ask for are
-removed from what it gets.
+follows the stream event by event (`StreamTracker`): the prompt's token ids, and the text and
+token ids the client has been sent. On a break, another instance continues token for token
+through vLLM's token-in API when it serves it (`--enable-scale-out`, which `epd up` gives
+decode instances): `/v1/chat/completions/render` of the same chat request must give exactly
+the first prompt, then `/inference/v1/generate` runs on that prompt plus the tokens sent, and
+its text stream is turned back into chat chunks (`GenerateToChat`). Otherwise it asks for the
+begun assistant message to be continued (`continue_final_message`, the text so far,
+`max_tokens` less what was sent) and checks that the prompt that instance built is exactly
+the first prompt followed by the tokens already sent. Either way greedy decoding then
+continues as the lost instance would have, with no token repeated or missing. When neither
+path can prove that (the chat template or the tokenizer renders the begun message differently,
+no token-in API), or the request cannot be continued (several choices, tool calls, logprobs),
+the stream ends with an error event, as without failover: never a wrong token. A
+non-streamed answer that breaks off is simply asked again elsewhere (the client has seen
+nothing). Token ids the client did not ask for are removed from what it gets.
 """
 
 from __future__ import annotations
@@ -149,3 +153,66 @@ def exact_resume(first_events: bytes, sent: StreamTracker) -> bool:
         if prompt is not None:
             return sent.prompt_ids is not None and prompt == sent.prompt_ids + sent.token_ids
     return False
+
+
+def generate_request(rendered: Any, sent_body: dict[str, Any], sent: StreamTracker
+                     ) -> dict[str, Any] | None:
+    """vLLM's token-in request (`POST /inference/v1/generate`) that continues the answer:
+    the prompt `/v1/chat/completions/render` made from the same chat request, which must be
+    exactly the first prompt, then the tokens already sent; text out, streamed. None when the
+    prompt differs or nothing is left to generate."""
+    if isinstance(rendered, list) and len(rendered) == 1:
+        rendered = rendered[0]
+    if (not isinstance(rendered, dict) or sent.prompt_ids is None or not sent.token_ids
+            or rendered.get("token_ids") != sent.prompt_ids):
+        return None
+    req = dict(rendered)
+    req["token_ids"] = sent.prompt_ids + sent.token_ids
+    params = dict(req.get("sampling_params") or {})
+    if isinstance(params.get("max_tokens"), int):
+        params["max_tokens"] -= len(sent.token_ids)
+        if params["max_tokens"] <= 0:
+            return None
+    if isinstance(params.get("min_tokens"), int):
+        params["min_tokens"] = max(0, params["min_tokens"] - len(sent.token_ids))
+    params["detokenize"] = True
+    req.update(sampling_params=params, stream=True, output_mode="text")
+    if sent_body.get("ec_transfer_params") is not None:  # metadata-only items load from EPD
+        req["ec_transfer_params"] = sent_body["ec_transfer_params"]
+    return req
+
+
+class GenerateToChat:
+    """Turns vLLM's token-in stream (`{"choices": [{"text", "token_ids", "finish_reason"}]}`)
+    into chat completion chunks of the stream it continues (same id and model)."""
+
+    def __init__(self, stream_id: str | None, model: str) -> None:
+        self.stream_id, self.model = stream_id or "chatcmpl-resumed", model
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._pending + chunk
+        *events, self._pending = data.split(b"\n\n")
+        return b"".join(self._event(e) for e in events)
+
+    def _event(self, event: bytes) -> bytes:
+        if event.startswith(b"data: [DONE]"):
+            return event + b"\n\n"
+        if not event.startswith(b"data: "):
+            return b""
+        try:
+            body = _decode(event[6:])
+        except msgspec.DecodeError:
+            return b""
+        if not isinstance(body, dict):
+            return b""
+        if "error" in body:
+            return event + b"\n\n"
+        choices = [{"index": c.get("index", 0), "delta": {"content": c.get("text") or ""},
+                    "token_ids": c.get("token_ids") or [],
+                    "finish_reason": c.get("finish_reason")}
+                   for c in body.get("choices") or () if isinstance(c, dict)]
+        if not choices:
+            return b""
+        return b"data: " + _encode({"id": self.stream_id, "object": "chat.completion.chunk",
+                                     "model": self.model, "choices": choices}) + b"\n\n"

@@ -60,6 +60,7 @@ from encoder_service.local.testmodel import SPECS, ModelSpec
 DEFAULT_BASE_PORT = ports.GATEWAY_PORT  # the gateway; the servers take the next ports
 DEFAULT_MOONCAKE_BASE_PORT = ports.MOONCAKE_BASE_PORT  # encoder i: + MOONCAKE_ENCODER_STRIDE*i
 DEFAULT_MASTER_PORT = ports.MASTER_RPC_PORT  # Mooncake Store master: RPC; metadata +1, metrics +2
+DECODE_ARGS = ["--enable-scale-out"]  # vLLM flags every decode instance gets
 MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)
 STORE_SEGMENT_BYTES = 256 << 20  # what each encoder contributes to the store
 STORE_BUFFER_BYTES = 512 << 20  # registered buffer per process for puts/gets
@@ -250,9 +251,12 @@ class Deployment:
             else:
                 extra = connector_extra(cfg, "ec_consumer")
                 role, name = "ec_consumer", f"decode-{i - cfg.encoders}"
+            # decode instances serve vLLM's token-in API (render + generate): the gateway
+            # continues a broken stream there token for token (gateway/failover.py)
+            args = list(cfg.vllm_args) + ([] if i < cfg.encoders else DECODE_ARGS)
             s = VllmServer(name, model, port + i, logs, epd_config(role, storage, extra),
                            cpu_core=core, served_name=cfg.served_model_name,
-                           extra_args=list(cfg.vllm_args), env=dict(env))
+                           extra_args=args, env=dict(env))
             (self.encoders if i < cfg.encoders else self.decoders).append(s)
         for extra in ({"storage_path": str(storage), **connector_extra(cfg, "ec_producer")},
                       connector_extra(cfg, "ec_consumer")):

@@ -86,3 +86,32 @@ def test_a_resumed_stream_drops_its_role_chunk_and_keeps_the_first_id():
     # a token that decodes to no text yet (part of a character) is still passed on
     assert len(events) == 3 and json.loads(events[0][6:])["id"] == "chatcmpl-a"
     assert t.text == ["Hel", "lo"] and t.token_ids == [7, 8, 9] and t.finished
+
+
+def test_the_token_in_continuation_starts_from_the_same_prompt_and_the_tokens_sent():
+    from encoder_service.gateway.failover import GenerateToChat, generate_request
+
+    t = StreamTracker(False)
+    t.feed(ROLE + chunk("Hel", [7]) + chunk("lo", [8]))
+    rendered = {"request_id": "r", "token_ids": [1, 2, 3], "features": {"x": 1},
+                "sampling_params": {"max_tokens": 10, "temperature": 0.0}}
+    sent = {**BODY, "ec_transfer_params": {"epd": {"items": {}}}}
+    req = generate_request(rendered, sent, t)
+    assert req["token_ids"] == [1, 2, 3, 7, 8] and req["features"] == {"x": 1}
+    assert req["sampling_params"]["max_tokens"] == 8 and req["stream"] is True
+    assert req["output_mode"] == "text" and req["ec_transfer_params"] == sent[
+        "ec_transfer_params"]
+    assert rendered["token_ids"] == [1, 2, 3]  # not changed in place
+    # another prompt (a template rendering differently): not continued this way
+    assert generate_request({**rendered, "token_ids": [1, 2, 4]}, sent, t) is None
+    assert generate_request([rendered], sent, t) is not None  # vLLM may answer a list
+    out = GenerateToChat("chatcmpl-a", "m").feed(
+        b'data: {"request_id": "g", "choices": [{"index": 0, "text": "!", "token_ids": [9],'
+        b' "finish_reason": null}]}\n\ndata: {"choi' )
+    event = json.loads(out.split(b"\n\n")[0][6:])
+    assert event["id"] == "chatcmpl-a" and event["object"] == "chat.completion.chunk"
+    assert event["choices"][0]["delta"] == {"content": "!"} and event["choices"][0][
+        "token_ids"] == [9]
+    t.resume()
+    passed = t.feed(out)
+    assert b"token_ids" not in passed and t.token_ids == [7, 8, 9] and t.text[-1] == "!"
