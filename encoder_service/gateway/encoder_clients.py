@@ -373,8 +373,12 @@ class EncoderRouter:
             task.add_done_callback(lambda t: self._land(futures, t))
             waits.update(futures)
         outcome.shared = len(waits) - len(mine)
-        for item_id, fut in waits.items():
-            self._take(outcome, item_id, await asyncio.shield(fut))
+        try:
+            for item_id, fut in waits.items():
+                self._take(outcome, item_id, await asyncio.shield(fut))
+        except asyncio.CancelledError:  # the client left: this request holds nothing
+            self.unref(outcome.holders)
+            raise
         return outcome, errors
 
     def _land(self, futures: dict[str, asyncio.Future[_Result]], task: asyncio.Task) -> None:
