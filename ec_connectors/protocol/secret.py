@@ -79,10 +79,14 @@ class CurveKeys:
         sock.curve_secretkey = self.client_secret
 
 
+def _derive(secret: bytes, purpose: str, data: bytes | None = None) -> bytes:
+    """A 32-byte key for one purpose (curve, seal, ids, admin), derived from the secret."""
+    return hashlib.blake2b(purpose.encode() if data is None else data, key=secret[:64],
+                           digest_size=32, person=f"epd-{purpose}-v1".encode()).digest()
+
+
 def _secret_key(secret: bytes, role: bytes) -> bytes:
-    raw = hashlib.blake2b(role, key=secret[:64], digest_size=32,
-                          person=b"epd-curve-v1").digest()
-    return z85.encode(raw)
+    return z85.encode(_derive(secret, "curve", role))
 
 
 def curve_keys(secret: bytes | None) -> CurveKeys | None:
@@ -120,9 +124,7 @@ class Seal:
     is a miss, never a wrong embedding."""
 
     def __init__(self, secret: bytes | None) -> None:
-        self._key = (None if secret is None else
-                     hashlib.blake2b(b"seal", key=secret[:64], digest_size=32,
-                                     person=b"epd-seal-v1").digest())
+        self._key = None if secret is None else _derive(secret, "seal")
 
     @property
     def active(self) -> bool:
@@ -162,9 +164,7 @@ class IdSigner:
     a secret every id is accepted (one host, loopback: the gateway is the only client)."""
 
     def __init__(self, secret: bytes | None) -> None:
-        self._key = (None if secret is None else
-                     hashlib.blake2b(b"ids", key=secret[:64], digest_size=32,
-                                     person=b"epd-ids-v1").digest())
+        self._key = None if secret is None else _derive(secret, "ids")
 
     @property
     def active(self) -> bool:
@@ -188,6 +188,4 @@ class IdSigner:
 def admin_token(secret: bytes) -> str:
     """The bearer token of a gateway's admin endpoints (join/leave at run time): derived from
     the deployment secret, so the secret itself never travels (`epd admin-token` prints it)."""
-    return hmac.new(hashlib.blake2b(b"admin", key=secret[:64], digest_size=32,
-                                    person=b"epd-admin-v1").digest(),
-                    b"epd-admin", hashlib.sha256).hexdigest()
+    return hmac.new(_derive(secret, "admin"), b"epd-admin", hashlib.sha256).hexdigest()

@@ -24,7 +24,7 @@ import asyncio
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -47,6 +47,9 @@ from encoder_service.encoder_pool.media import (
 from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
 from encoder_service.encoder_pool.publish import Publisher
+
+if TYPE_CHECKING:
+    from ec_connectors.config import EPDConfig
 
 
 class EncodeItem(BaseModel):
@@ -91,10 +94,14 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
                        retry_after_s=config.retry_after_s)
 
 
-def create_app(config: PoolConfig, pool: EncoderPool | None = None) -> FastAPI:
+def create_app(config: PoolConfig, pool: EncoderPool | None = None,
+               transport: EPDConfig | None = None) -> FastAPI:
+    """`transport`: `config.transport_config()` when the caller made it already (it reads
+    the model's weights for their fingerprint)."""
     pool = pool or build_pool(config)
-    publisher = Publisher(config.transport_config(), config.engine_id)
-    signer = config.transport_config().ids
+    transport = transport or config.transport_config()
+    publisher = Publisher(transport, config.engine_id)
+    signer = transport.ids
     registry, batch_hist = make_registry(pool, publisher)
     pool.on_batch = lambda size, _s: batch_hist.observe(size)
 
@@ -278,11 +285,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = parse_config(argv)
-        config.transport_config()
+        transport = config.transport_config()  # its errors are config errors
     except (PoolConfigError, ValueError) as exc:
         print(f"epd encoder: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(create_app(config, transport=transport), host=config.host, port=config.port,
+                log_level="warning")
     return 0
 
 

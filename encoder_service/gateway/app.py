@@ -48,6 +48,7 @@ from encoder_service.gateway.failover import (
     continuation,
     exact_resume,
     generate_request,
+    upstream_body,
 )
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.parsing import (
@@ -165,10 +166,9 @@ class Gateway:
         assert self.decoders is not None and self.router is not None
         r = self.cfg.routing
         hold = 0.0 if ok else max(self.cfg.cooldown_s, r.probe_interval_s + r.probe_timeout_s)
-        if url in self.decoders.down_until:
-            self.decoders.cool_down(url, hold)
-        if url in self.router.down_until:
-            self.router.down_until[url] = time.monotonic() + hold
+        for pool in (self.decoders, self.router):
+            if url in pool.down_until:
+                pool.cool_down(url, hold)
         if not ok:
             logger.warning("probe failed url=%s error=%s action=tried last until a probe "
                            "passes", url, self.prober.results[url].error if self.prober
@@ -285,6 +285,8 @@ class Gateway:
             def release() -> None:
                 self._release(held[0] if held else None)  # once: no-op when released
 
+            wants_ids = prepared.body.get("return_token_ids") is True  # before routing adds it
+
             async def answer() -> None:
                 up, info, sent = await self._route(prepared, rid, held)
                 info["parse_ms"] = _ms(t_parse)
@@ -294,7 +296,7 @@ class Gateway:
                         return self._resume(sent, tracker, failed_url, rid)
                 await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream,
                                   info, watch, on_first=release, resume=resume,
-                                  wants_ids=prepared.body.get("return_token_ids") is True)
+                                  wants_ids=wants_ids)
 
             try:
                 await self._guarded(answer, watch, "chat", rid, scope, receive, send)
@@ -372,8 +374,7 @@ class Gateway:
                         if metadata and self.cfg.media.metadata_only else (prepared.body, 0))
         info["metadata_only"] = n_meta
         if prepared.stream and self.cfg.routing.failover:  # token ids: a break can resume
-            body = {**body, "return_token_ids": True}
-            prepared.body["return_token_ids"] = True
+            body, prepared.body = upstream_body(body), upstream_body(prepared.body)
         key = ids[0] if ids else None  # its decode instance: where its first item went before
         up = await self._open("/v1/chat/completions", _json_encode(body), rid, key=key)
         if n_meta and await up.failed_before_answer(prepared.stream):
@@ -405,15 +406,9 @@ class Gateway:
             if by_tokens is not None:
                 return by_tokens
         body = sent if tracker is None else continuation(sent, tracker)
-        if body is None:
-            return None
-        try:
-            up = await self.decoders.open("POST", "/v1/chat/completions", _json_encode(body),
-                                          f"{rid}-resume", exclude={failed_url})
-        except GatewayError:
-            return None
-        if up.status_code != 200:
-            await up.release()
+        up = None if body is None else await self._open_elsewhere(
+            "/v1/chat/completions", body, rid, failed_url)
+        if up is None:
             return None
         if tracker is None:  # a whole answer, asked again
             return up, up.chunks(), b""
@@ -429,6 +424,21 @@ class Gateway:
             await up.release()
             return None
         return up, chunks, head
+
+    async def _open_elsewhere(self, path: str, body: dict[str, Any], rid: str,
+                              failed_url: str) -> Upstream | None:
+        """`body` to `path` on a decode instance other than `failed_url`: the answer once it
+        began with a 200, else None (released)."""
+        assert self.decoders is not None
+        try:
+            up = await self.decoders.open("POST", path, _json_encode(body), f"{rid}-resume",
+                                          exclude={failed_url})
+        except GatewayError:
+            return None
+        if up.status_code != 200:
+            await up.release()
+            return None
+        return up
 
     async def _resume_tokens(self, sent: dict[str, Any], tracker: StreamTracker,
                              failed_url: str, rid: str
@@ -451,15 +461,9 @@ class Gateway:
         except (httpx.HTTPError, ValueError):
             return None
         req = generate_request(rendered, sent, tracker) if rendered is not None else None
-        if req is None:
-            return None
-        try:
-            up = await self.decoders.open("POST", "/inference/v1/generate", _json_encode(req),
-                                          f"{rid}-resume", exclude={failed_url})
-        except GatewayError:
-            return None
-        if up.status_code != 200:
-            await up.release()
+        up = None if req is None else await self._open_elsewhere(
+            "/inference/v1/generate", req, rid, failed_url)
+        if up is None:
             return None
         to_chat = GenerateToChat(tracker.stream_id, str(sent.get("model", self.cfg.model)))
 

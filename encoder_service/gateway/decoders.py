@@ -20,14 +20,13 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Set
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import msgspec
 
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
-from encoder_service.gateway.routing import Chooser, rendezvous
+from encoder_service.gateway.routing import Chooser, Members, rendezvous
 
 
 class UpstreamError(Exception):
@@ -125,20 +124,16 @@ def _first_event_verdict(event: bytes) -> bool | None:
     return None if body.get("choices") else False
 
 
-class DecodePool:
+class DecodePool(Members):
     """Call `start()` inside the running event loop, `close()` at shutdown."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
         self.urls = list(cfg.decoders)
-        self.inflight = {u: 0 for u in self.urls}
+        super().__init__(self.urls, cfg.cooldown_s, {"requests": 0, "affinity": 0})
         self.chooser = Chooser(cfg.routing.decoders, cfg.routing.decoder_load_factor)
-        self.draining: set[str] = set()
-        self.counts = {u: {"requests": 0, "affinity": 0} for u in self.urls}
         t = cfg.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s,
                                              sock_read=t.decode_s)
-        self.cooldown_s = cfg.cooldown_s
-        self.down_until = {u: 0.0 for u in self.urls}
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -162,43 +157,21 @@ class DecodePool:
                 + self.chooser.order(key, cooling, self.inflight))
 
     # -- membership --------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return self.urls
+
     def add(self, url: str) -> None:
         if url not in self.urls:
             self.urls.append(url)
-        self.inflight.setdefault(url, 0)
-        self.down_until[url] = 0.0
-        self.counts.setdefault(url, {"requests": 0, "affinity": 0})
-        self.draining.discard(url)
+        self._join(url)
 
-    async def drain(self, url: str, timeout_s: float) -> bool:
-        """No new requests for `url`; wait (up to `timeout_s`) for its answers in flight to
-        end, then forget it. True when it left drained."""
-        self.draining.add(url)
-        deadline = time.monotonic() + timeout_s
-        while self.inflight.get(url, 0) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        drained = not self.inflight.get(url, 0)
-        if url in self.draining:
-            with contextlib.suppress(ValueError):
-                self.urls.remove(url)
-            self.draining.discard(url)
-        return drained
-
-    def describe(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [{"url": u, "state": "draining" if u in self.draining else
-                 "cooling_down" if self.down_until.get(u, 0) > now else "up",
-                 "inflight": self.inflight.get(u, 0), **self.counts.get(u, {})}
-                for u in self.urls]
+    def _forget(self, url: str) -> None:
+        with contextlib.suppress(ValueError):
+            self.urls.remove(url)
 
     def _failed(self, url: str) -> None:
         self.inflight[url] -= 1
         self.cool_down(url)
-
-    def cool_down(self, url: str, seconds: float | None = None) -> None:
-        """`url` failed: try it last for `seconds` (default `cooldown_s`)."""
-        self.down_until[url] = time.monotonic() + (self.cooldown_s if seconds is None
-                                                   else seconds)
 
     async def open(self, method: str, path: str, content: bytes | None,
                    request_id: str, key: str | None = None,
@@ -242,7 +215,7 @@ class DecodePool:
             if resp.status >= 500 and attempt == 0 and len(self.order(key, tried)) > 0:
                 last_error = f"{url}: HTTP {resp.status}"
                 await up.release()
-                self.down_until[url] = time.monotonic() + self.cooldown_s
+                self.cool_down(url)
                 continue
             return up
         raise GatewayError(502, f"no prefill/decode instance answered ({last_error})",

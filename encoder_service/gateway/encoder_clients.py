@@ -30,7 +30,7 @@ import httpx
 
 from ec_connectors.protocol.params import PARAMS_KEY
 from encoder_service.gateway.parsing import MediaPart
-from encoder_service.gateway.routing import Chooser
+from encoder_service.gateway.routing import Chooser, Members
 
 _MAX_HOLDERS = 65536  # items whose encoder the router remembers
 
@@ -171,7 +171,7 @@ class EncodeOutcome:
 _Result = tuple[dict[str, Any] | None, Releasing | None]
 
 
-class EncoderRouter:
+class EncoderRouter(Members):
     """Each item to its encoder (routing.Chooser: affinity by default), one call per encoder
     per request, a failed call retried once on the item's next encoder, a cool-down for
     encoders that just failed, and single flight: an item already being encoded for another
@@ -181,13 +181,10 @@ class EncoderRouter:
     def __init__(self, clients: Sequence[EncoderClient], cooldown_s: float = 5.0,
                  chooser: Chooser | None = None, single_flight: bool = True) -> None:
         self.clients: dict[str, EncoderClient] = {c.name: c for c in clients}
-        self.cooldown_s = cooldown_s
+        super().__init__(list(self.clients), cooldown_s, {"items": 0, "calls": 0,
+                                                          "failures": 0})
         self.chooser = chooser or Chooser("least_loaded", 1.25)
         self.single_flight = single_flight
-        self.inflight = {name: 0 for name in self.clients}
-        self.down_until = {name: 0.0 for name in self.clients}
-        self.draining: set[str] = set()
-        self.counts = {name: {"items": 0, "calls": 0, "failures": 0} for name in self.clients}
         self._flights: dict[str, asyncio.Future[_Result]] = {}
         # item -> the encoder that last made it (it holds it now, most likely): preferred
         # over the hash, whatever its load, since serving from memory is cheap
@@ -195,32 +192,15 @@ class EncoderRouter:
         self._refs: dict[tuple[str, str], int] = {}  # (encoder, item) -> outcomes holding it
 
     # -- membership --------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self.clients)
+
     def add(self, client: EncoderClient) -> None:
         self.clients[client.name] = client
-        self.inflight.setdefault(client.name, 0)
-        self.down_until[client.name] = 0.0
-        self.counts.setdefault(client.name, {"items": 0, "calls": 0, "failures": 0})
-        self.draining.discard(client.name)
+        self._join(client.name)
 
-    async def drain(self, name: str, timeout_s: float) -> bool:
-        """Stop sending `name` new items, wait (up to `timeout_s`) for its calls in flight,
-        then forget it. True when it left drained."""
-        self.draining.add(name)
-        deadline = time.monotonic() + timeout_s
-        while self.inflight.get(name, 0) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        drained = not self.inflight.get(name, 0)
-        if name in self.draining:  # not re-added meanwhile
-            self.clients.pop(name, None)
-            self.draining.discard(name)
-        return drained
-
-    def describe(self) -> list[dict[str, Any]]:
-        now = time.monotonic()
-        return [{"url": name, "state": "draining" if name in self.draining else
-                 "cooling_down" if self.down_until.get(name, 0) > now else "up",
-                 "inflight": self.inflight.get(name, 0), **self.counts.get(name, {})}
-                for name in self.clients]
+    def _forget(self, name: str) -> None:
+        self.clients.pop(name, None)
 
     # -- choice ------------------------------------------------------------------------------
     def candidates(self, key: str | None = None, exclude: Set[str] = frozenset(),
@@ -243,7 +223,7 @@ class EncoderRouter:
         try:
             out = await client.encode(items, request_id)
         except EncoderFailed:
-            self.down_until[name] = time.monotonic() + self.cooldown_s
+            self.cool_down(name)
             self.counts[name]["failures"] += 1
             raise
         finally:

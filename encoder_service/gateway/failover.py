@@ -104,13 +104,10 @@ class StreamTracker:
         return b"data: " + _encode(body) if changed else event
 
 
-def upstream_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The body to send upstream for a streamed chat request (token ids on) and whether the
-    client asked for them itself."""
-    wants = body.get("return_token_ids") is True
-    if wants:
-        return body, True
-    return {**body, "return_token_ids": True}, False
+def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The body to send upstream for a streamed chat request: token ids on (the tracker
+    removes them again from what a client that did not ask gets)."""
+    return body if body.get("return_token_ids") is True else {**body, "return_token_ids": True}
 
 
 def continuation(body: dict[str, Any], sent: StreamTracker) -> dict[str, Any] | None:

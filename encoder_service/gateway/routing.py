@@ -9,16 +9,19 @@ over for the next in the item's order, so a hot item cannot pile onto one instan
 or removing an instance moves only the items whose first choice it was.
 
 Policies: `affinity` (the above), `least_loaded` (fewest in flight, ties rotating),
-`round_robin` (strict rotation), for comparison (benchmarks/routing_bench.py).
+`round_robin` (strict rotation), for comparison (benchmarks/routing_bench.py). `Members`: the
+per-instance state both upstream pools keep (in flight, cool-down, draining, counts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import math
+import time
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 Policy = Literal["affinity", "least_loaded", "round_robin"]
 
@@ -65,3 +68,57 @@ class Chooser:
         order = rendezvous(key, names)
         first = bounded(order, load, self.load_factor)
         return [first, *(n for n in order if n != first)]
+
+
+class Members:
+    """What a pool of upstream instances (encoders, decode instances) keeps per instance:
+    calls in flight, when a failed one may be tried first again, which are draining, what
+    each was given (`counts`); joining, draining and describing them. A subclass says which
+    instances exist (`names`) and how one is forgotten once drained (`_forget`)."""
+
+    def __init__(self, names: Sequence[str], cooldown_s: float, counts: dict[str, int]) -> None:
+        self.cooldown_s = cooldown_s
+        self._zero_counts = counts
+        self.inflight: dict[str, int] = {}
+        self.down_until: dict[str, float] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+        self.draining: set[str] = set()
+        for name in names:
+            self._join(name)
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def _forget(self, name: str) -> None:
+        raise NotImplementedError
+
+    def _join(self, name: str) -> None:
+        self.inflight.setdefault(name, 0)
+        self.down_until[name] = 0.0
+        self.counts.setdefault(name, dict(self._zero_counts))
+        self.draining.discard(name)
+
+    def cool_down(self, name: str, seconds: float | None = None) -> None:
+        """`name` failed: try it last for `seconds` (default `cooldown_s`; 0 clears it)."""
+        self.down_until[name] = time.monotonic() + (self.cooldown_s if seconds is None
+                                                    else seconds)
+
+    async def drain(self, name: str, timeout_s: float) -> bool:
+        """Nothing new for `name`; wait (up to `timeout_s`) for its calls in flight, then
+        forget it (unless it joined again meanwhile). True when it left drained."""
+        self.draining.add(name)
+        deadline = time.monotonic() + timeout_s
+        while self.inflight.get(name, 0) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = not self.inflight.get(name, 0)
+        if name in self.draining:
+            self._forget(name)
+            self.draining.discard(name)
+        return drained
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [{"url": n, "state": "draining" if n in self.draining else
+                 "cooling_down" if self.down_until.get(n, 0) > now else "up",
+                 "inflight": self.inflight.get(n, 0), **self.counts.get(n, {})}
+                for n in self.names()]

@@ -17,6 +17,7 @@ import zmq
 
 from ec_connectors.messages import encode
 from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
@@ -212,17 +213,25 @@ class ConsumerRanges:
     NONCE_BYTES = 16
     _MAX_CONNECTIONS = 4096  # the oldest registrations go first beyond this
 
-    def __init__(self, read: Callable[[str, int, int, int], int], scratch_addr: int,
-                 scratch_bytes: int) -> None:
+    def __init__(self, read: Callable[[str, int, int, int], int], page: memoryview,
+                 page_addr: int, first_slot: int = 64) -> None:
         self._read = read  # engine.transfer_sync_read(session, local, remote, n) -> rc
+        self._page, self._page_addr = page, page_addr  # registered scratch (slots from 64)
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for off in range(0, scratch_bytes - self.NONCE_BYTES + 1, 64):
-            self._slots.put(scratch_addr + off)
+        for off in range(first_slot, len(page) - self.NONCE_BYTES + 1, 64):
+            self._slots.put(off)
         self._claims: OrderedDict[bytes, _Claim] = OrderedDict()
         self._cond = threading.Condition()
 
     def register(self, peer: bytes, session: str, base: int, length: int) -> _Claim:
+        """Record `peer`'s claim; it is refused at once when `session` is not an endpoint,
+        else `prove` decides."""
         claim = _Claim(session, base, base + max(0, length), threading.Event())
+        try:
+            parse_endpoint(session)
+        except ValueError as exc:
+            claim.error = str(exc)
+            claim.done.set()
         with self._cond:
             self._claims[peer] = claim
             self._claims.move_to_end(peer)
@@ -231,24 +240,23 @@ class ConsumerRanges:
             self._cond.notify_all()
         return claim
 
-    def prove(self, claim: _Claim, proof_addr: int, nonce: bytes, scratch: memoryview,
-              scratch_base: int, timeout_s: float) -> None:
-        """Read the nonce back from the claimed session (a serve thread; one engine read)."""
+    def prove(self, claim: _Claim, proof_addr: int, nonce: bytes, timeout_s: float) -> None:
+        """Read the nonce back from the claimed session (its own thread; one engine read)."""
         try:
             if len(nonce) != self.NONCE_BYTES:
                 claim.error = f"a nonce of {len(nonce)} bytes, not {self.NONCE_BYTES}"
                 return
             try:
-                slot = self._slots.get(timeout=timeout_s)
+                off = self._slots.get(timeout=timeout_s)
             except queue.Empty:
                 claim.error = "too many registrations at once"
                 return
             try:
-                rc = self._read(claim.session, slot, proof_addr, self.NONCE_BYTES)
-                off = slot - scratch_base
-                seen = bytes(scratch[off:off + self.NONCE_BYTES])
+                rc = self._read(claim.session, self._page_addr + off, proof_addr,
+                                self.NONCE_BYTES)
+                seen = bytes(self._page[off:off + self.NONCE_BYTES])
             finally:
-                self._slots.put(slot)
+                self._slots.put(off)
             if rc != 0:
                 claim.error = f"cannot read the proof from session {claim.session} (rc {rc})"
             elif not hmac.compare_digest(seen, nonce):

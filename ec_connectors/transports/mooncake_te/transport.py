@@ -147,8 +147,8 @@ class MooncakeTransport(Transport):
                  for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE)]
         self._endpoint = f"{self.host}:{ports[0]}"
         self.store = ProducerStore(self.pool, c.lease_ttl_s)
-        self.ranges = ConsumerRanges(self.engine.transfer_sync_read, self._own.data_ptr() + 64,
-                                     _OWN_PAGE - 64)
+        self.ranges = ConsumerRanges(self.engine.transfer_sync_read,
+                                     memoryview(self._own.numpy()), self._own.data_ptr())
         try:
             self.server = ControlEndpoint(f"tcp://{self.host}:{ports[0]}", bind=True,
                                           on_message=self._on_pull, name="epd-peer-server",
@@ -198,15 +198,9 @@ class MooncakeTransport(Transport):
     def _on_pull(self, msg: PeerMessage, peer: bytes | None, _payload: list[bytes]) -> None:
         if isinstance(msg, Register) and peer is not None and self.ranges is not None:
             claim = self.ranges.register(peer, msg.session, msg.base, msg.length)
-            try:
-                parse_endpoint(msg.session)
-            except ValueError as exc:
-                claim.error = str(exc)
-                claim.done.set()
-                return
-            scratch = memoryview(self._own.numpy())
-            self._prove.submit(self.ranges.prove, claim, msg.proof_addr, msg.nonce, scratch,
-                               self._own.data_ptr(), self.config.transfer_timeout_base_s)
+            if not claim.done.is_set():
+                self._prove.submit(self.ranges.prove, claim, msg.proof_addr, msg.nonce,
+                                   self.config.transfer_timeout_base_s)
             return
         if not isinstance(msg, Pull) or peer is None:
             return

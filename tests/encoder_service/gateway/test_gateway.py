@@ -88,9 +88,15 @@ class Stub:
                     yield "data: [DONE]\n\n"
                 return StreamingResponse(failed(), media_type="text/event-stream")
             if body.get("stream"):
-                async def gen():
-                    for t in ("a", "b", "c"):
-                        yield f"data: {json.dumps({'t': t})}\n\n"
+                ids = body.get("return_token_ids") is True
+
+                async def gen():  # vLLM's token ids when asked (the prompt's in the first)
+                    for i, t in enumerate(("a", "b", "c")):
+                        event = {"t": t, **({"prompt_token_ids": [1, 2]} if ids and not i
+                                            else {})}
+                        if ids:
+                            event["choices"] = [{"delta": {"content": t}, "token_ids": [i]}]
+                        yield f"data: {json.dumps(event)}\n\n"
                     yield "data: [DONE]\n\n"
                 return StreamingResponse(gen(), media_type="text/event-stream")
             return JSONResponse({"choices": [{"message": {"content": "ok"}}], "seen": ids})
@@ -286,6 +292,25 @@ def test_streamed_answer_is_passed_through(gw, stubs):
     assert [json.loads(line[6:])["t"] for line in text.split("\n\n")
             if line.startswith("data: {")] == ["a", "b", "c"]
     assert text.rstrip().endswith("data: [DONE]")
+
+
+def test_token_ids_reach_a_streaming_client_only_when_it_asked(gw, stubs):
+    """The gateway asks the decode instance for token ids (failover needs them) and removes
+    them from the stream of a client that did not ask."""
+    _, dec = stubs
+    for asked in (False, True):
+        body = {**chat_body(MODEL, sample_image_png(14), "x"), "stream": True}
+        if not asked:
+            del body["return_token_ids"]
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                          timeout=10) as r:
+            text = r.read().decode()
+        assert dec.calls[-1]["return_token_ids"] is True
+        events = [json.loads(line[6:]) for line in text.split("\n\n")
+                  if line.startswith("data: {")]
+        assert [e["t"] for e in events] == ["a", "b", "c"]
+        assert ("prompt_token_ids" in events[0]) is asked
+        assert all(("token_ids" in e["choices"][0]) is asked for e in events)
 
 
 def test_encoder_failure_retries_then_falls_back_to_raw_media(stubs):

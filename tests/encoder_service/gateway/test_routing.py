@@ -8,9 +8,10 @@ import asyncio
 import time
 from collections import Counter
 
-from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
+from encoder_service.gateway.encoder_clients import EncoderRouter
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, bounded, rendezvous
+from tests.encoder_service.gateway.test_gateway import FakeEncoder
 
 NAMES = [f"http://enc{i}:8000" for i in range(4)]
 
@@ -41,18 +42,12 @@ def test_bounded_load_spills_a_hot_instance_to_the_next_in_order():
     assert bounded(order, {n: 1 for n in order}, 1.25) == order[0]  # balanced: stays
 
 
-class Encoder:
-    def __init__(self, name: str, delay: float = 0.05, fail: bool = False) -> None:
-        self.name, self.delay, self.fail = name, delay, fail
-        self.calls: list[list[str]] = []
-        self.released: list[list[str]] = []
+class Encoder(FakeEncoder):
+    """A stand-in encoder that holds what it encoded until released (as the pool does)."""
 
-    async def encode(self, items, request_id):
-        self.calls.append([it.item_id for it in items])
-        await asyncio.sleep(self.delay)
-        if self.fail:
-            raise EncoderFailed(f"{self.name} down")
-        return {it.item_id: {"by": self.name} for it in items}
+    def __init__(self, name: str, delay: float = 0.05, fail: bool = False) -> None:
+        super().__init__(name, fail=fail, delay=delay)
+        self.released: list[list[str]] = []
 
     async def release(self, item_ids):
         self.released.append(list(item_ids))
