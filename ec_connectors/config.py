@@ -61,6 +61,11 @@ class CommonSettings(_Settings):
     # side channels and announcements run CURVE with keys derived from it; without one they
     # serve loopback only.
     secret_file: str | None = None
+    # Items up to this size ride inline (0: never). A consumer's scheduler reads such an item
+    # itself, where its transport allows (safetensors), and hands it to the workers in the
+    # step's metadata: no deferral, no worker round trip. A Mooncake producer answers a pull
+    # of one in its reply (no engine write).
+    inline_max_bytes: int = Field(default=256 * KiB, ge=0, le=16 * MiB)
 
     @field_validator("secret_file")
     @classmethod
@@ -132,7 +137,6 @@ class MooncakeSettings(_Settings):
     # Producer: the byte budget of held items (LRU eviction of unleased items, then
     # backpressure). Consumer: room for pulls in flight.
     memory_pool_bytes: int = Field(default=2 * GiB, ge=1 * MiB)
-    inline_max_bytes: int = Field(default=256 * KiB, ge=0, le=16 * MiB)
     # Large items are written in chunks of this size, each announced as it lands, so the
     # consumer verifies chunk k while chunk k+1 is on the wire (0: one write, verify after).
     transfer_chunk_bytes: int = Field(default=8 * MiB, ge=0)

@@ -12,19 +12,18 @@ WORKER role    -> ec_connectors.worker.EPDWorker (each worker process)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
-    ECConnectorMetadata,
     ECConnectorRole,
 )
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import control_address
 from ec_connectors.log import get_logger
+from ec_connectors.metadata import EPDConnectorMetadata
 from ec_connectors.placeholders import Placeholders
 from ec_connectors.scheduler import EPDSchedulerSide
 from ec_connectors.stats import EPDPromMetrics, EPDStats
@@ -38,14 +37,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class EPDConnectorMetadata(ECConnectorMetadata):
-    """scheduler -> worker, every step: items to move from staging into the encoder cache
-    (item id -> number of embeddings). Plain and picklable."""
-
-    place: dict[str, int] = field(default_factory=dict)
 
 
 def _worker_rank() -> int:
@@ -107,11 +98,11 @@ class EPDConnector(ECConnectorBase):
 
     # -- worker role ----------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """WORKER, every step of a consumer: place items staged for this step."""
+        """WORKER, every step of a consumer: place this step's items (staged, or inline)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, EPDConnectorMetadata) and self._worker is not None
         if meta.place:
-            self._worker.place(encoder_cache, meta.place)
+            self._worker.place(encoder_cache, meta.place, meta.inline)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str,
                     **kwargs: Any) -> None:
@@ -154,8 +145,8 @@ class EPDConnector(ECConnectorBase):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EPDConnectorMetadata:
         """SCHEDULER, once per step: this step's placements; resets per-step state."""
         assert self._sched is not None
-        return EPDConnectorMetadata(place=self._sched.build_connector_meta(
-            getattr(scheduler_output, "free_encoder_mm_hashes", None) or ()))
+        return self._sched.build_connector_meta(
+            getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         """SCHEDULER, after each executed step: completion feedback from the workers."""

@@ -4,6 +4,10 @@ scheduler API, the control channel to the workers and the transports.
 
 Consumer flow for one item:
   ensure_cache_available: the item is known (index or the request's ec_transfer_params)
+      -> small (inline_max_bytes) and the transport reads here: read and verify it on the
+         inline reader thread, waiting at most _INLINE_WAIT_S -> READY, usually this step
+         (no deferral; its bytes go to the workers in the step's metadata); a miss there
+         (not written yet, larger, damaged) takes the workers' path:
       -> send Prefetch to every worker, defer the request (LOADING, with a deadline)
   Staged from all workers (control thread) -> READY; any failure -> FAILED
   has_cache_item: True only for READY items (O(1) dict lookup)
@@ -22,6 +26,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
@@ -37,6 +43,7 @@ from ec_connectors.messages import (
     Staged,
     WorkerStats,
 )
+from ec_connectors.metadata import EPDConnectorMetadata, InlineItem
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import safe_key
 from ec_connectors.protocol.params import (
@@ -47,7 +54,7 @@ from ec_connectors.protocol.params import (
     producer_params,
 )
 from ec_connectors.stats import StatsRecorder
-from ec_connectors.transports.base import Transport
+from ec_connectors.transports.base import Transport, dtype_name, tensor_bytes
 from scheduler_hooks.decisions import Verdict, covered, decide, pull_location, unavailable_action
 from scheduler_hooks.encoder_cache import EncoderCacheView
 from scheduler_hooks.index import AvailabilityIndex
@@ -63,6 +70,11 @@ logger = get_logger(__name__)
 _FAILED_MEMORY_S = 5.0  # how long a failed item is answered "encode locally" without retrying
 _SCHEDULER_GRACE_S = 1.0  # scheduler deadline = worker deadline + this (dead-worker guard)
 _MAX_SAVED_INFOS = 65536
+_INLINE = -1  # the "rank" that stages inline items: this scheduler side itself
+# A scheduler step waits this long for a small item's read before deferring the request
+# (the read goes on; the item is READY a step later). A local read takes ~0.1 ms.
+_INLINE_WAIT_S = 0.005
+_INLINE_HELD_MAX = 64 << 20  # bytes read inline and not yet placed; beyond: the workers
 
 
 class EPDSchedulerSide:
@@ -96,6 +108,12 @@ class EPDSchedulerSide:
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
+        self._inline: dict[str, InlineItem] = {}  # read here, READY, not yet placed
+        self._inline_bytes = 0
+        self._to_place_inline: dict[str, InlineItem] = {}
+        self._reader = (ThreadPoolExecutor(1, thread_name_prefix="epd-inline")
+                        if is_consumer and transport.reads_in_scheduler
+                        and config.inline_max_bytes else None)
         self._req_items: dict[str, dict[str, int]] = {}
         self._req_hints: dict[str, dict[str, Source]] = {}
         self._req_deferred_since: dict[str, float] = {}  # consumer: first deferral of a request
@@ -162,15 +180,61 @@ class EPDSchedulerSide:
                 return Source(found[0], source.nbytes or found[1])
         return source
 
-    def _prefetch(self, item_id: str, source: Source, now: float) -> None:
-        with self._lock:
-            peers = list(self._workers.values())
-        self.staging.begin(item_id, now, self.config.load_timeout_s + _SCHEDULER_GRACE_S,
-                           have_workers=bool(peers))
+    def _load(self, item_id: str, source: Source, now: float) -> None:
+        """Start loading a known item (LOADING): a small one on the inline reader, waiting a
+        moment for it (READY now, in the usual case); any other through the workers."""
+        timeout = self.config.load_timeout_s + _SCHEDULER_GRACE_S
+        if (self._reader is None or source.nbytes > self.config.inline_max_bytes
+                or self._inline_bytes >= _INLINE_HELD_MAX):
+            with self._lock:
+                peers = list(self._workers.values())
+            self.staging.begin(item_id, now, timeout, have_workers=bool(peers))
+            self._prefetch(item_id, source, peers)
+            return
+        self.staging.begin(item_id, now, timeout, have_workers=True)
+        wait_futures([self._reader.submit(self._read_inline, item_id, source, now)],
+                     timeout=_INLINE_WAIT_S)
+
+    def _prefetch(self, item_id: str, source: Source, peers: list[bytes]) -> None:
         for peer in peers:
             self.channel.send(Prefetch(item_id=item_id, timeout_s=self.config.load_timeout_s,
                                        location=source.location, nbytes=source.nbytes),
                               to=peer)
+
+    def _read_inline(self, item_id: str, source: Source, started: float) -> None:
+        """Inline reader thread: the verified item becomes READY here, its bytes held until
+        placed; a miss (not written yet, larger, damaged) goes to the workers, which wait
+        for it until the deadline and count what fails."""
+        try:
+            tensor = self.transport.get_small(item_id, self.config.inline_max_bytes)
+        except Exception:  # a transport bug costs the fast path, not the item
+            logger.exception("EPD: inline read of item %r failed; the workers load it", item_id)
+            tensor = None
+        if tensor is None:
+            with self._lock:
+                peers = list(self._workers.values())
+            self._prefetch(item_id, source, peers)
+            return
+        item: InlineItem = (tensor_bytes(tensor).tobytes(), dtype_name(tensor.dtype),
+                            tuple(tensor.shape))
+        with self._lock:
+            self._inline[item_id] = item
+            self._inline_bytes += len(item[0])
+        now = time.monotonic()
+        rows = int(tensor.shape[0]) if tensor.dim() else 1
+        if self.staging.staged(item_id, _INLINE, True, rows, "", {_INLINE}, now) \
+                is Status.READY:
+            self.stats.observe("load_s", now - started)
+            self.stats.inc("inline_loads")
+        else:  # forgotten or failed meanwhile
+            self._take_inline(item_id)
+
+    def _take_inline(self, item_id: str) -> InlineItem | None:
+        with self._lock:
+            item = self._inline.pop(item_id, None)
+            if item is not None:
+                self._inline_bytes -= len(item[0])
+        return item
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
@@ -258,7 +322,7 @@ class EPDSchedulerSide:
                     logger.debug("EPD: request %s item %r is not in the transport; vLLM "
                                  "encodes it locally", req_id, item_id)
                     continue
-                self._prefetch(item_id, self._source(item_id, key, hints), now)
+                self._load(item_id, self._source(item_id, key, hints), now)
             self.staging.want(item_id, req_id)
             self._req_waits.setdefault(req_id, set()).add(item_id)
             d = decide(self.staging, item_id, request.get_num_encoder_embeds(i), now)
@@ -321,16 +385,20 @@ class EPDSchedulerSide:
             self.engine_cache.allocated(item_id)
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
+            inline = self._take_inline(item_id) if self._inline else None
+            if inline is not None:
+                self._to_place_inline[item_id] = inline
             st = self.staging.get(item_id)
             if st is not None and st.ready_at:
                 self.stats.observe("staged_to_scheduled_s", time.monotonic() - st.ready_at)
             self.staging.forget(item_id)
             self.stats.inc("hits")
 
-    def build_connector_meta(self, evicted: Iterable[str] = ()) -> dict[str, int]:
+    def build_connector_meta(self, evicted: Iterable[str] = ()) -> EPDConnectorMetadata:
         """This step's placements (`evicted`: what vLLM's encoder cache evicted this step)."""
         self.engine_cache.evicted(evicted)
         place, self._to_place = self._to_place, {}
+        inline, self._to_place_inline = self._to_place_inline, {}
         self._said_yes.clear()
         self._renewed.clear()
         if self._unwanted:  # staged copies nobody waits for: free their memory now
@@ -339,7 +407,7 @@ class EPDSchedulerSide:
                 self.stats.inc("unwanted_drops", len(dropped))
                 self._drop(dropped)
         self._sweep()
-        return place
+        return EPDConnectorMetadata(place=place, inline=inline)
 
     def _drop(self, item_ids: list[str]) -> None:
         if not item_ids:
@@ -347,6 +415,8 @@ class EPDSchedulerSide:
         with self._lock:
             peers = list(self._workers.values())
         for item_id in item_ids:
+            if self._take_inline(item_id) is not None:
+                continue  # held here, not on the workers
             for peer in peers:
                 self.channel.send(Drop(item_id=item_id), to=peer)
 
@@ -408,6 +478,8 @@ class EPDSchedulerSide:
         return len(self._workers)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.shutdown(wait=False, cancel_futures=True)
         self.index.close()
         self.channel.close()
         self.transport.close()

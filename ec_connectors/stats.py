@@ -25,6 +25,8 @@ COUNTERS = {
     "corrupt": "Stored items rejected by integrity checks",
     "evictions": "Stored items evicted by the byte budget",
     "hits": "Scheduler lookups that found an item ready",
+    "inline_loads": "Small items the scheduler read itself and handed to the workers in "
+                    "the step's metadata (inline_max_bytes): no deferral, no worker round trip",
     "engine_cache_hits": "Items a request took from vLLM's encoder cache (held for another "
                          "request): no load, no wait",
     "prefix_cached": "Items whose tokens the prefix cache already holds (num_computed_tokens "

@@ -6,7 +6,8 @@ runner never waits on storage; each finished save is reported to the scheduler a
 Consumer: the scheduler asks for items over the control channel *before* it schedules the
 request (`Prefetch`); loader threads fetch and verify them into a byte-bounded staging area
 and answer `Staged`. `place`, called from `start_load_caches` on the step that schedules the
-request, only moves staged tensors into vLLM's encoder cache.
+request, only moves staged tensors into vLLM's encoder cache, and the small items the
+scheduler read itself (already verified) from the step's metadata.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from ec_connectors.messages import (
     Staged,
     WorkerStats,
 )
+from ec_connectors.metadata import InlineItem
 from ec_connectors.stats import COUNTERS, StatsRecorder
-from ec_connectors.transports.base import Transport, Want
+from ec_connectors.transports.base import Transport, Want, dtype_from_name
 
 logger = get_logger(__name__)
 _REAP_MARGIN_S = 10.0  # the worker drops an unplaced copy this long after the scheduler would
@@ -242,10 +244,13 @@ class EPDWorker:
             self._unstage(k)
             logger.info("EPD: staged item %r expired unplaced", k)
 
-    def place(self, encoder_cache: dict[str, torch.Tensor], items: dict[str, int]) -> None:
-        """Move staged items into vLLM's encoder cache (start_load_caches)."""
+    def place(self, encoder_cache: dict[str, torch.Tensor], items: dict[str, int],
+              inline: dict[str, InlineItem] | None = None) -> None:
+        """Move this step's items into vLLM's encoder cache (start_load_caches): staged ones,
+        and those that came `inline` in the metadata."""
         for item_id, num_embeds in items.items():
-            tensor = self._unstage(item_id)
+            carried = inline.get(item_id) if inline else None
+            tensor = self._unstage(item_id) if carried is None else _tensor(carried, self.device)
             if item_id in encoder_cache:
                 continue
             if tensor is None:
@@ -311,6 +316,14 @@ class EPDWorker:
             self._staged.clear()
             self._staged_bytes = 0
         self.transport.close()
+
+
+def _tensor(item: InlineItem, device: torch.device) -> torch.Tensor:
+    data, dtype, shape = item
+    if not data:
+        return torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # writable: vLLM owns it
+    return flat.view(dtype_from_name(dtype)).reshape(shape).to(device)
 
 
 def _rows(tensor: torch.Tensor) -> int:

@@ -106,6 +106,10 @@ class Transport(ABC):
     # True when get_many moves several items in one call (workers then hand one request's
     # items over together; otherwise each item gets its own loader thread, in parallel).
     batches_loads: bool = False
+    # get_small works in vLLM's scheduler process (a read of shared storage: no worker
+    # memory, no peer): a consumer reads small items there and hands them to its workers
+    # inline, in the step's connector metadata (no deferral, no worker round trip).
+    reads_in_scheduler: bool = False
 
     def __init__(self) -> None:
         self.events = TransportEvents()
@@ -127,6 +131,12 @@ class Transport(ABC):
         """Several items at once (one request's), in order; None = that item missed.
         Transports with a batch call override this; the default asks one by one."""
         return [self.get(w.item_id, deadline, w.location, w.nbytes, wait=wait) for w in wants]
+
+    def get_small(self, item_id: str, max_bytes: int) -> torch.Tensor | None:
+        """The verified item, if it is stored now and holds at most `max_bytes`, without
+        waiting; None otherwise (missing, larger, damaged: the caller then loads it through
+        the workers, which wait, count and report). Only where `reads_in_scheduler`."""
+        return None
 
     @abstractmethod
     def exists(self, item_id: str) -> bool:

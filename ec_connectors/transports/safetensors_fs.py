@@ -60,6 +60,10 @@ class CorruptItem(Exception):
     """The file exists but is not a complete, verified item."""
 
 
+class _TooLarge(Exception):
+    """The item holds more bytes than the reader asked for at most (get_small)."""
+
+
 _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "9p",
                "fuse", "gpfs", "beegfs", "afs")
 
@@ -84,6 +88,7 @@ def network_filesystem(path: Path) -> bool:
 
 class SafetensorsTransport(Transport):
     name = "safetensors"
+    reads_in_scheduler = True
 
     def __init__(
         self,
@@ -200,7 +205,15 @@ class SafetensorsTransport(Transport):
                                "encoded locally", path, exc)
                 return None
 
-    def _read(self, path: Path, item_id: str) -> torch.Tensor:
+    def get_small(self, item_id: str, max_bytes: int) -> torch.Tensor | None:
+        try:
+            return self._read(self.path_for(item_id), item_id, max_bytes=max_bytes)
+        except (OSError, CorruptItem, _TooLarge):
+            return None  # the workers' load waits for it, or counts and reports the miss
+
+    def _read(self, path: Path, item_id: str, max_bytes: int | None = None) -> torch.Tensor:
+        """The verified item; `max_bytes`: refuse a larger one (_TooLarge), and read it into
+        private memory (a small read beats a mapping)."""
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
@@ -235,9 +248,11 @@ class SafetensorsTransport(Transport):
                 raise CorruptItem("header sizes disagree")
             if size != 8 + hlen + nbytes:
                 raise CorruptItem(f"file is {size} bytes, header promises {8 + hlen + nbytes}")
+            if max_bytes is not None and nbytes > max_bytes:
+                raise _TooLarge
             if nbytes == 0:
                 return torch.empty(shape, dtype=dtype)
-            if self.copy_reads:
+            if self.copy_reads or max_bytes is not None:
                 f.seek(8 + hlen)
                 mm = bytearray(nbytes)
                 if f.readinto(mm) != nbytes:

@@ -36,6 +36,7 @@ class TieredTransport(Transport):
             raise ValueError("TieredTransport needs at least one tier")
         self.tiers = tiers
         self.batches_loads = any(t.batches_loads for t in tiers)
+        self.reads_in_scheduler = any(t.reads_in_scheduler for t in tiers)
         self.own = TransportEvents()
         self.totals: dict[str, float] = {}  # tier_<name>_<what>: for health() and benchmarks
 
@@ -79,6 +80,16 @@ class TieredTransport(Transport):
     def get(self, item_id: str, deadline: float, location: str = "",
             nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
         return self.get_many([Want(item_id, location, nbytes)], deadline, wait=wait)[0]
+
+    def get_small(self, item_id: str, max_bytes: int) -> torch.Tensor | None:
+        """From the first tier that reads in the scheduler and has it (the same verified
+        item whichever tier holds it)."""
+        for tier in self.tiers:
+            if tier.reads_in_scheduler and tier.available:
+                tensor = tier.get_small(item_id, max_bytes)
+                if tensor is not None:
+                    return tensor
+        return None
 
     def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True
                  ) -> list[torch.Tensor | None]:

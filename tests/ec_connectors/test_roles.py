@@ -25,8 +25,10 @@ class Pair:
     """A scheduler side and one worker of the same role, like one vLLM instance."""
 
     def __init__(self, tmp: Path, ctl: str, role: str, placeholders=None, **extra):
+        # The workers' path unless a test asks for inline reads (test_inline_*).
         cfg = EPDConfig.from_dict({"storage_path": str(tmp / "store"), "namespace": "m",
-                                   "control_dir": ctl, "scan_interval_s": 0.05, **extra})
+                                   "control_dir": ctl, "scan_interval_s": 0.05,
+                                   "inline_max_bytes": 0, **extra})
         producer, consumer = role in ("producer", "both"), role in ("consumer", "both")
         addr = control_address(ctl, f"engine-{role}", 0)
         self.sched = EPDSchedulerSide(cfg, make_transport(cfg), is_producer=producer,
@@ -58,8 +60,8 @@ class Pair:
                 self.sched.update_state_after_alloc(req, i)
         meta = self.sched.build_connector_meta()
         cache: dict[str, torch.Tensor] = {}
-        self.worker.place(cache, meta)
-        return meta, cache
+        self.worker.place(cache, meta.place, meta.inline)
+        return meta.place, cache
 
 
 def wait_until(pred, timeout=5.0):
@@ -168,8 +170,11 @@ def test_fail_policy_fails_the_request_with_its_id(pair_factory):
     assert cons.sched.take_unavailable_requests() == set()
 
 
-def test_corrupt_file_falls_back_to_local_encode(pair_factory):
-    prod, cons = pair_factory("producer"), pair_factory("consumer")
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["workers", "inline"])
+def test_corrupt_file_falls_back_to_local_encode(pair_factory, inline):
+    """A damaged file is a miss on either path (the inline read hands it to the workers,
+    which count it): vLLM encodes the item."""
+    prod, cons = pair_factory("producer"), pair_factory("consumer", inline_max_bytes=inline)
     params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
     path = prod.worker.transport.path_for("img")
     data = bytearray(path.read_bytes())
@@ -181,8 +186,9 @@ def test_corrupt_file_falls_back_to_local_encode(pair_factory):
     assert cons.sched.staging.get("img").status is Status.FAILED
 
 
-def test_token_count_mismatch_is_not_placed(pair_factory):
-    prod, cons = pair_factory("producer"), pair_factory("consumer")
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["workers", "inline"])
+def test_token_count_mismatch_is_not_placed(pair_factory, inline):
+    prod, cons = pair_factory("producer"), pair_factory("consumer", inline_max_bytes=inline)
     params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS + 3, 8)})
     req = request("c", "img", params=params)
     cons.step_until_ready(req)
@@ -251,7 +257,7 @@ def test_a_staged_copy_the_request_did_not_use_is_freed(pair_factory):
     wait_until(lambda: cons.worker.staged_bytes > 0)
     pos = req.mm_features[0].mm_position
     assert cons.sched.ensure_cache_available(req, pos.offset + pos.length)  # running, past it
-    assert cons.sched.build_connector_meta() == {}
+    assert cons.sched.build_connector_meta().place == {}
     wait_until(lambda: cons.worker.staged_bytes == 0)
     assert cons.sched.staging.get("img") is None
 
@@ -369,3 +375,68 @@ def test_with_the_secret_a_producer_shares_only_ids_the_gateway_signed(pair_fact
     assert prod.worker.transport.exists(signed)
     assert not prod.worker.transport.exists("sha256-of-image-b")
     wait_until(lambda: prod.sched.stats.totals.get("unvouched_ids") == 1)
+
+
+# -- inline: small items read by the scheduler side, carried in the step's metadata --------
+
+def test_inline_small_item_rides_in_the_metadata_and_never_touches_the_workers(pair_factory):
+    prod = pair_factory("producer")
+    cons = pair_factory("consumer", inline_max_bytes=64 * 1024)
+    x = torch.randn(NUM_EMBEDS, 32).bfloat16()
+    req = request("c", "img", params=produce(prod, request("p", "img"), {"img": x}))
+    cons.step_until_ready(req)
+    assert cons.sched.stats.totals["inline_loads"] == 1
+    place, cache = cons.schedule(req)
+    assert place == {"img": NUM_EMBEDS}
+    assert torch.equal(cache["img"], x) and cache["img"].dtype == torch.bfloat16
+    cache["img"].add_(1)  # vLLM owns the tensor: it must be writable, not the sender's bytes
+    assert cons.sched._inline_bytes == 0 and not cons.sched._inline
+    assert cons.worker.get_finished() == (None, {"img"})
+    time.sleep(0.1)  # nothing went over the control channel to be staged
+    assert cons.worker.staged_bytes == 0 and not cons.worker.stats.totals.get("staged_bytes")
+    wait_until(lambda: cons.sched.stats.totals.get("loads") == 1)
+
+
+def test_inline_an_item_over_the_limit_goes_through_the_workers(pair_factory):
+    prod = pair_factory("producer")
+    cons = pair_factory("consumer", inline_max_bytes=1024)
+    x = torch.randn(NUM_EMBEDS, 64)  # 4 KiB
+    req = request("c", "img", params=produce(prod, request("p", "img"), {"img": x}))
+    cons.step_until_ready(req)
+    for i, f in enumerate(req.mm_features):
+        assert cons.sched.has_cache_item(f.identifier)
+        cons.sched.update_state_after_alloc(req, i)
+    built = cons.sched.build_connector_meta()
+    assert built.place == {"img": NUM_EMBEDS} and built.inline == {}
+    cache: dict[str, torch.Tensor] = {}
+    cons.worker.place(cache, built.place, built.inline)
+    assert torch.equal(cache["img"], x)
+    assert not cons.sched.stats.totals.get("inline_loads")
+
+
+def test_inline_an_item_not_written_yet_is_waited_for_by_the_workers(pair_factory):
+    """The producer's params can reach the consumer before its writer has finished: the
+    inline read misses, the workers' load waits for the file (until the deadline)."""
+    prod = pair_factory("producer")
+    cons = pair_factory("consumer", inline_max_bytes=64 * 1024)
+    x = torch.randn(NUM_EMBEDS, 8)
+    req = request("c", "late", params={"epd": {"items": ["late"]}})
+    assert not cons.sched.ensure_cache_available(req, 0)
+    time.sleep(0.2)
+    produce(prod, request("p", "late"), {"late": x})
+    cons.step_until_ready(req)
+    _, cache = cons.schedule(req)
+    assert torch.equal(cache["late"], x)
+    assert not cons.sched.stats.totals.get("inline_loads")
+
+
+def test_inline_copy_nobody_places_is_released(pair_factory):
+    prod = pair_factory("producer")
+    cons = pair_factory("consumer", inline_max_bytes=64 * 1024)
+    params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
+    req = request("c", "img", params=params)
+    cons.step_until_ready(req)
+    assert cons.sched._inline_bytes == NUM_EMBEDS * 8 * 4
+    cons.sched.request_finished(req)  # aborted before it was scheduled
+    cons.sched.build_connector_meta()
+    assert cons.sched._inline_bytes == 0 and cons.sched.staging.get("img") is None

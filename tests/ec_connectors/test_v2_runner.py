@@ -9,11 +9,14 @@ What V2 does differently from V1, and what must still hold:
   the forward (V1 saves from inside its encoder step);
 - steps with nothing to compute go through `no_forward`, which still binds metadata and
   collects `get_finished`: a deferred consumer request is loaded over such steps;
-- `get_finished` reports saves and loads exactly once, as under V1.
+- `get_finished` reports saves and loads exactly once, as under V1;
+- a small item the scheduler read itself (inline) reaches the encoder cache through the
+  adapter's metadata binding alone.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from types import SimpleNamespace
@@ -96,8 +99,13 @@ class V2Instance:
 def instances(vllm_configs, monkeypatch):
     made = {}
 
-    def make(role):
-        made[role] = V2Instance(vllm_configs[role], monkeypatch)
+    def make(role, **extra):
+        config = vllm_configs[role]
+        if extra:  # shallow copies: the connector reads only these
+            config, ec = copy.copy(config), copy.copy(config.ec_transfer_config)
+            ec.ec_connector_extra_config = {**ec.ec_connector_extra_config, **extra}
+            config.ec_transfer_config = ec
+        made[role] = V2Instance(config, monkeypatch)
         return made[role]
 
     yield make
@@ -105,40 +113,43 @@ def instances(vllm_configs, monkeypatch):
         inst.close()
 
 
-def test_v2_adapter_saves_loads_and_reports_like_v1(instances):
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["workers", "inline"])
+def test_v2_adapter_saves_loads_and_reports_like_v1(instances, inline):
     prod = instances("producer")
+    item = f"v2-item-{inline}"  # the store is the module's: one item per case
     x = torch.randn(NUM_EMBEDS, 128).bfloat16()
-    req = request("p1", "v2-item")
-    assert not prod.sched.has_cache_item("v2-item")
+    req = request("p1", item)
+    assert not prod.sched.has_cache_item(item)
     prod.sched.update_state_after_alloc(req, 0)
-    prod.forward({"v2-item": x})  # the forward computed it: the adapter saves it
+    prod.forward({item: x})  # the forward computed it: the adapter saves it
     deadline = time.monotonic() + 10
-    while "v2-item" not in prod.saved:  # saves finish in the background, over idle steps
+    while item not in prod.saved:  # saves finish in the background, over idle steps
         assert time.monotonic() < deadline, "save never reported"
         prod.idle()
         time.sleep(0.01)
     params = prod.sched.request_finished(req)[1]
-    assert params["epd"]["items"]["v2-item"]["num_embeds"] == NUM_EMBEDS
+    assert params["epd"]["items"][item]["num_embeds"] == NUM_EMBEDS
     # the producer does not save an item the encoder cache already held
     prod.forward({})
-    assert prod.saved == {"v2-item"}
+    assert prod.saved == {item}
 
-    cons = instances("consumer")
-    creq = request("c1", "v2-item", params=params)
+    cons = instances("consumer", inline_max_bytes=inline)
+    creq = request("c1", item, params=params)
     steps = 0
     while not cons.sched.ensure_cache_available(creq, 0):  # deferred: nothing to compute
         cons.idle()
         steps += 1
         assert steps < 2000, "never staged"
         time.sleep(0.005)
-    assert cons.sched.has_cache_item("v2-item")
+    assert cons.sched.has_cache_item(item)
     cons.sched.update_state_after_alloc(creq, 0)
     cons.forward()  # the adapter binds the placement and loads before the forward
-    assert torch.equal(cons.encoder_cache["v2-item"], x)
-    assert cons.loaded == {"v2-item"}
+    assert torch.equal(cons.encoder_cache[item], x)
+    assert cons.loaded == {item}
     cons.idle()
     cons.forward()
-    assert cons.loaded == {"v2-item"}  # once
+    assert cons.loaded == {item}  # once
+    assert bool(cons.sched._sched.stats.totals.get("inline_loads")) == bool(inline)
     assert cons.sched.ensure_cache_available(creq, 0)  # handed over: never deferred again
 
 
