@@ -191,12 +191,16 @@ def format_overhead(o: dict) -> str:
 
 CONNECTOR_STAGES = ("save_wait", "save", "loader_wait", "get", "load", "staged_to_scheduled",
                     "defer")
+# vLLM's own view of a request on each server (queued, then prefill, end to end): the
+# gateway's encode / first_token stage minus these is HTTP, the API server and the gateway.
+VLLM_STAGES = ("request_queue_time", "request_prefill_time", "e2e_request_latency")
 GATEWAY_STAGES = ("parse", "encode", "first_token", "total")
 
 
 def stage_means(gw_url: str, servers: list[VllmServer]) -> dict[str, dict[str, float]]:
     """Mean milliseconds per stage over the run, from /metrics: the gateway's
-    `epd_gateway_stage_seconds{stage}` and each server's `vllm:epd_<stage>_seconds`."""
+    `epd_gateway_stage_seconds{stage}`, each server's `vllm:epd_<stage>_seconds` and
+    vLLM's own request stages (VLLM_STAGES)."""
     out: dict[str, dict[str, float]] = {}
     with httpx.Client(timeout=10) as c:
         text = c.get(gw_url + "/metrics").text
@@ -209,11 +213,12 @@ def stage_means(gw_url: str, servers: list[VllmServer]) -> dict[str, dict[str, f
         for s in servers:
             text = c.get(s.url + "/metrics").text
             out[s.name] = {}
-            for st in CONNECTOR_STAGES:
-                n = metric_value(text, f"vllm:epd_{st}_seconds_count")
+            names = [(st, f"vllm:epd_{st}_seconds") for st in CONNECTOR_STAGES]
+            names += [(st, f"vllm:{st}_seconds") for st in VLLM_STAGES]
+            for st, metric in names:
+                n = metric_value(text, f"{metric}_count")
                 if n:
-                    total = metric_value(text, f"vllm:epd_{st}_seconds_sum")
-                    out[s.name][st] = round(total / n * 1e3, 2)
+                    out[s.name][st] = round(metric_value(text, f"{metric}_sum") / n * 1e3, 2)
     return out
 
 

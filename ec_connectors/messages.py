@@ -8,6 +8,8 @@ import msgspec
 
 from ec_connectors.protocol.items import ItemInfo
 
+Stats = dict[str, dict[str, float | list[float]]]  # EPDStats.data
+
 
 class Hello(msgspec.Struct, tag=True):
     """worker -> scheduler: a worker joined (sent again on reconnect)."""
@@ -50,6 +52,7 @@ class Staged(msgspec.Struct, tag=True):
     nbytes: int = 0
     num_embeds: int = 0  # leading dimension: the token count the item covers
     error: str = ""
+    stats: Stats | None = None  # the worker's stats since its last report (as WorkerStats)
 
 
 class Saved(msgspec.Struct, tag=True):
@@ -60,13 +63,15 @@ class Saved(msgspec.Struct, tag=True):
     ok: bool
     info: ItemInfo | None = None
     error: str = ""
+    stats: Stats | None = None  # the worker's stats since its last report (as WorkerStats)
 
 
 class WorkerStats(msgspec.Struct, tag=True):
-    """worker -> scheduler: counters and latencies since the last report (EPDStats.data)."""
+    """worker -> scheduler: counters and latencies since the last report (EPDStats.data),
+    when no Staged or Saved carries them."""
 
     rank: int
-    data: dict[str, dict[str, float | list[float]]]
+    data: Stats
 
 
 ControlMessage = Hello | Prefetch | Renew | Drop | Staged | Saved | WorkerStats

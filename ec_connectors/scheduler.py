@@ -137,12 +137,16 @@ class EPDSchedulerSide:
                     self._endpoints[msg.rank] = msg.endpoint
             logger.info("EPD: worker rank %d (pid %d) connected%s", msg.rank, msg.pid,
                         f", serving items at {msg.endpoint}" if msg.endpoint else "")
-        elif isinstance(msg, Staged):
-            self._on_staged(msg)
-        elif isinstance(msg, WorkerStats):
-            # vLLM's V1 model runner never collects worker-side connector stats, so workers
-            # ship theirs here and they leave with the scheduler's (one path, no double count).
+            return
+        # vLLM's V1 model runner never collects worker-side connector stats, so workers ship
+        # theirs here (alone, or with an outcome) and they leave with the scheduler's (one
+        # path, no double count).
+        if isinstance(msg, WorkerStats):
             self.stats.merge(msg.data)
+        elif isinstance(msg, Staged | Saved) and msg.stats:
+            self.stats.merge(msg.stats)
+        if isinstance(msg, Staged):
+            self._on_staged(msg)
         elif isinstance(msg, Saved) and msg.ok and msg.info is not None:
             self.index.add(msg.info.key)
             with self._lock:

@@ -30,6 +30,7 @@ from ec_connectors.messages import (
     Renew,
     Saved,
     Staged,
+    Stats,
     WorkerStats,
 )
 from ec_connectors.metadata import InlineItem
@@ -96,6 +97,11 @@ class EPDWorker:
                            "will encode it locally). Raise max_pending_saves or check the "
                            "storage.", self.config.save_queue_timeout_s, item_id)
             self._failed(item_id, "save queue full")
+            return
+        if tensor.nbytes <= self.config.inline_max_bytes and self.transport.writes_fast:
+            # A small local write (~0.1 ms) costs less than a hand-off to the writer thread,
+            # which would take this core and the GIL from the model runner anyway.
+            self._write(item_id, tensor, time.perf_counter())
             return
         try:
             self._writer.submit(self._write, item_id, tensor, time.perf_counter())
@@ -284,17 +290,21 @@ class EPDWorker:
                 self.stats.inc(name, value - seen.get(name, 0))
 
     def _reply(self, msg: Saved | Staged) -> None:
-        """Tell the scheduler side an outcome, followed by the stats it changed."""
+        """Tell the scheduler side an outcome, with the stats it changed (one message)."""
+        msg.stats = self._take_stats()
         self.channel.send(msg)
-        self.report_stats()
 
-    def report_stats(self) -> None:
-        """Ship this interval's stats, transport events included, to the scheduler side
-        (see WorkerStats)."""
+    def _take_stats(self) -> Stats | None:
+        """This interval's stats, transport events included (None when there are none)."""
         self._fold_transport_events()
         stats = self.stats.take()
-        if stats is not None:
-            self.channel.send(WorkerStats(rank=self.rank, data=stats.data))
+        return stats.data if stats is not None else None
+
+    def report_stats(self) -> None:
+        """Ship this interval's stats to the scheduler side (see WorkerStats)."""
+        data = self._take_stats()
+        if data is not None:
+            self.channel.send(WorkerStats(rank=self.rank, data=data))
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(items saved, items loaded) since the last call: completion feedback for vLLM."""

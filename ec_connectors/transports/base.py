@@ -110,6 +110,9 @@ class Transport(ABC):
     # memory, no peer): a consumer reads small items there and hands them to its workers
     # inline, in the step's connector metadata (no deferral, no worker round trip).
     reads_in_scheduler: bool = False
+    # put of a small item returns in about a file write (no network, no peer): a producer
+    # writes such items on the model runner's thread instead of handing them to its writer.
+    writes_fast: bool = False
 
     def __init__(self) -> None:
         self.events = TransportEvents()

@@ -106,6 +106,7 @@ class SafetensorsTransport(Transport):
         self.model = model  # the model fingerprint files record and loads require
         self._scope = f"{self._ns}#{model}" if model else self._ns
         self.dir = self.root / self._ns
+        self._dir = str(self.dir)
         self.seal = seal or Seal(None)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -120,6 +121,7 @@ class SafetensorsTransport(Transport):
         # On a network filesystem another pod's eviction can pull a mapped file away (SIGBUS):
         # items are read into private memory there; local files are mapped (zero copy).
         self.copy_reads = network_filesystem(self.dir)
+        self.writes_fast = not self.copy_reads  # a network filesystem may stall a write
 
     # -- paths ---------------------------------------------------------------------------
     def path_for(self, item_id: str) -> Path:
@@ -128,10 +130,8 @@ class SafetensorsTransport(Transport):
     # -- write ---------------------------------------------------------------------------
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
         key = item_key(item_id)
-        tensor = tensor.detach()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
-        tensor = tensor.contiguous()
         name = dtype_name(tensor.dtype)
         if name not in _ST_DTYPES:
             raise ValueError(f"dtype {name} cannot be stored in safetensors")
@@ -156,8 +156,9 @@ class SafetensorsTransport(Transport):
                 identity(self._scope, key, name, tensor.shape, data.nbytes), data)
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # keep the tensor data 8-byte aligned
-        final = self.dir / (key + SUFFIX)
-        tmp = self.dir / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}"
+        # str paths: pathlib costs more than the write of a small item
+        final = os.path.join(self._dir, key + SUFFIX)
+        tmp = os.path.join(self._dir, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
@@ -171,12 +172,14 @@ class SafetensorsTransport(Transport):
                     os.fsync(f.fileno())
             os.replace(tmp, final)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
-        self._tombstone(key).unlink(missing_ok=True)  # stored now: consumers take it
+        with contextlib.suppress(FileNotFoundError):  # stored now: consumers take it
+            os.unlink(os.path.join(self._dir, key + FAILED_SUFFIX))
         info = ItemInfo(
             item_id=item_id, key=key, shape=tuple(tensor.shape), dtype=name,
-            nbytes=data.nbytes, checksum=digest, location=str(final),
+            nbytes=data.nbytes, checksum=digest, location=final,
         )
         self._approx_bytes += 8 + len(raw) + data.nbytes
         if (self._approx_bytes > self.max_bytes
@@ -315,7 +318,7 @@ class SafetensorsTransport(Transport):
         except FileNotFoundError:
             return False
 
-    def evict(self, keep: Path | None = None) -> int:
+    def evict(self, keep: str | None = None) -> int:
         """Delete least recently used files until the directory fits the byte budget."""
         with self._evict_lock:
             files: list[tuple[float, int, str]] = []

@@ -37,6 +37,7 @@ class TieredTransport(Transport):
         self.tiers = tiers
         self.batches_loads = any(t.batches_loads for t in tiers)
         self.reads_in_scheduler = any(t.reads_in_scheduler for t in tiers)
+        self.writes_fast = all(t.writes_fast for t in tiers)  # a save writes every tier
         self.own = TransportEvents()
         self.totals: dict[str, float] = {}  # tier_<name>_<what>: for health() and benchmarks
 
