@@ -100,7 +100,9 @@ class EPDSchedulerSide:
         self.is_consumer = is_consumer
         self.engine_id = engine_id
         self.stats = StatsRecorder()
+        transport.stats_sink = self.stats  # per-tier counters of the inline reads (tiered)
         self.index = AvailabilityIndex(transport.list_keys, config.scan_interval_s,
+                                       watch=transport.watch_keys,
                                        start=start_index)
         self._lock = threading.Lock()  # workers, endpoints, saved infos (control thread)
         self._workers: dict[int, bytes] = {}

@@ -1,8 +1,10 @@
 """Non-blocking availability index: which item keys the transport holds.
 
 Lookups are a dict/set membership test: no filesystem stat, no network round trip on the
-scheduler's hot path. A background thread refreshes the view from the transport's listing;
-events (our own saves, producer announcements) add keys immediately.
+scheduler's hot path. A background thread keeps the view current: from the transport's
+change feed where it has one (inotify on a local directory: a new file is known at once, and
+nothing is listed again but on lost track or every _FULL_SCAN_S), else by listing it every
+`interval_s`. Events (our own saves, producer announcements) add keys immediately.
 """
 
 from __future__ import annotations
@@ -11,24 +13,32 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ec_connectors.transports.base import KeyWatch
 
 # Under vLLM's logger (as ec_connectors/log.py does), so messages show in vLLM's log stream.
 logger = logging.getLogger(f"vllm.epd.{__name__}")
 
 _EVENT_GRACE_S = 5.0  # keep an announced key this long even if a scan has not seen it yet
+_FULL_SCAN_S = 60.0  # with a change feed: a full listing this often anyway (belt and braces)
 
 
 class AvailabilityIndex:
     def __init__(self, list_keys: Callable[[], Iterable[str]], interval_s: float,
-                 start: bool = True) -> None:
+                 start: bool = True, watch: Callable[[], KeyWatch | None] | None = None
+                 ) -> None:
         self._list_keys = list_keys
         self._interval_s = interval_s
-        self._scanned: frozenset[str] = frozenset()
+        self._scanned: set[str] = set()
         self._announced: dict[str, float] = {}
         self._stop = threading.Event()
         self.scans = 0
         self._thread: threading.Thread | None = None
+        self._watch: KeyWatch | None = None
         if start:
+            self._watch = watch() if watch is not None else None  # before the scan: no gap
             self.refresh()
             self._thread = threading.Thread(target=self._loop, name="epd-index", daemon=True)
             self._thread.start()
@@ -42,14 +52,17 @@ class AvailabilityIndex:
     def add(self, key: str) -> None:
         self._announced[key] = time.monotonic()
 
+    @property
+    def watching(self) -> bool:
+        return self._watch is not None
+
     def discard(self, key: str) -> None:
         self._announced.pop(key, None)
-        if key in self._scanned:
-            self._scanned = self._scanned - {key}
+        self._scanned.discard(key)
 
     def refresh(self) -> None:
         """One scan, swapped in atomically (readers never see a half-built set)."""
-        keys = frozenset(self._list_keys())
+        keys = set(self._list_keys())
         self._scanned = keys
         cutoff = time.monotonic() - _EVENT_GRACE_S
         for key, ts in list(self._announced.items()):
@@ -58,13 +71,35 @@ class AvailabilityIndex:
         self.scans += 1
 
     def _loop(self) -> None:
+        if self._watch is not None:
+            self._follow(self._watch)
         while not self._stop.wait(self._interval_s):
             try:
                 self.refresh()
             except Exception:
                 logger.exception("EPD: availability index refresh failed")
 
+    def _follow(self, watch: KeyWatch) -> None:
+        """Apply the change feed; list again when it lost track and every _FULL_SCAN_S.
+        Returns (to scanning) only if the feed breaks."""
+        last_scan = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                added, removed, lost = watch.read(timeout_s=0.5)
+                keys = self._scanned
+                keys.update(added)
+                keys.difference_update(removed)
+                if lost or time.monotonic() - last_scan > _FULL_SCAN_S:
+                    self.refresh()
+                    last_scan = time.monotonic()
+            except Exception:
+                logger.exception("EPD: availability index change feed failed; scanning every "
+                                 "%.2f s instead", self._interval_s)
+                return
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._watch is not None:
+            self._watch.close()

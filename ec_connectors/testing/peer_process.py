@@ -6,6 +6,7 @@
     {"op": "put", "id": "img-1", "seed": 1, "shape": [4096, 4096], "dtype": "bfloat16"}
     {"op": "get", "id": "img-1", "timeout_s": 5, "location": "127.0.0.1:15500"}
     {"op": "get_many", "ids": ["img-1", "img-2"], "timeout_s": 5}
+    {"op": "get_small", "id": "img-1", "max_bytes": 262144}   (a consumer scheduler's read)
     {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
     {"op": "tamper", "id": "img-1"}         (mooncake_store: flip one stored payload byte)
     {"op": "save_failed", "id": "img-1"}    (announce a failed save, as the worker does)
@@ -82,6 +83,10 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"get_s": time.perf_counter() - t0,
                 "checksums": [None if t is None else checksum(tensor_bytes(t.cpu()))
                               for t in outs]}
+    if op == "get_small":
+        out = transport.get_small(cmd["id"], cmd.get("max_bytes", 1 << 18))
+        return {"found": out is not None,
+                "checksum": None if out is None else checksum(tensor_bytes(out))}
     if op == "probe":
         deadline = time.monotonic() + cmd.get("timeout_s", 5.0)
         while (found := transport.probe(cmd["id"])) is None and time.monotonic() < deadline:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import xxhash
 
@@ -97,6 +97,16 @@ class TransportEvents:
         return {k: v for k, v in vars(self).items() if isinstance(v, int)}
 
 
+class KeyWatch(Protocol):
+    """Changes to a transport's keys as they happen (scheduler_hooks/index.py)."""
+
+    def read(self, timeout_s: float) -> tuple[list[str], list[str], bool]:
+        """(keys added, keys removed, lost track: rescan), waiting at most `timeout_s`."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class Transport(ABC):
     """Moves whole embeddings keyed by item id. Blocking calls: run them off the hot path."""
 
@@ -152,6 +162,10 @@ class Transport(ABC):
     @abstractmethod
     def delete(self, item_id: str) -> bool:
         """Remove an item; True when something was removed."""
+
+    def watch_keys(self) -> KeyWatch | None:
+        """Key changes as they happen, or None (then `list_keys` is polled)."""
+        return None
 
     def probe(self, item_id: str) -> bool | None:
         """Scheduler hot path, never blocks: is the item stored where `list_keys` cannot see

@@ -56,6 +56,12 @@ class TieredTransport(Transport):
         if self.stats_sink is not None:
             self.stats_sink.inc(name, value)
 
+    def _hit(self, tier: Transport, tensor: torch.Tensor, elapsed: float) -> None:
+        self._count(tier, "hits")
+        self._count(tier, "bytes", tensor.nbytes)
+        if self.stats_sink is not None:
+            self.stats_sink.observe(f"tier_{tier.name}_get_s", elapsed)
+
     # -- save --------------------------------------------------------------------------------
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
         infos: list[ItemInfo] = []
@@ -83,14 +89,23 @@ class TieredTransport(Transport):
         return self.get_many([Want(item_id, location, nbytes)], deadline, wait=wait)[0]
 
     def get_small(self, item_id: str, max_bytes: int) -> torch.Tensor | None:
-        """From the first tier that reads in the scheduler and has it (the same verified
-        item whichever tier holds it)."""
+        """From the tiers that read in the scheduler, in order, up to the first available
+        tier that does not: that one is preferred, and only the workers read it."""
+        skipped: list[Transport] = []
         for tier in self.tiers:
-            if tier.reads_in_scheduler and tier.available:
-                tensor = tier.get_small(item_id, max_bytes)
-                if tensor is not None:
-                    return tensor
-        return None
+            if not tier.available:
+                skipped.append(tier)
+                continue
+            if not tier.reads_in_scheduler:
+                break
+            t0 = time.perf_counter()
+            tensor = tier.get_small(item_id, max_bytes)
+            if tensor is not None:
+                for down in skipped:
+                    self._count(down, "skipped")
+                self._hit(tier, tensor, time.perf_counter() - t0)
+                return tensor
+        return None  # not counted: the workers' load that follows counts misses and skips
 
     def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True
                  ) -> list[torch.Tensor | None]:
@@ -117,10 +132,7 @@ class TieredTransport(Transport):
                         missed.append(i)
                         continue
                     out[i] = tensor
-                    self._count(tier, "hits")
-                    self._count(tier, "bytes", tensor.nbytes)
-                    if self.stats_sink is not None:
-                        self.stats_sink.observe(f"tier_{tier.name}_get_s", elapsed)
+                    self._hit(tier, tensor, elapsed)
                 if first and missed:
                     self._count(tier, "misses", len(missed))
                 todo = missed

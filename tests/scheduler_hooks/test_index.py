@@ -47,3 +47,22 @@ def test_announced_keys_are_visible_at_once():
         assert "fresh" not in idx
     finally:
         idx.close()
+
+
+def test_with_inotify_a_new_file_is_known_without_listing_the_directory(tmp_path):
+    t = SafetensorsTransport(tmp_path, "m", 1 << 30)
+    t.put("old", torch.ones(4))
+    idx = AvailabilityIndex(t.list_keys, interval_s=60, watch=t.watch_keys)
+    try:
+        assert idx.watching and item_key("old") in idx and idx.scans == 1
+        t.put("a", torch.ones(4))  # renamed into place
+        assert wait_for(lambda: item_key("a") in idx, 5)
+        t.delete("old")
+        assert wait_for(lambda: item_key("old") not in idx, 5)
+        # a file written in place by another writer (not renamed) counts once it is closed
+        (t.dir / (item_key("b") + ".safetensors")).write_bytes(b"x")
+        assert wait_for(lambda: item_key("b") in idx, 5)
+        (t.dir / ".tmp-partial").write_bytes(b"x")  # temp files and tombstones are not items
+        assert idx.scans == 1 and len(idx) == 2
+    finally:
+        idx.close()

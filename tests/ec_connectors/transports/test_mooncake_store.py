@@ -159,9 +159,13 @@ def test_master_killed_mid_run_other_tiers_answer(master, peers, tmp_path):
     prod = peers.start(PRODUCER, **tiered_config(master, storage))
     cons = peers.start(CONSUMER, **tiered_config(master, storage, store_segment_bytes=0))
     put(prod, "before", 41, [512, 4096])
+    put(prod, "small", 43, [16, 64])
     assert get(cons, "before")["checksum"] == expected(41, [512, 4096])
     counters = cons.call({"op": "health"})["health"]["counters"]
     assert counters["tier_mooncake_store_hits"] == 1
+    # A scheduler's inline read keeps the tiers' order: the store comes first and only the
+    # workers read it, so the directory (which has the item too) is not read around it.
+    assert not cons.call({"op": "get_small", "id": "small"})["found"]
     master.proc.kill()
     t0 = time.monotonic()
     assert wait_for(lambda: not cons.call({"op": "health"})["health"]["tiers"][0]["ok"], 5,
@@ -176,8 +180,11 @@ def test_master_killed_mid_run_other_tiers_answer(master, peers, tmp_path):
     put(prod, "after", 42, [512, 4096])
     got = get(cons, "after")
     assert got["found"] and got["checksum"] == expected(42, [512, 4096])
+    # With the store down the directory is first: the inline read takes it, and counts.
+    small = cons.call({"op": "get_small", "id": "small"})
+    assert small["found"] and small["checksum"] == expected(43, [16, 64])
     health = cons.call({"op": "health"})["health"]
-    assert health["counters"]["tier_safetensors_hits"] == 2
+    assert health["counters"]["tier_safetensors_hits"] == 3
     assert health["counters"]["tier_mooncake_store_skipped"] >= 1
     assert prod.call({"op": "health"})["health"]["counters"][
         "tier_mooncake_store_put_failures"] == 1
