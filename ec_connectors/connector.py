@@ -146,7 +146,8 @@ class EPDConnector(ECConnectorBase):
         """SCHEDULER, once per step: this step's placements; resets per-step state."""
         assert self._sched is not None
         return self._sched.build_connector_meta(
-            getattr(scheduler_output, "free_encoder_mm_hashes", None) or ())
+            getattr(scheduler_output, "free_encoder_mm_hashes", None) or (),
+            idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         """SCHEDULER, after each executed step: completion feedback from the workers."""

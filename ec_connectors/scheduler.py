@@ -75,6 +75,11 @@ _INLINE = -1  # the "rank" that stages inline items: this scheduler side itself
 # (the read goes on; the item is READY a step later). A local read takes ~0.1 ms.
 _INLINE_WAIT_S = 0.005
 _INLINE_HELD_MAX = 64 << 20  # bytes read inline and not yet placed; beyond: the workers
+# A step that scheduled nothing while requests wait on us: the engine would come straight
+# back (vLLM sleeps 1 ms) and send its workers another empty step, again and again, taking
+# both cores from the encoder being waited for. Instead the step waits for news (an item
+# landed, staged or read) at most this long; a request that arrives meanwhile waits that long.
+_IDLE_WAIT_S = 0.005
 
 
 class EPDSchedulerSide:
@@ -101,9 +106,13 @@ class EPDSchedulerSide:
         self.engine_id = engine_id
         self.stats = StatsRecorder()
         transport.stats_sink = self.stats  # per-tier counters of the inline reads (tiered)
+        self._news = threading.Event()  # something a deferred request may wait for happened
+        transport.on_news = self._news.set
         self.index = AvailabilityIndex(transport.list_keys, config.scan_interval_s,
-                                       watch=transport.watch_keys,
-                                       start=start_index)
+                                       watch=transport.watch_keys, start=start_index,
+                                       on_change=self._news.set)
+        self._pending: dict[str, float] = {}  # consumer: pending item -> first asked for
+        self._deferred_step = False  # a request was deferred in this step
         self._lock = threading.Lock()  # workers, endpoints, saved infos (control thread)
         self._workers: dict[int, bytes] = {}
         self.staging = StagingTable(_FAILED_MEMORY_S, config.staged_ttl_s)
@@ -149,6 +158,7 @@ class EPDSchedulerSide:
             self.stats.merge(msg.stats)
         if isinstance(msg, Staged):
             self._on_staged(msg)
+            self._news.set()
         elif isinstance(msg, Saved) and msg.ok and msg.info is not None:
             self.index.add(msg.info.key)
             with self._lock:
@@ -156,6 +166,7 @@ class EPDSchedulerSide:
                 self._saved.move_to_end(msg.item_id)
                 while len(self._saved) > _MAX_SAVED_INFOS:
                     self._saved.popitem(last=False)
+            self._news.set()
 
     def _on_staged(self, msg: Staged) -> None:
         with self._lock:
@@ -232,6 +243,7 @@ class EPDSchedulerSide:
                 is Status.READY:
             self.stats.observe("load_s", now - started)
             self.stats.inc("inline_loads")
+            self._news.set()
         else:  # forgotten or failed meanwhile
             self._take_inline(item_id)
 
@@ -288,6 +300,7 @@ class EPDSchedulerSide:
             asking = [self._stored(f.identifier) is None for f in request.mm_features]
             if any(asking):
                 self.stats.inc("deferrals")
+                self._deferred_step = True
                 return False
             return True
         req_id = request.request_id
@@ -313,6 +326,17 @@ class EPDSchedulerSide:
                 continue
             if self.staging.current(item_id, now) is None:
                 key = safe_key(item_id)
+                source = hints.get(item_id)
+                if key is not None and source is not None and source.pending:
+                    wait = self._wait_pending(item_id, key, now)
+                    if wait:
+                        ready = False  # still being encoded: wait for it to land
+                        continue
+                    if wait is None:  # never landed: as an item nobody promised
+                        self._pending_expired(request, feature, item_id)
+                        if self._metadata_only(feature):
+                            ready = False
+                        continue
                 known = key is not None and (item_id in hints or key in self.index)
                 if key is not None and not known:
                     known = self.transport.probe(item_id)  # stores that cannot list
@@ -347,12 +371,42 @@ class EPDSchedulerSide:
                                      metadata_only=no_media)
         if not ready:
             self.stats.inc("deferrals")
+            self._deferred_step = True
             self._req_deferred_since.setdefault(req_id, now)
         else:
             since = self._req_deferred_since.pop(req_id, None)
             if since is not None:
                 self.stats.observe("defer_s", now - since)
         return ready
+
+    def _wait_pending(self, item_id: str, key: str, now: float) -> bool | None:
+        """A pending item (sent by a gateway while it is encoded): True = wait for it to
+        land, False = it landed (load it now), None = it did not land in load_timeout_s."""
+        if self._landed(key):
+            first = self._pending.pop(item_id, None)
+            if first is not None:
+                self.stats.observe("pending_s", now - first)
+            return False
+        first = self._pending.setdefault(item_id, now)
+        return True if now - first < self.config.load_timeout_s else None
+
+    def _landed(self, key: str) -> bool:
+        """Whether a producer's save of `key` has reached this process. Where nothing here
+        follows saves (a store that cannot list, a shared directory only scanned), True: the
+        workers' load waits for the item instead."""
+        if key in self.index:
+            return True
+        if self.transport.announces:
+            return self.transport.locate(key) is not None
+        return not self.index.watching
+
+    def _pending_expired(self, request: Request, feature: Any, item_id: str) -> None:
+        if (request.request_id, item_id) not in self._fallbacks_logged:
+            self.stats.inc("timeouts")
+        self._on_unavailable(request, item_id, True,
+                             f"promised as pending, not stored within "
+                             f"{self.config.load_timeout_s:g} s",
+                             metadata_only=self._metadata_only(feature))
 
     def _release(self, item_id: str, req_id: str) -> None:
         """The request no longer waits for the item; a staged copy nobody waits for any
@@ -400,8 +454,15 @@ class EPDSchedulerSide:
             self.staging.forget(item_id)
             self.stats.inc("hits")
 
-    def build_connector_meta(self, evicted: Iterable[str] = ()) -> EPDConnectorMetadata:
-        """This step's placements (`evicted`: what vLLM's encoder cache evicted this step)."""
+    def build_connector_meta(self, evicted: Iterable[str] = (),
+                             idle: bool = False) -> EPDConnectorMetadata:
+        """This step's placements (`evicted`: what vLLM's encoder cache evicted this step).
+        `idle`: the step scheduled nothing; if that is because requests wait on us, wait
+        for news (at most _IDLE_WAIT_S) instead of letting the engine spin."""
+        if idle and self._deferred_step:
+            self._news.wait(_IDLE_WAIT_S)
+        self._news.clear()  # before the next step looks: no news between is lost
+        self._deferred_step = False
         self.engine_cache.evicted(evicted)
         place, self._to_place = self._to_place, {}
         inline, self._to_place_inline = self._to_place_inline, {}
@@ -434,6 +495,9 @@ class EPDSchedulerSide:
             return
         self._last_sweep = now
         self._drop(self.staging.sweep(now))
+        if self._pending:  # promises nobody asks about any more (their requests left)
+            cutoff = now - 2 * self.config.load_timeout_s
+            self._pending = {k: t for k, t in self._pending.items() if t > cutoff}
 
     def update_connector_output(self, finished_saves: set[str] | None) -> None:
         # The control channel normally told us already; this is the vLLM-sanctioned path.

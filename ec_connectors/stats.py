@@ -63,6 +63,8 @@ LATENCIES = {
     "load_s": "Consumer: seconds from prefetch sent to staged on every worker, per item",
     "staged_to_scheduled_s": "Consumer: seconds from an item staged to its request scheduled",
     "defer_s": "Consumer: seconds a request was deferred waiting for its items",
+    "pending_s": "Consumer: seconds from a pending item's first request (sent while it was "
+                 "encoded) to the item landing here",
     **{f"tier_{t}_get_s": f"Seconds the {t} tier took to deliver one item" for t in TIERS},
 }
 

@@ -27,9 +27,10 @@ _FULL_SCAN_S = 60.0  # with a change feed: a full listing this often anyway (bel
 
 class AvailabilityIndex:
     def __init__(self, list_keys: Callable[[], Iterable[str]], interval_s: float,
-                 start: bool = True, watch: Callable[[], KeyWatch | None] | None = None
-                 ) -> None:
+                 start: bool = True, watch: Callable[[], KeyWatch | None] | None = None,
+                 on_change: Callable[[], None] | None = None) -> None:
         self._list_keys = list_keys
+        self._on_change = on_change  # called on the index thread when keys were added
         self._interval_s = interval_s
         self._scanned: set[str] = set()
         self._announced: dict[str, float] = {}
@@ -89,6 +90,8 @@ class AvailabilityIndex:
                 keys = self._scanned
                 keys.update(added)
                 keys.difference_update(removed)
+                if added and self._on_change is not None:
+                    self._on_change()
                 if lost or time.monotonic() - last_scan > _FULL_SCAN_S:
                     self.refresh()
                     last_scan = time.monotonic()

@@ -17,10 +17,13 @@ class BadParams(ValueError):
 
 
 class Source(NamedTuple):
-    """Where a request says an item lives ("" = ask the transport) and its size (0 = unknown)."""
+    """Where a request says an item lives ("" = ask the transport), its size (0 = unknown),
+    and whether it is still being made (`pending`: a gateway sent the request while the item
+    is encoded; the consumer waits for it to land, up to its load deadline)."""
 
     location: str = ""
     nbytes: int = 0
+    pending: bool = False
 
 
 def producer_params(
@@ -59,9 +62,10 @@ def _location(value: Any) -> str:
 
 
 def item_sources(params: Any) -> dict[str, Source]:
-    """Item ids a consumer request says a producer made, with where each lives when the
-    params say. Accepts the producer's own params (`{"epd": {"items": {id: {...}}}}`) or
-    `{"epd": {"items": [id, ...]}}`. Raises BadParams with a clear message on anything else."""
+    """Item ids a consumer request says a producer made (or is making: `pending`), with where
+    each lives when the params say. Accepts the producer's own params (`{"epd": {"items":
+    {id: {...}}}}`) or `{"epd": {"items": [id, ...]}}`. Raises BadParams with a clear message
+    on anything else."""
     if params is None:
         return {}
     if not isinstance(params, dict):
@@ -94,5 +98,9 @@ def item_sources(params: Any) -> dict[str, Source]:
         nbytes = entry.get("nbytes", 0)
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < 1 << 40:
             raise BadParams(f"item {item_id[:64]!r}: nbytes must be a non-negative integer")
-        out[item_id] = Source(_location(entry.get("location")) or default_location, nbytes)
+        pending = entry.get("pending", False)
+        if not isinstance(pending, bool):
+            raise BadParams(f"item {item_id[:64]!r}: pending must be true or false")
+        out[item_id] = Source(_location(entry.get("location")) or default_location, nbytes,
+                              pending)
     return out

@@ -5,7 +5,7 @@ scheduler_hooks/)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -123,9 +123,15 @@ class Transport(ABC):
     # put of a small item returns in about a file write (no network, no peer): a producer
     # writes such items on the model runner's thread instead of handing them to its writer.
     writes_fast: bool = False
+    # a producer's save reaches this process's `locate` at once (announcements), so a
+    # consumer can wait for a pending item there instead of asking its workers to poll
+    announces: bool = False
 
     def __init__(self) -> None:
         self.events = TransportEvents()
+        # set by the scheduler side: called (on any thread) when items became visible here,
+        # so a scheduler idling on deferred requests wakes at once
+        self.on_news: Callable[[], None] | None = None
 
     @abstractmethod
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ec_connectors.log import get_logger
@@ -38,8 +38,20 @@ class TieredTransport(Transport):
         self.batches_loads = any(t.batches_loads for t in tiers)
         self.reads_in_scheduler = any(t.reads_in_scheduler for t in tiers)
         self.writes_fast = all(t.writes_fast for t in tiers)  # a save writes every tier
+        self.announces = any(t.announces for t in tiers)
         self.own = TransportEvents()
         self.totals: dict[str, float] = {}  # tier_<name>_<what>: for health() and benchmarks
+        self._on_news: Callable[[], None] | None = None
+
+    @property
+    def on_news(self) -> Callable[[], None] | None:  # type: ignore[override]
+        return self._on_news
+
+    @on_news.setter
+    def on_news(self, fn: Callable[[], None] | None) -> None:
+        self._on_news = fn
+        for tier in self.tiers:  # each tier's news is the tiers' news
+            tier.on_news = fn
 
     @property
     def events(self) -> TransportEvents:  # type: ignore[override]

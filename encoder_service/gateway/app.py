@@ -74,6 +74,15 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
+async def _discard(task: asyncio.Task) -> None:
+    """Cancel a decode request opened early; one that opened already is released (closing
+    its connection aborts the request in vLLM)."""
+    task.cancel()
+    await asyncio.wait([task])  # never raises the task's error; our own cancellation does
+    if not task.cancelled() and task.exception() is None:
+        await task.result()[0].release()
+
+
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -132,6 +141,7 @@ class Gateway:
         # item id -> placeholder metadata its encoder published: a later request for an
         # item that is already available goes metadata-only too
         self._metadata: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._metadata_modalities: set[str] = set()  # modalities whose encoders publish it
 
     # -- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -329,53 +339,102 @@ class Gateway:
 
     async def _route(self, prepared: Any, rid: str, held: list[EncodeOutcome]
                      ) -> tuple[Upstream, dict[str, Any], dict[str, Any]]:
-        """Encode what is missing (the outcome is appended to `held`), then open the decode
-        request; returns it, the log fields and the body it was sent."""
+        """Encode what is missing (the outcome is appended to `held`) and open the decode
+        request, after the encode or beside it (`_overlaps`); returns the decode request, the
+        log fields and the body it was sent."""
         assert self.router is not None and self.decoders is not None
         ids = [it.item_id for it in prepared.items]
         hits = self.availability.available(ids) if ids else set()
         todo = [it for it in prepared.items if it.item_id not in hits]
         hints: dict[str, Any] = {i: self.availability.hint(i) for i in hits}
         info: dict[str, Any] = {"items": len(ids), "hits": len(hits), "encoded": 0,
-                                "fallback": 0, "enc_retries": 0}
-        m = self.metrics
+                                "fallback": 0, "enc_retries": 0, "overlap": 0}
+        key = ids[0] if ids else None  # its decode instance: where its first item went before
         if hits:
-            m.items_hit.inc(len(hits))
-        if todo:
-            t = time.perf_counter()
+            self.metrics.items_hit.inc(len(hits))
+        if not todo:
+            return await self._open_decode(prepared, hints, rid, key, info)
+        t = time.perf_counter()
+        early: asyncio.Task | None = None
+        if self._overlaps(todo):
+            # The decode instance gets the request now, its new items marked pending: it
+            # renders and preprocesses while they are encoded, then waits for them to land.
+            pending = {**hints, **{it.item_id: {"pending": True} for it in todo}}
+            early = asyncio.ensure_future(self._open_decode(prepared, pending, rid, key, info))
+        try:
             outcome, errors = await self.router.encode(todo, rid)
-            held.append(outcome)
-            m.stage_encode.observe(time.perf_counter() - t)
-            info["encode_ms"] = _ms(time.perf_counter() - t)
-            hints.update(outcome.hints)
-            info.update(encoded=len(outcome.hints) - outcome.shared,
-                        shared=outcome.shared, fallback=len(outcome.failed),
-                        enc_retries=outcome.retries)
-            m.items_encoded.inc(len(outcome.hints) - outcome.shared)
-            if outcome.shared:
-                m.items_shared.inc(outcome.shared)
-            if outcome.retries:
-                m.retries.labels("encoder").inc(outcome.retries)
-            if errors:
-                m.upstream_errors.labels("encoder").inc(len(errors))
-            if outcome.failed:
-                m.items.labels("fallback").inc(len(outcome.failed))
-                m.fallbacks.inc()
-                logger.warning("encoder failure rid=%s items=%d errors=%s action=sending raw "
-                               "media (decode instance encodes locally)", rid,
-                               len(outcome.failed), errors)
-            elif errors:
-                logger.warning("encoder retry rid=%s errors=%s action=retried on another "
-                               "encoder, succeeded", rid, errors)
+        except BaseException:
+            if early is not None:
+                await _discard(early)
+            raise
+        held.append(outcome)
+        self._count_encode(outcome, errors, rid, info, time.perf_counter() - t)
+        for it in todo:
+            if placeholder_metadata(outcome.hints.get(it.item_id) or {}) is not None:
+                self._metadata_modalities.add(it.modality)  # later new items: metadata-only
+        hints.update(outcome.hints)
+        if early is not None:
+            if not outcome.failed:
+                info["overlap"] = len(todo)
+                self.metrics.items_overlapped.inc(len(todo))
+                return await early
+            # An item that will not land: ask again without its promise (it goes raw and
+            # the decode instance encodes it) instead of letting the instance wait for it.
+            await _discard(early)
+        return await self._open_decode(prepared, hints, rid, key, info)
+
+    def _overlaps(self, todo: list[Any]) -> bool:
+        """Whether these new items may go to the decode instance before they are encoded."""
+        mode = self.cfg.routing.overlap
+        if mode == "off" or (mode == "auto" and (
+                self.availability.name == "none" or self.cfg.encoder_backend != "vllm")):
+            return False
+        # Items whose encoders publish placeholder metadata wait for it: the decode instance
+        # then gets metadata-only parts instead of media to decode and preprocess.
+        return not (self.cfg.media.metadata_only
+                    and any(it.modality in self._metadata_modalities for it in todo))
+
+    def _count_encode(self, outcome: EncodeOutcome, errors: list[str], rid: str,
+                      info: dict[str, Any], seconds: float) -> None:
+        m = self.metrics
+        m.stage_encode.observe(seconds)
+        info["encode_ms"] = _ms(seconds)
+        info.update(encoded=len(outcome.hints) - outcome.shared, shared=outcome.shared,
+                    fallback=len(outcome.failed), enc_retries=outcome.retries)
+        m.items_encoded.inc(len(outcome.hints) - outcome.shared)
+        if outcome.shared:
+            m.items_shared.inc(outcome.shared)
+        if outcome.retries:
+            m.retries.labels("encoder").inc(outcome.retries)
+        if errors:
+            m.upstream_errors.labels("encoder").inc(len(errors))
+        if outcome.failed:
+            m.items.labels("fallback").inc(len(outcome.failed))
+            m.fallbacks.inc()
+            logger.warning("encoder failure rid=%s items=%d errors=%s action=sending raw "
+                           "media (decode instance encodes locally)", rid,
+                           len(outcome.failed), errors)
+        elif errors:
+            logger.warning("encoder retry rid=%s errors=%s action=retried on another "
+                           "encoder, succeeded", rid, errors)
+
+    async def _open_decode(self, prepared: Any, hints: dict[str, Any], rid: str,
+                           key: str | None, info: dict[str, Any]
+                           ) -> tuple[Upstream, dict[str, Any], dict[str, Any]]:
+        """Open the decode request: `prepared.body` with `hints` as its ec_transfer_params,
+        metadata-only parts where the items' metadata is known (once again with the raw media
+        if that fails before the answer). `prepared.body` itself is left as it is."""
+        m = self.metrics
+        raw = dict(prepared.body)
+        raw.pop("ec_transfer_params", None)
         metadata = self._placeholders(hints)
         if hints:
-            prepared.body["ec_transfer_params"] = {PARAMS_KEY: {"items": hints}}
-        body, n_meta = (metadata_only_body(prepared.body, metadata)
-                        if metadata and self.cfg.media.metadata_only else (prepared.body, 0))
+            raw["ec_transfer_params"] = {PARAMS_KEY: {"items": hints}}
+        body, n_meta = (metadata_only_body(raw, metadata)
+                        if metadata and self.cfg.media.metadata_only else (raw, 0))
         info["metadata_only"] = n_meta
         if prepared.stream and self.cfg.routing.failover:  # token ids: a break can resume
-            body, prepared.body = upstream_body(body), upstream_body(prepared.body)
-        key = ids[0] if ids else None  # its decode instance: where its first item went before
+            body, raw = upstream_body(body), upstream_body(raw)
         up = await self._open("/v1/chat/completions", _json_encode(body), rid, key=key)
         if n_meta and await up.failed_before_answer(prepared.stream):
             # e.g. an embedding evicted or lost on its way: the decode instance has no
@@ -386,7 +445,7 @@ class Gateway:
                            "action=retrying once with the raw media", rid, up.url,
                            up.status_code)
             info["metadata_only"] = 0
-            body = prepared.body
+            body = raw
             up = await self._open("/v1/chat/completions", _json_encode(body), rid, key=key)
         elif n_meta:
             m.items_metadata_only.inc(n_meta)

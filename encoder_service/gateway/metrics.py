@@ -54,5 +54,7 @@ class GatewayMetrics:
         self.items_encoded = self.items.labels("encoded")
         self.items_metadata_only = self.items.labels("metadata_only")
         self.items_shared = self.items.labels("shared")  # another request's encode, shared
+        # sent to the decode instance while being encoded (routing.overlap)
+        self.items_overlapped = self.items.labels("overlapped")
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)

@@ -97,9 +97,10 @@ class UpConfig(BaseModel):
                                  description="more PoolConfig keys for each `epd encoder`")
     connector_extra: dict[str, Any] = Field(default_factory=dict,
                                             description="more ec_connector_extra_config keys")
-    cpu_cores: list[int] | None = Field(None, description="one core per vLLM server, in "
-                                        "order (encoders, then decoders); default: spread "
-                                        "over this machine's cores")
+    cpu_cores: list[int] | None = Field(None, description="one core per server, in order "
+                                        "(encoders, then decoders); each server, all its "
+                                        "processes, runs on its core; default: spread over "
+                                        "this machine's cores")
     vllm_args: list[str] = Field(default_factory=list)
     startup_timeout_s: float = Field(420.0, gt=0)
     clear_cache: bool = Field(True, description="empty the storage directory at start")

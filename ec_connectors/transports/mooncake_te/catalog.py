@@ -38,6 +38,7 @@ class MooncakeCatalog(Transport):
     Fed by producers' announcements (ZMQ SUB); producers whose snapshots stop are forgotten."""
 
     name = "mooncake"
+    announces = True
 
     def __init__(self, config: EPDConfig, placement: Placement) -> None:
         super().__init__()
@@ -116,6 +117,8 @@ class MooncakeCatalog(Transport):
                 self._by_producer[endpoint] = fresh
                 interval = msg.interval_s
             self._last_seen[endpoint] = (time.monotonic(), interval)
+        if not isinstance(msg, Evicted) and self.on_news is not None:
+            self.on_news()
 
     def _expire(self) -> None:
         now = time.monotonic()

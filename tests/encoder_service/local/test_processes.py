@@ -163,3 +163,24 @@ def test_managed_processes_are_siblings_with_their_own_signatures(tmp_path):
     v.stop()  # never started: nothing to do
     pool = PoolServer("p", tmp_path / "model", 18991, tmp_path, cpu_core=0)
     assert pool.child_env()["OMP_NUM_THREADS"] == "1" and pool.env == {}
+
+
+def test_a_server_on_a_core_runs_every_process_and_thread_there(tmp_path):
+    """cpu_core pins the whole server, not only vLLM's OpenMP threads: its children (vLLM's
+    EngineCore and workers) and their threads inherit the core."""
+    import shutil
+
+    if not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs taskset and two cores")
+    core = max(os.sched_getaffinity(0))
+    server = VllmServer("pinned", tmp_path / "model", 18999, tmp_path, cpu_core=core)
+    cmd = server.command()
+    probe = ("import os, subprocess, sys, threading; out = []; "
+             "t = threading.Thread(target=lambda: out.append(os.sched_getaffinity(0))); "
+             "t.start(); t.join(); child = subprocess.run([sys.executable, '-c', "
+             "'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, "
+             "text=True).stdout.strip(); print(sorted(out[0]), child)")
+    # the server's own command line, its program swapped for the probe
+    argv = cmd[:cmd.index(sys.executable)] + [sys.executable, "-c", probe]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == [f"[{core}]", f"[{core}]"]
