@@ -141,7 +141,8 @@ class Gateway:
         # item id -> placeholder metadata its encoder published: a later request for an
         # item that is already available goes metadata-only too
         self._metadata: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._metadata_modalities: set[str] = set()  # modalities whose encoders publish it
+        # modality -> whether its encoders' last answer carried placeholder metadata
+        self._publishes_metadata: dict[str, bool] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -370,8 +371,9 @@ class Gateway:
         held.append(outcome)
         self._count_encode(outcome, errors, rid, info, time.perf_counter() - t)
         for it in todo:
-            if placeholder_metadata(outcome.hints.get(it.item_id) or {}) is not None:
-                self._metadata_modalities.add(it.modality)  # later new items: metadata-only
+            hint = outcome.hints.get(it.item_id)
+            if hint is not None and it.item_id not in outcome.failed:
+                self._publishes_metadata[it.modality] = placeholder_metadata(hint) is not None
         hints.update(outcome.hints)
         if early is not None:
             if not outcome.failed:
@@ -384,15 +386,17 @@ class Gateway:
         return await self._open_decode(prepared, hints, rid, key, info)
 
     def _overlaps(self, todo: list[Any]) -> bool:
-        """Whether these new items may go to the decode instance before they are encoded."""
+        """Whether these new items go to the decode instance before they are encoded."""
         mode = self.cfg.routing.overlap
-        if mode == "off" or (mode == "auto" and (
-                self.availability.name == "none" or self.cfg.encoder_backend != "vllm")):
+        if mode != "auto":
+            return mode == "on"
+        if self.availability.name == "none" or self.cfg.encoder_backend != "vllm":
             return False
-        # Items whose encoders publish placeholder metadata wait for it: the decode instance
-        # then gets metadata-only parts instead of media to decode and preprocess.
-        return not (self.cfg.media.metadata_only
-                    and any(it.modality in self._metadata_modalities for it in todo))
+        # Only modalities whose encoders were seen to publish no placeholder metadata (the
+        # decode instance needs their media anyway, e.g. LLaVA). The others wait for it and
+        # go metadata-only: no media for the decode instance to decode and preprocess.
+        return not self.cfg.media.metadata_only or all(
+            self._publishes_metadata.get(it.modality) is False for it in todo)
 
     def _count_encode(self, outcome: EncodeOutcome, errors: list[str], rid: str,
                       info: dict[str, Any], seconds: float) -> None:

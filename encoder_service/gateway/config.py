@@ -112,10 +112,11 @@ class RoutingConfig(_Strict):
         "auto", description="send the decode request while its new items are being encoded, "
         "marked pending: an EPDConnector consumer preprocesses the prompt meanwhile and waits "
         "for the embeddings to land (the encoder round trip leaves the critical path). "
-        "`auto`: on when the gateway follows the transport (availability) and the encoders "
-        "are vLLM producers, for modalities whose encoders publish no placeholder metadata "
-        "(those wait and go metadata-only). Needs EPDConnector decode instances: another "
-        "connector would encode pending items itself")
+        "`auto`: when the gateway follows the transport (availability) and the encoders are "
+        "vLLM producers, for modalities whose encoders were seen to publish no placeholder "
+        "metadata (the others wait for it and go metadata-only); `on`: every new item. "
+        "Needs EPDConnector decode instances: another connector would encode pending items "
+        "itself")
     probe_interval_s: float = Field(10.0, ge=0, description="every instance gets a real "
                                     "forward (one-token completion) this often; one that "
                                     "fails cools down until a probe passes (0: off)")

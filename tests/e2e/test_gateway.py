@@ -105,8 +105,11 @@ def test_answers_equal_the_aggregated_server_streamed_and_not(cluster):
     encoded = gw_metric(c, 'epd_gateway_items_total{outcome="encoded"}')
     assert ask(c, GW, image)["token_ids"] == ref
     assert gw_metric(c, 'epd_gateway_items_total{outcome="encoded"}') == encoded + 1
-    image2 = sample_image_png(seed=502)  # a fresh image, streamed
+    # a fresh image, streamed: now that the encoder was seen to publish no placeholder
+    # metadata (LLaVA), the decode request goes out while the image is encoded (overlap)
+    image2 = sample_image_png(seed=502)
     ref2 = reference(c, image2)
+    overlapped = gw_metric(c, 'epd_gateway_items_total{outcome="overlapped"}')
     body = {**chat_body(MODEL_NAME, image2, PROMPT, max_tokens=8), "stream": True}
     tokens = []
     with c["client"].stream("POST", GW + "/v1/chat/completions", json=body) as r:
@@ -117,6 +120,8 @@ def test_answers_equal_the_aggregated_server_streamed_and_not(cluster):
                 tokens += json.loads(line[6:])["choices"][0].get("token_ids") or []
     # Not one chunk per token: under load vLLM may put several tokens in one chunk.
     assert tokens == ref2
+    assert gw_metric(c, 'epd_gateway_items_total{outcome="overlapped"}') == overlapped + 1
+    assert gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}') == 0
     models = c["client"].get(GW + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL_NAME]
 

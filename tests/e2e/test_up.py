@@ -136,6 +136,17 @@ def test_epd_up_mooncake_vllm_encoder(model, client, agg):
         assert metric(client, d["gw"], ENCODED) == encoded + 1
         assert encoder_calls(client, d["enc"]) == calls
         assert "availability=mooncake" in d["log"].read_text()
+        # a new image: sent to the decode instance while encoded (overlap; the encoder was
+        # seen to publish no placeholder metadata); it waits for the announcement, then pulls
+        image = sample_image_png(seed=702)
+        ref, loads = ask(client, agg.url, image), metric(client, d["dec"], LOADS)
+        overlapped = metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}')
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}') == \
+            overlapped + 1
+        assert metric(client, d["gw"], FALLBACK) == 0
+        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                        interval=0.1), "the decode instance did not load the embedding"
 
 
 def test_epd_up_mooncake_encoder_pool(model, client, agg):

@@ -21,3 +21,12 @@ def test_list_form_and_absent():
 def test_malformed_params_raise(bad):
     with pytest.raises(BadParams):
         item_sources(bad)
+
+
+def test_pending_items():
+    src = item_sources({"epd": {"items": {"a": {"pending": True}, "b": {}}}})
+    assert src["a"].pending and not src["b"].pending
+    assert not item_sources({"epd": {"items": ["a"]}})["a"].pending
+    for bad in ("yes", 1, None, []):
+        with pytest.raises(BadParams, match="pending"):
+            item_sources({"epd": {"items": {"a": {"pending": bad}}}})

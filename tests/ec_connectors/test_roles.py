@@ -440,3 +440,80 @@ def test_inline_copy_nobody_places_is_released(pair_factory):
     cons.sched.request_finished(req)  # aborted before it was scheduled
     cons.sched.build_connector_meta()
     assert cons.sched._inline_bytes == 0 and cons.sched.staging.get("img") is None
+
+
+PENDING = {"epd": {"items": {"img": {"pending": True}}}}
+
+
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["workers", "inline"])
+def test_a_pending_item_is_waited_for_and_loaded_once_it_lands(pair_factory, inline):
+    """The gateway sent the request while its item is encoded (routing.overlap): the consumer
+    defers it without asking its workers to poll, and loads the item once its save shows in
+    the index (inotify on a local directory)."""
+    prod, cons = pair_factory("producer"), pair_factory("consumer", inline_max_bytes=inline)
+    assert cons.sched.index.watching
+    req = request("c1", "img", params=PENDING)
+    for _ in range(3):
+        assert not cons.sched.ensure_cache_available(req, 0)
+    assert cons.sched.staging.get("img") is None  # no load started: nothing to load yet
+    assert cons.worker.staged_bytes == 0
+    x = torch.randn(NUM_EMBEDS, 32).bfloat16()
+    produce(prod, request("p1", "img"), {"img": x})
+    cons.step_until_ready(req)
+    meta, cache = cons.schedule(req)
+    assert meta == {"img": NUM_EMBEDS} and torch.equal(cache["img"], x)
+    assert cons.sched.stats.totals.get("local_encode_fallbacks", 0) == 0
+    assert cons.sched._pending == {}  # the promise was kept and forgotten
+
+
+def test_a_pending_item_that_never_lands_is_encoded_locally_at_its_deadline(pair_factory):
+    cons = pair_factory("consumer", load_timeout_s=0.3)
+    req = request("c1", "img", params=PENDING)
+    assert not cons.sched.ensure_cache_available(req, 0)
+    time.sleep(0.2)
+    assert not cons.sched.ensure_cache_available(req, 0)  # still within its deadline
+    time.sleep(0.15)
+    assert cons.sched.ensure_cache_available(req, 0)  # raw media: vLLM encodes it itself
+    assert not cons.sched.has_cache_item("img")
+    totals = cons.sched.stats.totals
+    assert totals.get("timeouts") == 1 and totals.get("local_encode_fallbacks") == 1
+
+
+def test_a_malformed_pending_flag_makes_the_params_ignored(pair_factory):
+    cons = pair_factory("consumer")
+    req = request("c1", "img", params={"epd": {"items": {"img": {"pending": "yes"}}}})
+    assert cons.sched.ensure_cache_available(req, 0)  # bad params: encoded locally, no wait
+
+
+def test_an_idle_step_waits_for_news_and_no_longer(pair_factory, monkeypatch):
+    """A step that scheduled nothing because requests wait on us blocks the engine thread
+    until something lands (no empty steps spinning the engine and its workers), bounded by
+    _IDLE_WAIT_S; a step that did schedule work never waits."""
+    import threading
+
+    import ec_connectors.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "_IDLE_WAIT_S", 0.5)
+    prod, cons = pair_factory("producer"), pair_factory("consumer", inline_max_bytes=1 << 20)
+    req = request("c1", "img", params=PENDING)
+
+    def timed(**kw) -> float:
+        t = time.monotonic()
+        cons.sched.build_connector_meta(**kw)
+        return time.monotonic() - t
+
+    assert timed(idle=True) < 0.1  # nobody deferred: nothing to wait for
+    assert not cons.sched.ensure_cache_available(req, 0)
+    assert timed(idle=False) < 0.1  # work was scheduled: the engine goes on
+    assert not cons.sched.ensure_cache_available(req, 0)
+    assert timed(idle=True) >= 0.45  # deferred, no news: the whole bound
+    assert not cons.sched.ensure_cache_available(req, 0)
+    x = torch.randn(NUM_EMBEDS, 32).bfloat16()
+    saver = threading.Timer(0.05, produce, (prod, request("p1", "img"), {"img": x}))
+    saver.start()
+    try:
+        assert timed(idle=True) < 0.4  # woken by the save showing in the index
+    finally:
+        saver.join()
+    cons.step_until_ready(req)
+    assert torch.equal(cons.schedule(req)[1]["img"], x)

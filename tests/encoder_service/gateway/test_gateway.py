@@ -622,3 +622,88 @@ def test_with_the_secret_the_gateway_signs_the_ids_it_derives(stubs, tmp_path):
     bad.chmod(0o644)
     with pytest.raises(GatewayConfigError, match="chmod 600"):
         GatewayConfig.build({"decoders": ["http://a:1"], "secret_file": str(bad)})
+
+
+# -- overlap: the decode request goes out while its new items are encoded -------------------
+@pytest.fixture
+def overlap_stubs(tmp_path):
+    """`routing.overlap: auto` with an availability the gateway follows (an empty directory)."""
+    enc, dec = Stub("encoder"), Stub("decoder")
+    g = gateway([enc.url], [dec.url], routing={"probe_interval_s": 0},
+                availability={"kind": "safetensors", "storage_path": str(tmp_path)})
+    yield enc, dec, g
+    g.stop()
+    enc.stop()
+    dec.stop()
+
+
+def early_decode(g, enc, dec, image) -> tuple[httpx.Response, float]:
+    """Post `image` with a slow encoder; how long until the decode request went out."""
+    n, enc.delay = len(dec.calls), 0.5
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(post, g, chat_body(MODEL, image, "x"))
+            t = time.monotonic()
+            while len(dec.calls) == n and time.monotonic() - t < 5:
+                time.sleep(0.005)
+            waited = time.monotonic() - t
+            return answer.result(), waited
+    finally:
+        enc.delay = 0.0
+
+
+def test_overlap_sends_the_decode_request_while_the_item_is_encoded(overlap_stubs):
+    enc, dec, g = overlap_stubs
+    # the first image is not overlapped: the gateway does not know yet whether its encoders
+    # publish placeholder metadata (then the decode instance should get metadata only)
+    r, waited = early_decode(g, enc, dec, sample_image_png(59))
+    assert r.status_code == 200 and waited >= 0.45
+    assert metric(g, 'epd_gateway_items_total{outcome="overlapped"}') == 0
+    image = sample_image_png(60)
+    r, waited = early_decode(g, enc, dec, image)
+    assert r.status_code == 200, r.text
+    assert waited < 0.4, "the decode request waited for the encoder"
+    sent = dec.calls[-1]
+    item = content_item_id(image, MODEL)
+    assert sent["ec_transfer_params"]["epd"]["items"] == {item: {"pending": True}}
+    assert sent["messages"][0]["content"][0]["image_url"]["url"].startswith("data:")  # raw
+    assert metric(g, 'epd_gateway_items_total{outcome="overlapped"}') == 1
+
+
+def test_overlap_an_encoder_failure_asks_again_without_the_promise(overlap_stubs):
+    """A pending item that will not land: the early decode request is given up and the
+    request goes again with raw media only (the decode instance encodes it at once instead
+    of waiting out its deadline)."""
+    enc, dec, g = overlap_stubs
+    assert post(g, chat_body(MODEL, sample_image_png(65), "x")).status_code == 200  # learn
+    enc.fail, enc.delay = True, 0.1
+    try:
+        for stream in (False, True):
+            n = len(dec.calls)
+            body = {**chat_body(MODEL, sample_image_png(61 + stream), "x"), "stream": stream}
+            r = post(g, body)
+            assert r.status_code == 200, r.text
+            first, second = dec.calls[n:]
+            assert list(first["ec_transfer_params"]["epd"]["items"].values()) == [
+                {"pending": True}]
+            assert "ec_transfer_params" not in second
+            assert second["messages"][0]["content"][0]["image_url"]["url"].startswith("data:")
+    finally:
+        enc.fail, enc.delay = False, 0.0
+    assert metric(g, 'epd_gateway_items_total{outcome="overlapped"}') == 0
+    assert metric(g, "epd_gateway_fallbacks_total") == 2
+
+
+def test_overlap_never_for_modalities_whose_encoders_publish_metadata(overlap_stubs):
+    """Items whose encoders publish placeholder metadata wait for it and go metadata-only
+    (no media for the decode instance to decode), whatever came before."""
+    enc, dec, g = overlap_stubs
+    enc.metadata = {"image_grid_thw": [1, 8, 8]}
+    try:
+        for seed in (66, 67):
+            r, waited = early_decode(g, enc, dec, sample_image_png(seed))
+            assert r.status_code == 200 and waited >= 0.45
+            assert dec.calls[-1]["messages"][0]["content"][0]["type"] == "image_embeds"
+        assert metric(g, 'epd_gateway_items_total{outcome="overlapped"}') == 0
+    finally:
+        enc.metadata = None
