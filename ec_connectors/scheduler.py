@@ -3,6 +3,9 @@ of `scheduler_hooks/` (availability index, staging state machine, decisions) to 
 scheduler API, the control channel to the workers and the transports.
 
 Consumer flow for one item:
+  ensure_cache_available: the params say `pending` (a gateway sent the request while the item
+      is encoded): defer, asking nobody, until its save shows here (index, announcements),
+      then as below; not landed within load_timeout_s -> as an item nobody promised
   ensure_cache_available: the item is known (index or the request's ec_transfer_params)
       -> small (inline_max_bytes) and the transport reads here: read and verify it on the
          inline reader thread, waiting at most _INLINE_WAIT_S -> READY, usually this step
@@ -15,6 +18,7 @@ Consumer flow for one item:
   deadline passed / FAILED -> local encode (default) or the request fails (on_unavailable=fail)
   a metadata-only item (no media: vLLM cannot encode it) that is unknown, late or failed
       -> the request fails (take_unavailable_requests); never scheduled without its embedding
+  a step that scheduled nothing because requests wait on us waits for news (_IDLE_WAIT_S)
 Producer flow: update_state_after_alloc records the request's items; request_finished returns
 them as ec_transfer_params, each with its placeholder metadata (so the consumer's request can
 be metadata-only); `has_cache_item` answers "already stored" so nothing is encoded twice.
