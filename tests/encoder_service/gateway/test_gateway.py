@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import itertools
 import json
 import socket
 import threading
@@ -42,7 +43,8 @@ from encoder_service.local.requests import (
 from tests.helpers import free_port as _free_port
 
 MODEL = "tiny-llava"
-PORTS = iter(range(18500, 18540))
+# this module's stubs and gateways, and test_routing.py's (it borrows Stub and gateway)
+PORTS = itertools.chain(range(18500, 18540), range(18720, 18800))
 
 
 def free_port() -> int:
