@@ -370,9 +370,9 @@ class Gateway:
             raise
         held.append(outcome)
         self._count_encode(outcome, errors, rid, info, time.perf_counter() - t)
-        for it in todo:
+        for it in todo:  # what the encoders publish, learned from each answer (failed: none)
             hint = outcome.hints.get(it.item_id)
-            if hint is not None and it.item_id not in outcome.failed:
+            if hint is not None:
                 self._publishes_metadata[it.modality] = placeholder_metadata(hint) is not None
         hints.update(outcome.hints)
         if early is not None:
