@@ -243,7 +243,13 @@ def test_second_request_for_an_item_in_vllms_cache_neither_waits_nor_loads(pair_
     assert cons.sched.stats.totals["engine_cache_hits"] == 1
     cons.sched.build_connector_meta(evicted=["img"])  # vLLM evicted it: load it again
     third = request("c3", "img", params=params)
-    assert not cons.sched.ensure_cache_available(third, 0)
+    # (not asserting a deferral: the worker may stage a tiny item before the scheduler looks)
+    cons.sched.ensure_cache_available(third, 0)
+    assert cons.sched.staging.get("img") is not None  # a new load began
+    assert cons.sched.stats.totals["engine_cache_hits"] == 1
+    cons.step_until_ready(third)
+    placed, cache = cons.schedule(third)
+    assert placed == {"img": NUM_EMBEDS} and "img" in cache
 
 
 def test_a_staged_copy_the_request_did_not_use_is_freed(pair_factory):
@@ -467,12 +473,12 @@ def test_a_pending_item_is_waited_for_and_loaded_once_it_lands(pair_factory, inl
 
 
 def test_a_pending_item_that_never_lands_is_encoded_locally_at_its_deadline(pair_factory):
-    cons = pair_factory("consumer", load_timeout_s=0.3)
+    cons = pair_factory("consumer", load_timeout_s=0.6)
     req = request("c1", "img", params=PENDING)
     assert not cons.sched.ensure_cache_available(req, 0)
-    time.sleep(0.2)
+    time.sleep(0.1)  # (margin for a loaded CI machine: a sleep may overshoot)
     assert not cons.sched.ensure_cache_available(req, 0)  # still within its deadline
-    time.sleep(0.15)
+    time.sleep(0.55)
     assert cons.sched.ensure_cache_available(req, 0)  # raw media: vLLM encodes it itself
     assert not cons.sched.has_cache_item("img")
     totals = cons.sched.stats.totals
@@ -493,7 +499,7 @@ def test_an_idle_step_waits_for_news_and_no_longer(pair_factory, monkeypatch):
 
     import ec_connectors.scheduler as sched_mod
 
-    monkeypatch.setattr(sched_mod, "_IDLE_WAIT_S", 0.5)
+    monkeypatch.setattr(sched_mod, "_IDLE_WAIT_S", 1.0)
     prod, cons = pair_factory("producer"), pair_factory("consumer", inline_max_bytes=1 << 20)
     req = request("c1", "img", params=PENDING)
 
@@ -502,17 +508,17 @@ def test_an_idle_step_waits_for_news_and_no_longer(pair_factory, monkeypatch):
         cons.sched.build_connector_meta(**kw)
         return time.monotonic() - t
 
-    assert timed(idle=True) < 0.1  # nobody deferred: nothing to wait for
+    assert timed(idle=True) < 0.25  # nobody deferred: nothing to wait for
     assert not cons.sched.ensure_cache_available(req, 0)
-    assert timed(idle=False) < 0.1  # work was scheduled: the engine goes on
+    assert timed(idle=False) < 0.25  # work was scheduled: the engine goes on
     assert not cons.sched.ensure_cache_available(req, 0)
-    assert timed(idle=True) >= 0.45  # deferred, no news: the whole bound
+    assert timed(idle=True) >= 0.95  # deferred, no news: the whole bound
     assert not cons.sched.ensure_cache_available(req, 0)
     x = torch.randn(NUM_EMBEDS, 32).bfloat16()
     saver = threading.Timer(0.05, produce, (prod, request("p1", "img"), {"img": x}))
     saver.start()
     try:
-        assert timed(idle=True) < 0.4  # woken by the save showing in the index
+        assert timed(idle=True) < 0.7  # woken by the save showing in the index
     finally:
         saver.join()
     cons.step_until_ready(req)
