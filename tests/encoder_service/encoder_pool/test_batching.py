@@ -136,7 +136,7 @@ def test_full_queue_refuses_at_once_and_budget_full_refuses():
         t0 = time.monotonic()
         with pytest.raises(Overloaded, match="queue is full") as exc:
             pool.submit(image("x"), 10)
-        assert time.monotonic() - t0 < 0.05 and exc.value.retry_after_s > 0
+        assert time.monotonic() - t0 < 0.2 and exc.value.retry_after_s > 0
         await asyncio.gather(running, *queued)
 
     run(go, pool)
