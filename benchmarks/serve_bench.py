@@ -1,13 +1,15 @@
-"""Serving benchmark on a tiny test model, one run, three deployments on this machine's cores:
+"""Serving benchmark on a tiny test model, one run, four deployments on this machine's cores:
 
 1. aggregated vLLM (one server: encoder + prefill/decode in one process);
 2. EPD through this gateway: vLLM encoder (ec_producer) + vLLM prefill/decode (ec_consumer),
    EPDConnector over the safetensors transport, the gateway as its own process (it skips
    stored items and sends the decode request while new items are encoded: routing.overlap);
-3. EPD with vLLM's ECExampleConnector: the same two servers and the same gateway (item ids,
-   routing), vLLM's example connector instead of ours (no availability lookup and no overlap:
-   it has neither). Each EPD server runs whole on its own core (taskset), the aggregated
-   server on both.
+3. the same with this project's encoder pool (`epd encoder`) in place of the vLLM encoder,
+   on the same core: the whole stack as a user deploys it (`epd up --encoder-backend pool`);
+4. EPD with vLLM's ECExampleConnector: the same two vLLM servers and the same gateway (item
+   ids, routing), vLLM's example connector instead of ours (no availability lookup and no
+   overlap: it has neither). Each EPD server runs whole on its own core (taskset), the
+   aggregated server on both.
 
 Each gets the same `epd bench serve` workload (default 200 streamed requests, concurrency 8,
 50% image reuse, 16 output tokens). Then the gateway's own overhead: the same non-streamed
@@ -51,12 +53,18 @@ from encoder_service.bench import (  # noqa: E402
     run_bench,
     write_json,
 )
-from encoder_service.local.processes import VllmServer, metric_value, start_all  # noqa: E402
+from encoder_service.local.processes import (  # noqa: E402
+    PoolServer,
+    VllmServer,
+    metric_value,
+    start_all,
+)
 from encoder_service.local.requests import chat_body, parts_body, sample_image_png  # noqa: E402
 from encoder_service.local.testmodel import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
 
 MODEL = "tiny-llava"  # the served name of --spec (set in main)
+POOL = "EPD gateway, encoder pool"
 PORT = 18590  # 18590-18599
 
 
@@ -206,7 +214,7 @@ VLLM_STAGES = ("request_queue_time", "request_prefill_time", "e2e_request_latenc
 GATEWAY_STAGES = ("parse", "encode", "first_token", "total")
 
 
-def stage_means(gw_url: str, servers: list[VllmServer]) -> dict[str, dict[str, float]]:
+def stage_means(gw_url: str, servers: list[VllmServer | PoolServer]) -> dict[str, dict[str, float]]:
     """Mean milliseconds per stage over the run, from /metrics: the gateway's
     `epd_gateway_stage_seconds{stage}`, each server's `vllm:epd_<stage>_seconds` and
     vLLM's own request stages (VLLM_STAGES)."""
@@ -232,12 +240,20 @@ def stage_means(gw_url: str, servers: list[VllmServer]) -> dict[str, dict[str, f
 
 
 def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
-            a: argparse.Namespace, port: int, overhead: bool, compare_raw: bool = False):
+            a: argparse.Namespace, port: int, overhead: bool, compare_raw: bool = False,
+            pool: bool = False):
+    """One EPD deployment: an encoder on core 0 (a vLLM ec_producer, or with `pool` the
+    project's encoder pool), a vLLM decode instance on core 1, the gateway; one bench."""
     storage = work / f"store-{port}"
     shutil.rmtree(storage, ignore_errors=True)
     storage.mkdir(parents=True)
-    enc = VllmServer(f"encoder-{port}", model, port + 1, work,
-                     make_cfg("ec_producer", storage), cpu_core=0, served_name=MODEL)
+    enc: VllmServer | PoolServer
+    if pool:
+        enc = PoolServer(f"pool-{port}", model, port + 1, work, cpu_core=0, served_name=MODEL,
+                         pool_config={"transport": {"storage_path": str(storage)}})
+    else:
+        enc = VllmServer(f"encoder-{port}", model, port + 1, work,
+                         make_cfg("ec_producer", storage), cpu_core=0, served_name=MODEL)
     dec = VllmServer(f"decode-{port}", model, port + 2, work,
                      make_cfg("ec_consumer", storage), cpu_core=1, served_name=MODEL)
     start_all([enc, dec], progress=say)
@@ -246,9 +262,11 @@ def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
         # Without our connector's availability the gateway neither skips stored items nor
         # overlaps encodes with the decode request (vLLM's connectors would encode a pending
         # item themselves): routing.overlap stays off there.
+        config: dict = {} if availability else {"routing": {"overlap": "off"}}
+        if pool:
+            config["encoder_backend"] = "pool"
         gw = GatewayProcess(port, [enc.url], [dec.url], storage if availability else None,
-                            work / "logs" / f"gateway-{port}.log",
-                            config=None if availability else {"routing": {"overlap": "off"}})
+                            work / "logs" / f"gateway-{port}.log", config=config or None)
         res = bench(gw.url, label, a)
         time.sleep(1.5)  # vLLM publishes connector stats with its next metrics update
         stages = stage_means(gw.url, [enc, dec])
@@ -280,7 +298,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--overhead-samples", type=int, default=400)
     p.add_argument("--repeat", type=int, default=1,
-                   help="repetitions of the three runs, interleaved; the table shows medians")
+                   help="repetitions of the four runs, interleaved; the table shows medians")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the gateway overhead (one EPD deployment, no load runs)")
     p.add_argument("--spec", choices=["tiny", "heavy", "qwen-vl", "qwen-omni"], default="tiny",
@@ -309,20 +327,23 @@ def main() -> int:
     for rep in range(1, a.repeat + 1):
         tag = f"[{rep}/{a.repeat}] " if a.repeat > 1 else ""
         results = {}
-        say(f"{tag}1/3 aggregated vLLM (one server, all cores)")
+        say(f"{tag}1/4 aggregated vLLM (one server, all cores)")
         agg = VllmServer("aggregated", model, PORT, work, None, served_name=MODEL)
         start_all([agg], progress=say)
         try:
             results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a)
         finally:
             agg.stop()
-        say(f"{tag}2/3 EPD through the gateway (EPDConnector, safetensors; encoder core 0, "
+        say(f"{tag}2/4 EPD through the gateway (EPDConnector, safetensors; vLLM encoder core 0, "
             "decode 1)")
         results["EPD gateway"], ovh = epd_run(model, work, "EPD gateway", epd_config, True,
                                               a, PORT + 3, overhead=overhead is None,
                                               compare_raw=qwen and rep == 1)
         overhead = overhead or ovh
-        say(f"{tag}3/3 EPD with vLLM's ECExampleConnector (same gateway, same cores)")
+        say(f"{tag}3/4 EPD through the gateway, the project's encoder pool on core 0")
+        results[POOL], _ = epd_run(model, work, POOL, epd_config, True, a, PORT + 3,
+                                   overhead=False, pool=True)
+        say(f"{tag}4/4 EPD with vLLM's ECExampleConnector (same gateway, same cores)")
         results["EPD ECExampleConnector"], _ = epd_run(model, work, "EPD ECExampleConnector",
                                                        example_config, False, a, PORT + 6,
                                                        overhead=False)
@@ -339,12 +360,14 @@ def main() -> int:
           f"items {mix}, {a.max_tokens} output tokens, {spec.model_name} on CPU"
           + (f"; medians of {a.repeat} interleaved repetitions" if a.repeat > 1 else ""))
     print(format_table(summaries))
-    ours, ex, agg_s = (summaries["EPD gateway"], summaries["EPD ECExampleConnector"],
-                       summaries["aggregated vLLM"])
-    print(f"ratios: EPD (ours) / ECExampleConnector: req/s {ours['req_per_s'] / ex['req_per_s']:.2f}, "  # noqa: E501
-          f"TTFT p50 {ours['ttft_ms_p50'] / ex['ttft_ms_p50']:.2f}, "
-          f"TTFT p99 {ours['ttft_ms_p99'] / ex['ttft_ms_p99']:.2f}; "
-          f"EPD (ours) / aggregated: req/s {ours['req_per_s'] / agg_s['req_per_s']:.2f}")
+    ex, agg_s = summaries["EPD ECExampleConnector"], summaries["aggregated vLLM"]
+    for label in ("EPD gateway", POOL):
+        ours = summaries[label]
+        print(f"ratios, {label} / ECExampleConnector: "
+              f"req/s {ours['req_per_s'] / ex['req_per_s']:.2f}, "
+              f"TTFT p50 {ours['ttft_ms_p50'] / ex['ttft_ms_p50']:.2f}, "
+              f"TTFT p99 {ours['ttft_ms_p99'] / ex['ttft_ms_p99']:.2f}; "
+              f"/ aggregated: req/s {ours['req_per_s'] / agg_s['req_per_s']:.2f}")
     assert overhead is not None
     print(format_overhead(overhead))
     pd = runs[0]["EPD gateway"].summary.get("pd_ms")

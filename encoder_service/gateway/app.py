@@ -390,8 +390,10 @@ class Gateway:
         mode = self.cfg.routing.overlap
         if mode != "auto":
             return mode == "on"
-        if self.availability.name == "none" or self.cfg.encoder_backend != "vllm":
+        if self.availability.name == "none":
             return False
+        if self.cfg.encoder_backend == "pool" and not all(map(PoolEncoderClient.takes, todo)):
+            return False  # the pool sends it back: the early request would be thrown away
         # Only modalities whose encoders were seen to publish no placeholder metadata (the
         # decode instance needs their media anyway, e.g. LLaVA). The others wait for it and
         # go metadata-only: no media for the decode instance to decode and preprocess.

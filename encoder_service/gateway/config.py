@@ -112,9 +112,10 @@ class RoutingConfig(_Strict):
         "auto", description="send the decode request while its new items are being encoded, "
         "marked pending: an EPDConnector consumer preprocesses the prompt meanwhile and waits "
         "for the embeddings to land (the encoder round trip leaves the critical path). "
-        "`auto`: when the gateway follows the transport (availability) and the encoders are "
-        "vLLM producers, for modalities whose encoders were seen to publish no placeholder "
-        "metadata (the others wait for it and go metadata-only); `on`: every new item. "
+        "`auto`: when the gateway follows the transport (availability), for modalities whose "
+        "encoders (vLLM producers or pools) were seen to publish no placeholder metadata (the "
+        "others wait for it and go metadata-only) and items the encoders take (a pool sends "
+        "back items with their own processor settings); `on`: every new item. "
         "Needs EPDConnector decode instances: another connector would encode pending items "
         "itself")
     probe_interval_s: float = Field(10.0, ge=0, description="every instance gets a real "

@@ -117,9 +117,14 @@ class PoolEncoderClient:
         self.client = client
         self.timeout_s = timeout_s
 
+    @classmethod
+    def takes(cls, item: MediaPart) -> bool:
+        """Whether the pool encodes `item`: it applies its own processor settings, so an
+        item with others (or a modality it does not serve) goes raw."""
+        return item.modality in cls.modalities and not item.kwargs
+
     async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
-        # the pool applies its own processor settings: items with others go raw
-        todo = [it for it in items if it.modality in self.modalities and not it.kwargs]
+        todo = [it for it in items if self.takes(it)]
         if not todo:
             return {}
         body = {"items": [{"id": it.item_id, "modality": it.modality, "data": _payload(it)}

@@ -169,6 +169,17 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
         assert ask(client, d["gw"], image) == ref
         assert metric(client, d["gw"], HIT) == 1
         assert client.get(d["enc"] + "/v1/stats").json()["items_encoded"] == 1
+        # a new image: sent to the decode instance while the pool encodes it (overlap); it
+        # waits for the pool's announcement, then pulls from the pool
+        image = sample_image_png(seed=703)
+        ref, loads = ask(client, agg.url, image), metric(client, d["dec"], LOADS)
+        overlapped = metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}')
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}') == \
+            overlapped + 1
+        assert metric(client, d["gw"], FALLBACK) == 0
+        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                        interval=0.1), "the decode instance did not load the embedding"
 
 
 def test_epd_up_tiered_starts_the_store_master_first_and_stops_it(model, client, agg):

@@ -264,6 +264,52 @@ def test_pool_backend_encodes_sends_failed_items_raw_and_releases():
         pool.stop()
 
 
+def test_pool_backend_overlaps_new_items_and_asks_again_for_what_it_fails(tmp_path):
+    """With an availability it follows, the gateway sends the decode request beside the
+    pool's encode (routing.overlap auto); an item the pool fails is asked for again, raw."""
+    dec, pool = Decoder(), FakePool()
+    gw = GatewayThread(GatewayConfig.build({
+        "port": free_port(), "model": MODEL, "encoders": [pool.url], "decoders": [dec.url],
+        "encoder_backend": "pool", "routing": {"probe_interval_s": 0},
+        "availability": {"kind": "safetensors", "storage_path": str(tmp_path)}})).start()
+
+    def ask(seed: int) -> str:
+        image = sample_image_png(seed=seed)
+        r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(MODEL, image, "hi"),
+                       timeout=10)
+        assert r.status_code == 200, r.text
+        return content_item_id(image, MODEL)
+
+    try:
+        first = ask(31)  # learns that the pool publishes no placeholder metadata
+        assert dec.calls[-1]["ec_transfer_params"]["epd"]["items"][first]["num_embeds"] == 4
+        n = len(dec.calls)
+        second = ask(32)
+        (sent,) = dec.calls[n:]
+        assert sent["ec_transfer_params"]["epd"]["items"] == {second: {"pending": True}}
+        assert wait_for(lambda: pool.releases[-1:] == [[second]], timeout=5)
+        pool.bad = {content_item_id(sample_image_png(seed=33), MODEL)}
+        n = len(dec.calls)
+        ask(33)
+        early, again = dec.calls[n:]
+        assert list(early["ec_transfer_params"]["epd"]["items"].values()) == [{"pending": True}]
+        assert "ec_transfer_params" not in again  # raw: the decode instance encodes it
+        text = httpx.get(gw.url + "/metrics").text
+        assert metric_value(text, 'epd_gateway_items_total{outcome="overlapped"}') == 1
+        assert metric_value(text, 'epd_gateway_items_total{outcome="fallback"}') == 1
+        # an item with its own processor settings: the pool would send it back, no overlap
+        body = chat_body(MODEL, sample_image_png(seed=34), "hi")
+        body["mm_processor_kwargs"] = {"do_resize": False}
+        n = len(dec.calls)
+        r = httpx.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 200, r.text
+        assert len(dec.calls) == n + 1 and "ec_transfer_params" not in dec.calls[-1]
+    finally:
+        gw.stop()
+        dec.stop()
+        pool.stop()
+
+
 class PartialEncoder:
     """Encodes everything but the ids in `bad` (left out of its answer); releasable."""
 
