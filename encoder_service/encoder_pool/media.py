@@ -8,12 +8,12 @@ allocates), and a full decode (a truncated or corrupt file fails here, not in a 
 
 from __future__ import annotations
 
-import base64
 import binascii
 import io
 from dataclasses import dataclass
 
 import numpy as np
+import pybase64
 from PIL import Image, UnidentifiedImageError
 
 
@@ -79,7 +79,7 @@ def payload_bytes(item_id: str, data: str, max_bytes: int) -> bytes:
     if len(data) > (max_bytes * 4) // 3 + 8:
         raise BadMedia(item_id, f"media is larger than the {max_bytes}-byte limit")
     try:
-        raw = base64.b64decode(data, validate=True)
+        raw = pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise BadMedia(item_id, "media is not valid base64") from None
     if len(raw) > max_bytes:

@@ -12,13 +12,13 @@ with other settings never share an embedding; encoders get the same settings.
 
 from __future__ import annotations
 
-import base64
 import binascii
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import pybase64
 
 from ec_connectors.protocol.keys import content_item_id
 from ec_connectors.protocol.secret import IdSigner
@@ -58,7 +58,7 @@ class PreparedRequest:
 
 def _b64(data: str, what: str) -> bytes:
     try:
-        return base64.b64decode(data, validate=True)
+        return pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise GatewayError(400, f"{what}: malformed base64 data", "bad_base64") from None
 
@@ -163,7 +163,7 @@ async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConf
     mime = (ctype or "").split(";", 1)[0].strip().lower()
     if not mime.startswith(f"{modality}/"):
         mime = {"image": "image/png", "audio": "audio/wav", "video": "video/mp4"}[modality]
-    payload["url"] = f"data:{mime};base64," + base64.b64encode(data).decode()
+    payload["url"] = f"data:{mime};base64," + pybase64.b64encode(data).decode()
     return mime, data, None
 
 
