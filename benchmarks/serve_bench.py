@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -53,6 +54,8 @@ from encoder_service.bench import (  # noqa: E402
     run_bench,
     write_json,
 )
+from encoder_service.gateway.availability import SafetensorsAvailability  # noqa: E402
+from encoder_service.gateway.config import GatewayConfig  # noqa: E402
 from encoder_service.local.processes import (  # noqa: E402
     PoolServer,
     VllmServer,
@@ -199,6 +202,69 @@ def pd_time(meta_url: str, raw_url: str, a: argparse.Namespace, samples: int = 4
             for name, per in times.items()}
 
 
+_STAND_IN_ANSWER = msgspec.json.encode({
+    "id": "stand-in", "object": "chat.completion", "model": "stand-in",
+    "choices": [{"index": 0, "finish_reason": "stop",
+                 "message": {"role": "assistant", "content": "ok"}}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+
+
+def serve_stand_in(port: int) -> None:
+    """A decode instance that answers every chat request at once (`--stand-in PORT`)."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def chat(request):
+        await request.body()
+        return Response(_STAND_IN_ANSWER, media_type="application/json")
+
+    async def ok(request):
+        return Response(b"{}", media_type="application/json")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                            Route("/health", ok)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error")
+
+
+def isolated_overhead(work: Path, samples: int) -> dict:
+    """The gateway's own overhead: the gateway process and a stand-in decode instance that
+    answers at once, no vLLM beside them; the image is already available (a stored file)."""
+    storage = work / "store-isolated"
+    shutil.rmtree(storage, ignore_errors=True)
+    cfg = GatewayConfig.build({"model": MODEL, "decoders": ["http://127.0.0.1:1"]})
+    item = content_item_id(sample_image_png(seed=91_000), MODEL)
+    path = Path(SafetensorsAvailability(storage, cfg.namespace).path_for(item))
+    path.parent.mkdir(parents=True)
+    path.touch()
+    port = PORT + 7
+    stand_in = popen([sys.executable, __file__, "--stand-in", str(port + 1)], cwd=ROOT)
+    gw = None
+    try:
+        deadline = time.monotonic() + 30
+        while not _healthy(f"http://127.0.0.1:{port + 1}"):
+            if time.monotonic() > deadline or stand_in.poll() is not None:
+                raise RuntimeError("the stand-in decode instance did not start")
+            time.sleep(0.2)
+        gw = GatewayProcess(port, [], [f"http://127.0.0.1:{port + 1}"], storage,
+                            work / "logs" / "gateway-isolated.log",
+                            config={"routing": {"probe_interval_s": 0}})
+        return gateway_overhead(gw.url, f"http://127.0.0.1:{port + 1}", samples)
+    finally:
+        if gw is not None:
+            gw.stop()
+        stand_in.send_signal(signal.SIGTERM)
+        stand_in.wait(timeout=10)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def format_overhead(o: dict) -> str:
     return (f"gateway overhead (non-streamed, cached image, {o['samples']} interleaved pairs): "
             f"direct p50 {o['direct_p50_ms']:.2f} ms, via gateway p50 "
@@ -299,6 +365,10 @@ def main() -> int:
     p.add_argument("--overhead-samples", type=int, default=400)
     p.add_argument("--repeat", type=int, default=1,
                    help="repetitions of the four runs, interleaved; the table shows medians")
+    p.add_argument("--overhead-isolated", action="store_true",
+                   help="only the gateway overhead against a stand-in decode instance that "
+                   "answers at once (no vLLM)")
+    p.add_argument("--stand-in", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--overhead-only", action="store_true",
                    help="only the gateway overhead (one EPD deployment, no load runs)")
     p.add_argument("--spec", choices=["tiny", "heavy", "qwen-vl", "qwen-omni"], default="tiny",
@@ -312,6 +382,12 @@ def main() -> int:
     global MODEL
     spec = SPECS[a.spec]
     MODEL = spec.model_name
+    if a.stand_in:
+        serve_stand_in(a.stand_in)
+        return 0
+    if a.overhead_isolated:
+        print(format_overhead(isolated_overhead(a.out, a.overhead_samples)))
+        return 0
     a.mix = parse_mix(a.mix or ",".join(f"{m}=1" for m in spec.modalities))
     qwen = spec.family != "llava"
     work = a.out
