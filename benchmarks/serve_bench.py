@@ -35,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -57,6 +58,7 @@ from encoder_service.bench import (  # noqa: E402
 from encoder_service.gateway.availability import SafetensorsAvailability  # noqa: E402
 from encoder_service.gateway.config import GatewayConfig  # noqa: E402
 from encoder_service.local.processes import (  # noqa: E402
+    ManagedProcess,
     PoolServer,
     VllmServer,
     metric_value,
@@ -239,30 +241,32 @@ def isolated_overhead(work: Path, samples: int) -> dict:
     path.parent.mkdir(parents=True)
     path.touch()
     port = PORT + 7
-    stand_in = popen([sys.executable, __file__, "--stand-in", str(port + 1)], cwd=ROOT)
+    stand_in = StandIn("stand-in", port + 1, work).start()
     gw = None
     try:
-        deadline = time.monotonic() + 30
-        while not _healthy(f"http://127.0.0.1:{port + 1}"):
-            if time.monotonic() > deadline or stand_in.poll() is not None:
-                raise RuntimeError("the stand-in decode instance did not start")
-            time.sleep(0.2)
-        gw = GatewayProcess(port, [], [f"http://127.0.0.1:{port + 1}"], storage,
+        stand_in.wait(30)
+        gw = GatewayProcess(port, [], [stand_in.url], storage,
                             work / "logs" / "gateway-isolated.log",
                             config={"routing": {"probe_interval_s": 0}})
-        return gateway_overhead(gw.url, f"http://127.0.0.1:{port + 1}", samples)
+        return gateway_overhead(gw.url, stand_in.url, samples)
     finally:
         if gw is not None:
             gw.stop()
-        stand_in.send_signal(signal.SIGTERM)
-        stand_in.wait(timeout=10)
+        stand_in.stop()
 
 
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+@dataclass
+class StandIn(ManagedProcess):
+    """This script as a stand-in decode instance (`--stand-in PORT`)."""
+
+    name: str
+    port: int
+    work_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, __file__, "--stand-in", str(self.port)]
 
 
 def format_overhead(o: dict) -> str:

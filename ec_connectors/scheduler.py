@@ -405,7 +405,10 @@ class EPDSchedulerSide:
         return not self.index.watching
 
     def _pending_expired(self, request: Request, feature: Any, item_id: str) -> None:
-        if (request.request_id, item_id) not in self._fallbacks_logged:
+        # once per request and item (a failing request is asked about again until vLLM
+        # takes it out)
+        if ((request.request_id, item_id) not in self._fallbacks_logged
+                and request.request_id not in self._unavailable):
             self.stats.inc("timeouts")
         self._on_unavailable(request, item_id, True,
                              f"promised as pending, not stored within "

@@ -119,6 +119,22 @@ def encoder_calls(client, url) -> float:
     return metric(client, url, "vllm:request_success_total")
 
 
+OVERLAPPED = 'epd_gateway_items_total{outcome="overlapped"}'
+
+
+def assert_overlapped(client, d, agg, seed: int) -> None:
+    """A new image goes to the decode instance while it is encoded, and the decode instance
+    loads it (not encodes it) and answers as aggregated vLLM does."""
+    image = sample_image_png(seed=seed)
+    ref, loads = ask(client, agg.url, image), metric(client, d["dec"], LOADS)
+    overlapped = metric(client, d["gw"], OVERLAPPED)
+    assert ask(client, d["gw"], image) == ref
+    assert metric(client, d["gw"], OVERLAPPED) == overlapped + 1
+    assert metric(client, d["gw"], FALLBACK) == 0
+    assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                    interval=0.1), "the decode instance did not load the embedding"
+
+
 def test_epd_up_mooncake_vllm_encoder(model, client, agg):
     with epd_up("vllm", config(model, VLLM_UP, VLLM_MC), client, agg) as d:
         image = sample_image_png(seed=701)
@@ -138,15 +154,7 @@ def test_epd_up_mooncake_vllm_encoder(model, client, agg):
         assert "availability=mooncake" in d["log"].read_text()
         # a new image: sent to the decode instance while encoded (overlap; the encoder was
         # seen to publish no placeholder metadata); it waits for the announcement, then pulls
-        image = sample_image_png(seed=702)
-        ref, loads = ask(client, agg.url, image), metric(client, d["dec"], LOADS)
-        overlapped = metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}')
-        assert ask(client, d["gw"], image) == ref
-        assert metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}') == \
-            overlapped + 1
-        assert metric(client, d["gw"], FALLBACK) == 0
-        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
-                        interval=0.1), "the decode instance did not load the embedding"
+        assert_overlapped(client, d, agg, seed=702)
 
 
 def test_epd_up_mooncake_encoder_pool(model, client, agg):
@@ -171,15 +179,7 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
         assert client.get(d["enc"] + "/v1/stats").json()["items_encoded"] == 1
         # a new image: sent to the decode instance while the pool encodes it (overlap); it
         # waits for the pool's announcement, then pulls from the pool
-        image = sample_image_png(seed=703)
-        ref, loads = ask(client, agg.url, image), metric(client, d["dec"], LOADS)
-        overlapped = metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}')
-        assert ask(client, d["gw"], image) == ref
-        assert metric(client, d["gw"], 'epd_gateway_items_total{outcome="overlapped"}') == \
-            overlapped + 1
-        assert metric(client, d["gw"], FALLBACK) == 0
-        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
-                        interval=0.1), "the decode instance did not load the embedding"
+        assert_overlapped(client, d, agg, seed=703)
 
 
 def test_epd_up_tiered_starts_the_store_master_first_and_stops_it(model, client, agg):

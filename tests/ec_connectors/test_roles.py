@@ -485,6 +485,18 @@ def test_a_pending_item_that_never_lands_is_encoded_locally_at_its_deadline(pair
     assert totals.get("timeouts") == 1 and totals.get("local_encode_fallbacks") == 1
 
 
+def test_a_metadata_only_pending_item_that_never_lands_fails_its_request_once(pair_factory):
+    cons = pair_factory("consumer", placeholders=MetadataOnlyItems(), load_timeout_s=0.2)
+    req = request("c1", "meta-img", params={"epd": {"items": {"meta-img": {"pending": True}}}})
+    assert not cons.sched.ensure_cache_available(req, 0)
+    time.sleep(0.3)
+    for _ in range(3):  # vLLM asks again each step until it takes the request out
+        assert not cons.sched.ensure_cache_available(req, 0), "scheduled without embedding"
+    assert cons.sched.take_unavailable_requests() == {"c1"}
+    totals = cons.sched.stats.totals
+    assert totals.get("timeouts") == 1 and totals.get("failed_requests") == 1
+
+
 def test_a_malformed_pending_flag_makes_the_params_ignored(pair_factory):
     cons = pair_factory("consumer")
     req = request("c1", "img", params={"epd": {"items": {"img": {"pending": "yes"}}}})
