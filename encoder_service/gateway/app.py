@@ -35,6 +35,7 @@ from encoder_service.gateway.availability import make_availability
 from encoder_service.gateway.config import AdminChange, GatewayConfig
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
 from encoder_service.gateway.encoder_clients import (
+    CoalescingClient,
     EncodeOutcome,
     EncoderClient,
     EncoderRouter,
@@ -188,9 +189,14 @@ class Gateway:
     def _encoder_client(self, url: str) -> EncoderClient:
         assert self.client is not None
         t = self.cfg.timeouts.encoder_s
-        if self.cfg.encoder_backend == "pool":
+        if self.cfg.encoder_backend == "pool":  # the pool batches across calls itself
             return PoolEncoderClient(url, self.client, t)
-        return VllmEncoderClient(url, self.cfg.model, self.client, t)
+        client = VllmEncoderClient(url, self.cfg.model, self.client, t)
+        r = self.cfg.routing
+        if r.coalesce_items <= 1:
+            return client
+        return CoalescingClient(client, r.coalesce_items, r.encoder_calls, t,
+                                self.metrics.encoder_call_items.observe)
 
     async def shutdown(self) -> None:
         if self.prober is not None:

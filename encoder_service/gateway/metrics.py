@@ -56,5 +56,9 @@ class GatewayMetrics:
         self.items_shared = self.items.labels("shared")  # another request's encode, shared
         # sent to the decode instance while being encoded (routing.overlap)
         self.items_overlapped = self.items.labels("overlapped")
+        self.encoder_call_items = Histogram(
+            "epd_gateway_encoder_call_items", "Items per call sent to an encoder (vLLM "
+            "encoders: concurrent requests' images share calls, routing.coalesce_items)",
+            buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)
