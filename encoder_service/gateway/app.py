@@ -191,11 +191,9 @@ class Gateway:
         t = self.cfg.timeouts.encoder_s
         if self.cfg.encoder_backend == "pool":  # the pool batches across calls itself
             return PoolEncoderClient(url, self.client, t)
-        client = VllmEncoderClient(url, self.cfg.model, self.client, t)
-        r = self.cfg.routing
-        if r.coalesce_items <= 1:
-            return client
-        return CoalescingClient(client, r.coalesce_items, r.encoder_calls, t,
+        r = self.cfg.routing  # coalesce_items 1: every request alone, still counted
+        return CoalescingClient(VllmEncoderClient(url, self.cfg.model, self.client, t),
+                                r.coalesce_items, r.encoder_calls, t,
                                 self.metrics.encoder_call_items.observe)
 
     async def shutdown(self) -> None:

@@ -254,6 +254,37 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
         gw2.stop()
 
 
+def test_concurrent_requests_new_images_share_calls_to_the_vllm_encoder(cluster):
+    """Twelve requests at once, each with an image nobody encoded: the gateway sends the
+    vLLM encoder fewer calls than requests (images that arrive while its calls are busy go
+    together, routing.coalesce_items), every image is encoded once, every answer is the
+    aggregated server's."""
+    c = cluster
+    images = [sample_image_png(seed=930 + i) for i in range(12)]
+    refs = [reference(c, im) for im in images]
+    calls = gw_metric(c, "epd_gateway_encoder_call_items_count")
+    items = gw_metric(c, "epd_gateway_encoder_call_items_sum")
+    saves = vllm_metric(c, ENC_URL, "vllm:epd_saves_total")
+    start = threading.Barrier(12)
+
+    def one(i: int) -> list[int]:
+        with httpx.Client(timeout=120) as client:
+            start.wait(timeout=30)
+            r = client.post(GW + "/v1/chat/completions",
+                            json=chat_body(MODEL_NAME, images[i], PROMPT, max_tokens=8))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(12) as pool:
+        assert list(pool.map(one, range(12))) == refs
+    assert gw_metric(c, "epd_gateway_encoder_call_items_sum") == items + 12
+    n_calls = gw_metric(c, "epd_gateway_encoder_call_items_count") - calls
+    print("12 new images, encoder calls:", n_calls)
+    assert 0 < n_calls < 12
+    assert wait_for(lambda: vllm_metric(c, ENC_URL, "vllm:epd_saves_total") == saves + 12,
+                    timeout=5)
+
+
 @pytest.fixture(scope="module")
 def second_decoder(cluster):
     """A second real decode instance on the same storage (started once, for the tests of

@@ -145,3 +145,12 @@ def test_the_router_over_a_coalescing_client_keeps_single_flight_and_retries():
     assert sorted(x for call in inner.calls for x in call) == ["a", "b", "c"]  # "a" once
     assert [set(o.hints) for o, _ in outs] == [{"a"}, {"b"}, {"a"}, {"c"}]
     assert all(not o.failed for o, _ in outs)
+
+
+def test_one_item_per_call_sends_every_request_alone_and_at_once():
+    inner = Recorder(delay_s=0.05)
+    client = CoalescingClient(inner, max_items=1, max_calls=1, timeout_s=5)
+    sizes: list[int] = []
+    client.on_call = sizes.append
+    asyncio.run(_gather(client, [[image("a")], [image("b")], [image("c")]]))
+    assert inner.calls == [["a"], ["b"], ["c"]] and inner.peak == 3 and sizes == [1, 1, 1]
