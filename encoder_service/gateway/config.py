@@ -121,7 +121,7 @@ class RoutingConfig(_Strict):
     coalesce_items: int = Field(8, ge=1, description="vLLM encoders: new images of "
                                 "concurrent requests share one call, up to this many items "
                                 "(a vLLM server's cost is per request: one core, tiny LLaVA, "
-                                "5.0 ms of CPU per image alone, 2.6 ms eight per call); "
+                                "5.0 ms of CPU per image alone, about 2.5 ms eight per call); "
                                 "1: one call per request")
     encoder_calls: int = Field(2, ge=1, description="coalescing calls in flight per vLLM "
                                "encoder; images that arrive while they all are go together "
