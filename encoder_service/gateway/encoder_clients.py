@@ -277,7 +277,7 @@ class EncodeOutcome:
     failed: list[str] = field(default_factory=list)
     retries: int = 0
     calls: int = 0
-    shared: int = 0  # items another request of this gateway was encoding (single flight)
+    shared: int = 0  # items another request of this gateway encoded for this one
     # (client, item ids it encoded) for clients that want `release` once the decode is done
     holders: list[tuple[Releasing, list[str]]] = field(default_factory=list)
     router: EncoderRouter | None = None
@@ -478,13 +478,15 @@ class EncoderRouter(Members):
             task = asyncio.ensure_future(self._encode_now(mine, request_id, outcome, errors))
             task.add_done_callback(lambda t: self._land(futures, t))
             waits.update(futures)
-        outcome.shared = len(waits) - len(mine)
         try:
             for item_id, fut in waits.items():
                 self._take(outcome, item_id, await asyncio.shield(fut))
         except asyncio.CancelledError:  # the client left: this request holds nothing
             self.unref(outcome.holders)
             raise
+        # shared: other requests' encodes this one used (one that failed is in `failed`)
+        mine_ids = {it.item_id for it in mine}
+        outcome.shared = sum(1 for i in waits if i not in mine_ids and i in outcome.hints)
         return outcome, errors
 
     def _land(self, futures: dict[str, asyncio.Future[_Result]], task: asyncio.Task) -> None:

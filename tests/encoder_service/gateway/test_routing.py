@@ -108,6 +108,9 @@ def test_a_shared_encode_that_fails_fails_for_everyone_and_a_cancelled_leader_st
 
     outs = asyncio.run(both(dead))
     assert all(o.failed == ["x"] for o, _ in outs)
+    # nothing was encoded for anyone: a follower counts no shared item (the gateway's
+    # "encoded" count, hints minus shared, went negative and failed the request)
+    assert [(len(o.hints), o.shared) for o, _ in outs] == [(0, 0)] * 3
 
     fleet = [Encoder(n, delay=0.2) for n in NAMES]
     router = affinity_router(fleet)
