@@ -370,6 +370,7 @@ class EncoderRouter(Members):
                                         reserved=attempt == 0)
             except EncoderFailed as exc:
                 errors.append(str(exc))
+                answered_5xx = exc.status is not None and exc.status >= 500
             else:
                 holder = client if isinstance(client, Releasing) else None
                 for it in items:
@@ -386,6 +387,12 @@ class EncoderRouter(Members):
                 outcome.retries += 1
                 client = others[0]
                 tried.add(client.name)
+            elif attempt == 0 and answered_5xx:
+                # No other encoder, but this one is up and answered an error: once more on
+                # it. vLLM answers 500 when its processor caches drift (the API server sent
+                # an item without data that EngineCore had evicted); it heals them before
+                # answering, and a retry with the data succeeds.
+                outcome.retries += 1
             else:
                 break
         for it in items:

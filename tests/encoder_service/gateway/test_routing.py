@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections import Counter
 
-from encoder_service.gateway.encoder_clients import EncoderRouter
+from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, bounded, rendezvous
 from tests.encoder_service.gateway.test_gateway import FakeEncoder
@@ -289,3 +289,30 @@ def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
         finally:
             g.stop()
             dec.stop()
+
+
+class FailsOnce:
+    """An encoder whose first call fails with `status` (None: it did not answer at all)."""
+
+    def __init__(self, status: int | None) -> None:
+        self.name = "only"
+        self.status = status
+        self.calls = 0
+
+    async def encode(self, items, request_id):
+        self.calls += 1
+        if self.calls == 1:
+            raise EncoderFailed(f"only: HTTP {self.status}", self.status)
+        return {it.item_id: {} for it in items}
+
+
+def test_a_lone_encoder_that_answered_a_5xx_is_asked_once_more_and_no_other_failure_is():
+    """vLLM answers 500 when its processor caches drift and heals them before answering:
+    with no other encoder to try, the same one gets the item once more. An encoder that did
+    not answer, or refused the item (4xx), is not asked again: the item goes raw."""
+    for status, calls, encoded in ((500, 2, True), (503, 2, True), (None, 1, False),
+                                   (400, 1, False)):
+        enc = FailsOnce(status)
+        out, errors = asyncio.run(EncoderRouter([enc]).encode([part("x")], "r"))
+        assert (enc.calls, "x" in out.hints, out.retries) == (calls, encoded, calls - 1)
+        assert out.failed == ([] if encoded else ["x"]) and len(errors) == 1
