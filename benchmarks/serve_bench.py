@@ -211,8 +211,9 @@ _STAND_IN_ANSWER = msgspec.json.encode({
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
 
-def serve_stand_in(port: int) -> None:
-    """A decode instance that answers every chat request at once (`--stand-in PORT`)."""
+def serve_stand_in(port: int, delay_s: float = 0.0) -> None:
+    """A decode instance that answers every chat request after `delay_s` (`--stand-in
+    PORT`)."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.responses import Response
@@ -220,6 +221,8 @@ def serve_stand_in(port: int) -> None:
 
     async def chat(request):
         await request.body()
+        if delay_s:
+            await asyncio.sleep(delay_s)
         return Response(_STAND_IN_ANSWER, media_type="application/json")
 
     async def ok(request):
@@ -230,9 +233,10 @@ def serve_stand_in(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="error")
 
 
-def isolated_overhead(work: Path, samples: int) -> dict:
+def isolated_overhead(work: Path, samples: int, delay_ms: float = 0.0) -> dict:
     """The gateway's own overhead: the gateway process and a stand-in decode instance that
-    answers at once, no vLLM beside them; the image is already available (a stored file)."""
+    answers after `delay_ms` (0: at once), no vLLM beside them; the image is already
+    available (a stored file)."""
     storage = work / "store-isolated"
     shutil.rmtree(storage, ignore_errors=True)
     cfg = GatewayConfig.build({"model": MODEL, "decoders": ["http://127.0.0.1:1"]})
@@ -241,7 +245,7 @@ def isolated_overhead(work: Path, samples: int) -> dict:
     path.parent.mkdir(parents=True)
     path.touch()
     port = PORT + 7
-    stand_in = StandIn("stand-in", port + 1, work).start()
+    stand_in = StandIn("stand-in", port + 1, work, delay_ms=delay_ms).start()
     gw = None
     try:
         stand_in.wait(30)
@@ -264,9 +268,11 @@ class StandIn(ManagedProcess):
     work_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    delay_ms: float = 0.0
 
     def command(self) -> list[str]:
-        return [sys.executable, __file__, "--stand-in", str(self.port)]
+        return [sys.executable, __file__, "--stand-in", str(self.port),
+                "--stand-in-delay-ms", str(self.delay_ms)]
 
 
 def format_overhead(o: dict) -> str:
@@ -373,6 +379,10 @@ def main() -> int:
                    help="only the gateway overhead against a stand-in decode instance that "
                    "answers at once (no vLLM)")
     p.add_argument("--stand-in", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    p.add_argument("--stand-in-delay-ms", type=float, default=0.0,
+                   help="--overhead-isolated: the stand-in answers after this long, as a "
+                   "real decode instance does (the gateway then sleeps between its two "
+                   "hops, and pays the machine's wake-up latency twice)")
     p.add_argument("--overhead-only", action="store_true",
                    help="only the gateway overhead (one EPD deployment, no load runs)")
     p.add_argument("--spec", choices=["tiny", "heavy", "qwen-vl", "qwen-omni"], default="tiny",
@@ -387,10 +397,11 @@ def main() -> int:
     spec = SPECS[a.spec]
     MODEL = spec.model_name
     if a.stand_in:
-        serve_stand_in(a.stand_in)
+        serve_stand_in(a.stand_in, a.stand_in_delay_ms / 1e3)
         return 0
     if a.overhead_isolated:
-        print(format_overhead(isolated_overhead(a.out, a.overhead_samples)))
+        print(format_overhead(isolated_overhead(a.out, a.overhead_samples,
+                                                a.stand_in_delay_ms)))
         return 0
     a.mix = parse_mix(a.mix or ",".join(f"{m}=1" for m in spec.modalities))
     qwen = spec.family != "llava"
