@@ -377,7 +377,7 @@ def main() -> int:
                    help="repetitions of the four runs, interleaved; the table shows medians")
     p.add_argument("--overhead-isolated", action="store_true",
                    help="only the gateway overhead against a stand-in decode instance that "
-                   "answers at once (no vLLM)")
+                   "answers at once or after --stand-in-delay-ms (no vLLM)")
     p.add_argument("--stand-in", type=int, metavar="PORT", help=argparse.SUPPRESS)
     p.add_argument("--stand-in-delay-ms", type=float, default=0.0,
                    help="--overhead-isolated: the stand-in answers after this long, as a "

@@ -107,13 +107,13 @@ class _Waiter:
     items: Sequence[MediaPart]
     request_id: str
     future: asyncio.Future[dict[str, Any]]
+    # what must match for two requests' items to share a call (None: never shares); set
+    # once, compared many times while the queue is drained
+    key: str | None = field(init=False)
 
-    @property
-    def key(self) -> str | None:
-        """What must match for two requests' items to share a call (None: never shares)."""
-        if any(it.modality != "image" for it in self.items):
-            return None
-        return json.dumps(self.items[0].kwargs, sort_keys=True, default=str)
+    def __post_init__(self) -> None:
+        self.key = None if any(it.modality != "image" for it in self.items) else json.dumps(
+            self.items[0].kwargs, sort_keys=True, default=str)
 
 
 _SPLIT_ON = frozenset({400, 413, 422})  # the encoder refused the content, not the call
