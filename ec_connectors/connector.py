@@ -154,6 +154,12 @@ class EPDConnector(ECConnectorBase):
         if self._sched is not None:
             self._sched.update_connector_output(connector_output.finished_sending)
 
+    def has_pending_push_work(self) -> bool:
+        """SCHEDULER, whenever the engine looks for work: True while workers still owe
+        reports (saves of items already encoded, stats that missed the last step), so the
+        engine steps once more and they reach the metrics now, not at the next request."""
+        return self._sched.has_pending_push_work() if self._sched else False
+
     def take_unavailable_requests(self) -> set[str]:
         """SCHEDULER, each step: requests to fail (only with on_unavailable=fail)."""
         return self._sched.take_unavailable_requests() if self._sched else set()

@@ -116,6 +116,8 @@ class EPDSchedulerSide:
                                        watch=transport.watch_keys, start=start_index,
                                        on_change=self._news.set)
         self._pending: dict[str, float] = {}  # consumer: pending item -> first asked for
+        # producer: items being encoded -> (worker ranks yet to report the save, deadline)
+        self._saving: dict[str, tuple[set[int], float]] = {}
         self._deferred_step = False  # a request was deferred in this step
         self._lock = threading.Lock()  # workers, endpoints, saved infos (control thread)
         self._workers: dict[int, bytes] = {}
@@ -163,13 +165,20 @@ class EPDSchedulerSide:
         if isinstance(msg, Staged):
             self._on_staged(msg)
             self._news.set()
-        elif isinstance(msg, Saved) and msg.ok and msg.info is not None:
-            self.index.add(msg.info.key)
+        elif isinstance(msg, Saved):
             with self._lock:
-                self._saved[msg.item_id] = msg.info
-                self._saved.move_to_end(msg.item_id)
-                while len(self._saved) > _MAX_SAVED_INFOS:
-                    self._saved.popitem(last=False)
+                waiting = self._saving.get(msg.item_id)
+                if waiting is not None:
+                    waiting[0].discard(msg.rank)
+                    if not waiting[0]:
+                        del self._saving[msg.item_id]
+                if msg.ok and msg.info is not None:
+                    self._saved[msg.item_id] = msg.info
+                    self._saved.move_to_end(msg.item_id)
+                    while len(self._saved) > _MAX_SAVED_INFOS:
+                        self._saved.popitem(last=False)
+            if msg.ok and msg.info is not None:
+                self.index.add(msg.info.key)
             self._news.set()
 
     def _on_staged(self, msg: Staged) -> None:
@@ -268,6 +277,7 @@ class EPDSchedulerSide:
             return False
         if self._stored(identifier):  # producer: already stored -> do not encode it again
             self.stats.inc("skipped_saves")
+            self._said_yes.add(identifier)  # not encoded, so no save to wait for
             if identifier not in self._renewed:  # promised again: workers keep it
                 self._renewed.add(identifier)
                 for peer in list(self._workers.values()):
@@ -448,6 +458,11 @@ class EPDSchedulerSide:
         num_embeds = request.get_num_encoder_embeds(index)
         if self.is_producer:
             self._req_items.setdefault(request.request_id, {})[item_id] = num_embeds
+            if item_id not in self._said_yes:  # vLLM encodes it this step; the save follows
+                deadline = (time.monotonic() + self.config.save_queue_timeout_s
+                            + self.config.load_timeout_s)
+                with self._lock:
+                    self._saving[item_id] = (set(self._workers), deadline)
         if self.is_consumer:
             self.engine_cache.allocated(item_id)
         if self.is_consumer and item_id in self._said_yes:
@@ -505,6 +520,24 @@ class EPDSchedulerSide:
         if self._pending:  # promises nobody asks about any more (their requests left)
             cutoff = now - 2 * self.config.load_timeout_s
             self._pending = {k: t for k, t in self._pending.items() if t > cutoff}
+
+    def has_pending_push_work(self) -> bool:
+        """Whether the engine should step once more although no request needs it. vLLM
+        publishes connector stats only with a step's output and an idle engine takes no
+        steps, so without this the last stats of a burst would wait for the next request:
+        - stats that arrived after this step took its own (a worker's report raced it);
+        - producer: saves of items vLLM encoded that the workers have not reported yet
+          (a report lost for good stops counting at save_queue_timeout_s + load_timeout_s).
+        The steps are empty and vLLM sleeps 1 ms between them; no wait of ours, which would
+        hold back a request arriving meanwhile."""
+        if self.stats.pending:
+            return True
+        if not self._saving:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            self._saving = {k: v for k, v in self._saving.items() if v[1] > now and v[0]}
+            return bool(self._saving)
 
     def update_connector_output(self, finished_saves: set[str] | None) -> None:
         # The control channel normally told us already; this is the vLLM-sanctioned path.

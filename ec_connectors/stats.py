@@ -126,6 +126,12 @@ class StatsRecorder:
             for k, v in data.get("counters", {}).items():
                 self.totals[k] = self.totals.get(k, 0) + v
 
+    @property
+    def pending(self) -> bool:
+        """Stats recorded since the last `take()`."""
+        with self._lock:
+            return not self._stats.is_empty()
+
     def take(self) -> EPDStats | None:
         with self._lock:
             if self._stats.is_empty():

@@ -535,3 +535,41 @@ def test_an_idle_step_waits_for_news_and_no_longer(pair_factory, monkeypatch):
         saver.join()
     cons.step_until_ready(req)
     assert torch.equal(cons.schedule(req)[1]["img"], x)
+
+
+def test_a_producer_asks_for_steps_until_its_saves_are_published(pair_factory):
+    """vLLM publishes connector stats only with a step's output, and an idle engine takes no
+    steps: while a worker still writes an item encoded in a step already run, or its report
+    came after the step took the stats, the scheduler side asks for one more step
+    (has_pending_push_work). An item it did not encode (already stored) is not waited for;
+    a report that never comes stops counting at its deadline."""
+    prod = pair_factory("producer", save_queue_timeout_s=0.2, load_timeout_s=0.2)
+    sched = prod.sched
+
+    def publish() -> dict:  # what vLLM does at the end of each step
+        stats = sched.stats.take()
+        return stats.data["counters"] if stats is not None else {}
+
+    assert not sched.has_pending_push_work()
+    assert not sched.has_cache_item("img")
+    sched.update_state_after_alloc(request("p1", "img"), 0)
+    publish()
+    assert sched.has_pending_push_work()  # encoded this step, not written yet
+    t = time.monotonic()
+    sched.build_connector_meta(idle=True)
+    assert time.monotonic() - t < 0.25  # vLLM's own 1 ms sleep paces these steps, not us
+    prod.worker.save("img", torch.randn(NUM_EMBEDS, 8))
+    wait_until(lambda: sched.stats.totals.get("saves") == 1)  # the worker reported
+    assert sched.has_pending_push_work()  # ...after the last step took its stats
+    assert publish().get("saves") == 1
+    assert not sched.has_pending_push_work()
+
+    wait_until(lambda: sched.has_cache_item("img"))  # stored: vLLM will not encode it
+    sched.update_state_after_alloc(request("p2", "img"), 0)
+    publish()
+    assert not sched.has_pending_push_work()
+
+    assert not sched.has_cache_item("lost")
+    sched.update_state_after_alloc(request("p3", "lost"), 0)  # its save never reported
+    assert sched.has_pending_push_work()
+    wait_until(lambda: not sched.has_pending_push_work(), timeout=2.0)
