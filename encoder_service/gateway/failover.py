@@ -166,6 +166,12 @@ def generate_request(rendered: Any, sent_body: dict[str, Any], sent: StreamTrack
     req = dict(rendered)
     req["token_ids"] = sent.prompt_ids + sent.token_ids
     params = dict(req.get("sampling_params") or {})
+    # vLLM's render leaves out fields equal to SamplingParams' defaults: a client's
+    # max_tokens of exactly 16 would be lost, and /generate would then run to the model's
+    # length. The client's own limit is the one to keep.
+    asked = sent_body.get("max_completion_tokens", sent_body.get("max_tokens"))
+    if isinstance(asked, int) and not isinstance(asked, bool):
+        params["max_tokens"] = asked
     if isinstance(params.get("max_tokens"), int):
         params["max_tokens"] -= len(sent.token_ids)
         if params["max_tokens"] <= 0:

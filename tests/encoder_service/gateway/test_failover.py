@@ -105,6 +105,12 @@ def test_the_token_in_continuation_starts_from_the_same_prompt_and_the_tokens_se
     # another prompt (a template rendering differently): not continued this way
     assert generate_request({**rendered, "token_ids": [1, 2, 4]}, sent, t) is None
     assert generate_request([rendered], sent, t) is not None  # vLLM may answer a list
+    # render leaves out a max_tokens equal to vLLM's default (16): the client's limit holds
+    omitted = {**rendered, "sampling_params": {"temperature": 0.0}}
+    assert generate_request(omitted, {**sent, "max_tokens": 16}, t)["sampling_params"][
+        "max_tokens"] == 14
+    assert generate_request(omitted, {**sent, "max_completion_tokens": 16}, t)[
+        "sampling_params"]["max_tokens"] == 14
     out = GenerateToChat("chatcmpl-a", "m").feed(
         b'data: {"request_id": "g", "choices": [{"index": 0, "text": "!", "token_ids": [9],'
         b' "finish_reason": null}]}\n\ndata: {"choi' )
