@@ -166,19 +166,20 @@ class EPDSchedulerSide:
             self._on_staged(msg)
             self._news.set()
         elif isinstance(msg, Saved):
+            info = msg.info if msg.ok else None
             with self._lock:
                 waiting = self._saving.get(msg.item_id)
                 if waiting is not None:
                     waiting[0].discard(msg.rank)
                     if not waiting[0]:
                         del self._saving[msg.item_id]
-                if msg.ok and msg.info is not None:
-                    self._saved[msg.item_id] = msg.info
+                if info is not None:
+                    self._saved[msg.item_id] = info
                     self._saved.move_to_end(msg.item_id)
                     while len(self._saved) > _MAX_SAVED_INFOS:
                         self._saved.popitem(last=False)
-            if msg.ok and msg.info is not None:
-                self.index.add(msg.info.key)
+            if info is not None:
+                self.index.add(info.key)
             self._news.set()
 
     def _on_staged(self, msg: Staged) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence, Set
@@ -107,13 +106,13 @@ class _Waiter:
     items: Sequence[MediaPart]
     request_id: str
     future: asyncio.Future[dict[str, Any]]
-    # what must match for two requests' items to share a call (None: never shares); set
-    # once, compared many times while the queue is drained
-    key: str | None = field(init=False)
+    # what must match for two requests' items to share a call (None: never shares): the
+    # request's canonical settings, which its items' ids already cover
+    key: bytes | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.key = None if any(it.modality != "image" for it in self.items) else json.dumps(
-            self.items[0].kwargs, sort_keys=True, default=str)
+        self.key = (None if any(it.modality != "image" for it in self.items)
+                    else self.items[0].settings)
 
 
 _SPLIT_ON = frozenset({400, 413, 422})  # the encoder refused the content, not the call

@@ -47,6 +47,7 @@ class MediaPart:
     nbytes: int
     part: dict[str, Any]
     kwargs: dict[str, Any] = field(default_factory=dict)  # the request's _KWARGS_FIELDS
+    settings: bytes = b""  # their canonical bytes (in the id; equal settings, equal bytes)
 
 
 @dataclass
@@ -105,6 +106,11 @@ def _check(modality: str, data: bytes, frames: list[bytes] | None,
         check_audio(data, cfg.limits)
 
 
+def canonical_settings(kwargs: dict[str, Any]) -> bytes:
+    """The canonical bytes of a request's settings (b"" for none)."""
+    return msgspec.json.encode(kwargs, order="sorted") if kwargs else b""
+
+
 def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """The request's embedding-changing settings, and their canonical bytes for the id."""
     kwargs = {}
@@ -116,9 +122,7 @@ def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
             raise GatewayError(400, f"{name} must be an object", "bad_kwargs")
         if value:
             kwargs[name] = value
-    if not kwargs:
-        return {}, b""
-    canonical = msgspec.json.encode(kwargs, order="sorted")
+    canonical = canonical_settings(kwargs)
     if len(canonical) > _MAX_KWARGS_BYTES:
         raise GatewayError(413, f"{' and '.join(kwargs)} are larger than "
                            f"{_MAX_KWARGS_BYTES} bytes", "kwargs_too_large")
@@ -223,7 +227,8 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,
                 _validated.add(verdict)
             part["uuid"] = item_id
             if item_id not in items:
-                items[item_id] = MediaPart(item_id, modality, len(data), part, kwargs)
+                items[item_id] = MediaPart(item_id, modality, len(data), part, kwargs,
+                                           settings)
     return PreparedRequest(body=body, items=list(items.values()),
                            stream=body.get("stream") is True)
 

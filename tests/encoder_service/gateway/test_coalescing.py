@@ -14,7 +14,7 @@ from encoder_service.gateway.encoder_clients import (
     EncoderFailed,
     EncoderRouter,
 )
-from encoder_service.gateway.parsing import MediaPart
+from encoder_service.gateway.parsing import MediaPart, canonical_settings
 
 
 class Recorder:
@@ -44,7 +44,8 @@ class Recorder:
 
 
 def image(i: str, **kwargs) -> MediaPart:
-    return MediaPart(i, "image", 10, {"type": "image_url", "uuid": i}, kwargs)
+    return MediaPart(i, "image", 10, {"type": "image_url", "uuid": i}, kwargs,
+                     canonical_settings(kwargs))
 
 
 async def _gather(client, groups, stagger_s=0.005):
