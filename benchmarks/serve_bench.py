@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -126,6 +127,69 @@ class GatewayProcess:
         self.log.close()
 
 
+class CpuMeter:
+    """CPU time per request of each server (its process tree: for a vLLM server the API
+    server, `api`, and EngineCore, the rest) and each core's busy share, over the measured
+    run. Where a deployment's req/s comes from: a core at 1.00 is the bound, and the ms per
+    request on it say whose work fills it."""
+
+    def __init__(self, servers: dict[str, int]) -> None:
+        self.servers = servers  # name -> root pid
+
+    @staticmethod
+    def _tree(pid: int) -> tuple[float, float]:
+        """(root, children) CPU seconds of a process tree (children gone: not counted)."""
+        root = psutil.Process(pid)
+        kids = 0.0
+        for ch in root.children(recursive=True):
+            try:
+                t = ch.cpu_times()
+                kids += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        t = root.cpu_times()
+        return t.user + t.system, kids
+
+    def _snap(self) -> tuple[dict[str, tuple[float, float]], list]:
+        return ({n: self._tree(p) for n, p in self.servers.items()},
+                psutil.cpu_times(percpu=True))
+
+    def start(self) -> None:
+        self.t0 = self._snap()
+
+    def stop(self, requests: int) -> dict[str, float]:
+        """Flat numbers (medians are taken over repetitions): `cpu_ms_<server>` and
+        `cpu_ms_<server>_api` per request, `busy_core<i>`."""
+        (s0, c0), (s1, c1) = self.t0, self._snap()
+        out: dict[str, float] = {}
+        for name in self.servers:
+            (r0, k0), (r1, k1) = s0[name], s1[name]
+            out[f"cpu_ms_{name}"] = round(((r1 - r0) + (k1 - k0)) * 1e3 / requests, 2)
+            if k1 - k0 > 0:
+                out[f"cpu_ms_{name}_api"] = round((r1 - r0) * 1e3 / requests, 2)
+        for i, (a, b) in enumerate(zip(c0, c1, strict=True)):
+            total = sum(b) - sum(a)
+            idle = (b.idle + getattr(b, "iowait", 0)) - (a.idle + getattr(a, "iowait", 0))
+            out[f"busy_core{i}"] = round(1 - idle / total, 2) if total > 0 else 0.0
+        return out
+
+
+def format_cpu(results: dict[str, dict]) -> str:
+    """One line per deployment: CPU ms per request per server, each core's busy share."""
+    lines = ["CPU per request (ms; vLLM servers: API server + EngineCore) and core busy share"]
+    for label, s in results.items():
+        servers = sorted({k[7:].removesuffix("_api") for k in s if k.startswith("cpu_ms_")})
+        parts = []
+        for name in servers:
+            api = s.get(f"cpu_ms_{name}_api")
+            total = s[f"cpu_ms_{name}"]
+            parts.append(f"{name} {total:.2f}" + ("" if api is None else
+                                                 f" ({api:.2f} + {total - api:.2f})"))
+        busy = " / ".join(f"{s[k]:.2f}" for k in sorted(s) if k.startswith("busy_core"))
+        lines.append(f"  {label}: {', '.join(parts)}; cores busy {busy}")
+    return "\n".join(lines)
+
+
 def warm(url: str, n: int = 4) -> None:
     with httpx.Client(timeout=120) as c:
         for i in range(n):
@@ -135,7 +199,7 @@ def warm(url: str, n: int = 4) -> None:
             r.raise_for_status()
 
 
-def bench(url: str, label: str, a: argparse.Namespace):
+def bench(url: str, label: str, a: argparse.Namespace, meter: CpuMeter | None = None):
     warm(url)
     # A burst at the measured concurrency first (other images): the first batches of each
     # shape cost a fresh server far more (oneDNN primitives), whichever deployment runs first.
@@ -146,7 +210,11 @@ def bench(url: str, label: str, a: argparse.Namespace):
     spec = BenchSpec(url=url, model=MODEL, num_requests=a.num_requests,
                      concurrency=a.concurrency, reuse=a.reuse, max_tokens=a.max_tokens,
                      label=label, mix=a.mix)
+    if meter is not None:
+        meter.start()
     res = asyncio.run(run_bench(spec, progress=True))
+    if meter is not None:
+        res.summary.update(meter.stop(a.num_requests))
     say(f"{label}: {res.summary['req_per_s']:.2f} req/s, "
         f"TTFT p50 {res.summary['ttft_ms_p50']:.1f} ms, errors {res.summary['errors']}")
     return res
@@ -343,7 +411,9 @@ def epd_run(model: Path, work: Path, label: str, make_cfg, availability: bool,
             config["encoder_backend"] = "pool"
         gw = GatewayProcess(port, [enc.url], [dec.url], storage if availability else None,
                             work / "logs" / f"gateway-{port}.log", config=config or None)
-        res = bench(gw.url, label, a)
+        res = bench(gw.url, label, a, CpuMeter({"encoder": enc.proc.pid,
+                                                "decode": dec.proc.pid,
+                                                "gateway": gw.proc.pid}))
         time.sleep(1.5)  # vLLM publishes connector stats with its next metrics update
         stages = stage_means(gw.url, [enc, dec])
         say(f"{label}: mean ms per stage: {json.dumps(stages)}")
@@ -422,7 +492,8 @@ def main() -> int:
         agg = VllmServer("aggregated", model, PORT, work, None, served_name=MODEL)
         start_all([agg], progress=say)
         try:
-            results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a)
+            results["aggregated vLLM"] = bench(agg.url, "aggregated vLLM", a,
+                                               CpuMeter({"aggregated": agg.proc.pid}))
         finally:
             agg.stop()
         say(f"{tag}2/4 EPD through the gateway (EPDConnector, safetensors; vLLM encoder core 0, "
@@ -441,9 +512,11 @@ def main() -> int:
         runs.append(results)
         if a.repeat > 1:
             print(format_table({k: v.summary for k, v in results.items()}))
+            print(format_cpu({k: v.summary for k, v in results.items()}))
     labels = list(runs[0])
-    keys = [k for k, v in runs[0][labels[0]].summary.items() if isinstance(v, int | float)]
-    summaries = {label: {k: statistics.median(r[label].summary[k] for r in runs) for k in keys}
+    summaries = {label: {k: statistics.median(r[label].summary[k] for r in runs)
+                         for k, v in runs[0][label].summary.items()
+                         if isinstance(v, int | float)}
                  for label in labels}
     print()
     mix = ", ".join(f"{k} {v:g}" for k, v in a.mix.items())
@@ -451,6 +524,7 @@ def main() -> int:
           f"items {mix}, {a.max_tokens} output tokens, {spec.model_name} on CPU"
           + (f"; medians of {a.repeat} interleaved repetitions" if a.repeat > 1 else ""))
     print(format_table(summaries))
+    print(format_cpu(summaries))
     ex, agg_s = summaries["EPD ECExampleConnector"], summaries["aggregated vLLM"]
     for label in ("EPD gateway", POOL):
         ours = summaries[label]
