@@ -514,7 +514,8 @@ def main() -> int:
             print(format_table({k: v.summary for k, v in results.items()}))
             print(format_cpu({k: v.summary for k, v in results.items()}))
     labels = list(runs[0])
-    summaries = {label: {k: statistics.median(r[label].summary[k] for r in runs)
+    summaries = {label: {k: statistics.median(r[label].summary[k] for r in runs
+                                              if k in r[label].summary)
                          for k, v in runs[0][label].summary.items()
                          if isinstance(v, int | float)}
                  for label in labels}
