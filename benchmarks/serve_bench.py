@@ -178,7 +178,8 @@ def format_cpu(results: dict[str, dict]) -> str:
     """One line per deployment: CPU ms per request per server, each core's busy share."""
     lines = ["CPU per request (ms; vLLM servers: API server + EngineCore) and core busy share"]
     for label, s in results.items():
-        servers = sorted({k[7:].removesuffix("_api") for k in s if k.startswith("cpu_ms_")})
+        servers = sorted({k.removeprefix("cpu_ms_").removesuffix("_api")
+                          for k in s if k.startswith("cpu_ms_")})
         parts = []
         for name in servers:
             api = s.get(f"cpu_ms_{name}_api")
