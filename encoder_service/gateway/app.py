@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -44,11 +44,8 @@ from encoder_service.gateway.encoder_clients import (
 )
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.failover import (
-    GenerateToChat,
+    ResumeMismatch,
     StreamTracker,
-    continuation,
-    exact_resume,
-    generate_request,
     upstream_body,
 )
 from encoder_service.gateway.metrics import GatewayMetrics
@@ -58,6 +55,7 @@ from encoder_service.gateway.parsing import (
     prepare_chat,
 )
 from encoder_service.gateway.probes import Prober
+from encoder_service.gateway.resume import Resumer
 from encoder_service.gateway.routing import Chooser
 from encoder_service.gateway.urls import fetch_media
 
@@ -158,6 +156,7 @@ class Gateway:
                                     chooser=Chooser(r.encoders, r.load_factor),
                                     single_flight=r.single_flight)
         self.decoders = DecodePool(self.cfg)
+        self.resumer = Resumer(self.decoders, self.cfg.model, self.cfg.timeouts.decode_s)
         await self.decoders.start()
         if r.probe_interval_s > 0:
             self.prober = Prober(self.client, self.cfg.model, r.probe_interval_s,
@@ -308,7 +307,7 @@ class Gateway:
                 resume = None
                 if self.cfg.routing.failover:
                     def resume(tracker, failed_url):  # noqa: E306 - the answer's own
-                        return self._resume(sent, tracker, failed_url, rid)
+                        return self.resumer.resume(sent, tracker, failed_url, rid)
                 await self._relay(up, scope, receive, send, rid, t0, "chat", prepared.stream,
                                   info, watch, on_first=release, resume=resume,
                                   wants_ids=wants_ids)
@@ -461,89 +460,6 @@ class Gateway:
             m.items_metadata_only.inc(n_meta)
         return up, info, body
 
-    async def _resume(self, sent: dict[str, Any], tracker: StreamTracker | None,
-                      failed_url: str, rid: str
-                      ) -> tuple[Upstream, AsyncIterator[bytes], bytes] | None:
-        """Another decode instance continuing the answer `tracker` saw break off at
-        `failed_url`, when it continues it exactly (failover.py): the upstream, its chunk
-        iterator and its first bytes (already read); None when not. `tracker` None: a
-        non-streamed answer, asked again whole."""
-        assert self.decoders is not None
-        self.decoders.cool_down(failed_url)
-        if tracker is not None:
-            by_tokens = await self._resume_tokens(sent, tracker, failed_url, rid)
-            if by_tokens is not None:
-                return by_tokens
-        body = sent if tracker is None else continuation(sent, tracker)
-        up = None if body is None else await self._open_elsewhere(
-            "/v1/chat/completions", body, rid, failed_url)
-        if up is None:
-            return None
-        if tracker is None:  # a whole answer, asked again
-            return up, up.chunks(), b""
-        chunks = up.chunks().__aiter__()
-        head = b""
-        try:
-            while b"prompt_token_ids" not in head and len(head) < (1 << 24):
-                head += await asyncio.wait_for(chunks.__anext__(), self.cfg.timeouts.decode_s)
-        except (StopAsyncIteration, UpstreamError, asyncio.TimeoutError):
-            await up.release()
-            return None
-        if not exact_resume(head, tracker):
-            await up.release()
-            return None
-        return up, chunks, head
-
-    async def _open_elsewhere(self, path: str, body: dict[str, Any], rid: str,
-                              failed_url: str) -> Upstream | None:
-        """`body` to `path` on a decode instance other than `failed_url`: the answer once it
-        began with a 200, else None (released)."""
-        assert self.decoders is not None
-        try:
-            up = await self.decoders.open("POST", path, _json_encode(body), f"{rid}-resume",
-                                          exclude={failed_url})
-        except GatewayError:
-            return None
-        if up.status_code != 200:
-            await up.release()
-            return None
-        return up
-
-    async def _resume_tokens(self, sent: dict[str, Any], tracker: StreamTracker,
-                             failed_url: str, rid: str
-                             ) -> tuple[Upstream, AsyncIterator[bytes], bytes] | None:
-        """The token-in continuation (failover.py): render the chat request on another
-        instance, check the prompt, generate from it plus the tokens sent. None when an
-        instance does not serve the token-in API or the prompt differs."""
-        assert self.decoders is not None and self.client is not None
-        if not tracker.continuable or tracker.finished or not tracker.token_ids:
-            return None
-        targets = self.decoders.order(None, exclude={failed_url})
-        if not targets:
-            return None
-        render = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
-        try:
-            r = await self.client.post(targets[0] + "/v1/chat/completions/render",
-                                       content=_json_encode(render),
-                                       headers={"content-type": "application/json"})
-            rendered = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return None
-        req = generate_request(rendered, sent, tracker) if rendered is not None else None
-        up = None if req is None else await self._open_elsewhere(
-            "/inference/v1/generate", req, rid, failed_url)
-        if up is None:
-            return None
-        to_chat = GenerateToChat(tracker.stream_id, str(sent.get("model", self.cfg.model)))
-
-        async def chunks() -> AsyncIterator[bytes]:
-            async for chunk in up.chunks():
-                out = to_chat.feed(chunk)
-                if out:
-                    yield out
-
-        return up, chunks(), b""
-
     def _placeholders(self, hints: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Placeholder metadata of the hinted items (from this request's encoders, else
         remembered from an earlier encode); `hints` keep only what decode instances read."""
@@ -644,7 +560,7 @@ class Gateway:
                         watch.finish()
                         await send({"type": "http.response.body", "body": b""})
                         break
-                    except UpstreamError as exc:
+                    except (UpstreamError, ResumeMismatch) as exc:
                         m.upstream_errors.labels("decode").inc()
                         again = (await resume(tracker, up.url)
                                  if tracker is not None and "failover" not in info else None)
@@ -655,8 +571,7 @@ class Gateway:
                                            exc, again[0].url, len(tracker.token_ids))
                             await up.release()
                             up, chunks, head = again
-                            info["failover"] = up.url
-                            tracker.resume()
+                            info["failover"] = up.url  # the resumer set the tracker
                             data = tracker.feed(head)
                             if data:
                                 await send({"type": "http.response.body", "body": data,

@@ -1,27 +1,40 @@
-"""Mid-stream failover of a streamed chat answer: when the decode instance dies after the
-first token, another instance continues the same answer and the client sees one stream.
+"""Mid-stream failover of a streamed chat answer, the pure half: when the decode instance dies
+after the first token, another instance continues the same answer and the client sees one
+stream, token for token and character for character what it would have seen without the
+failure, or an error event after a correct prefix. Never a wrong token. (The I/O half, which
+opens the continuation on another instance, is `resume.py`.)
 
-How: the gateway asks the decode instance for token ids (vLLM's `return_token_ids`) and
-follows the stream event by event (`StreamTracker`): the prompt's token ids, and the text and
-token ids the client has been sent. On a break, another instance continues token for token
-through vLLM's token-in API when it serves it (`--enable-scale-out`, which `epd up` gives
-decode instances): `/v1/chat/completions/render` of the same chat request must give exactly
-the first prompt, then `/inference/v1/generate` runs on that prompt plus the tokens sent, and
-its text stream is turned back into chat chunks (`GenerateToChat`). Otherwise it asks for the
-begun assistant message to be continued (`continue_final_message`, the text so far,
-`max_tokens` less what was sent) and checks that the prompt that instance built is exactly
-the first prompt followed by the tokens already sent. Either way greedy decoding then
-continues as the lost instance would have, with no token repeated or missing. When neither
-path can prove that (the chat template or the tokenizer renders the begun message differently,
-no token-in API), or the request cannot be continued (several choices, tool calls, logprobs),
-the stream ends with an error event, as without failover: never a wrong token. A
+The gateway asks the decode instance for token ids (vLLM's `return_token_ids`) and follows
+the stream event by event (`StreamTracker`): the prompt's ids, and the text and ids the client
+has been sent. On a break a continuation is opened on another instance from a *cut*: a point
+of the answer at which the continuation is known to go on exactly as the lost instance would
+have. Whatever the continuation produces again before the point the client reached is checked
+against what the client got, ids and text, and dropped (`Skip`); a difference ends the stream
+with an error event instead.
+
+Two kinds of continuation (`plan`):
+- **token-in** (vLLM's `/v1/chat/completions/render` + `/inference/v1/generate`, served by
+  instances started with `--enable-scale-out`): the first prompt plus the tokens sent up to
+  the last *clean* cut, generated on from there. A cut is clean where the stream had just
+  emitted a one-token chunk with text: vLLM's detokenizer (tokenizers' `DecodeStream`) holds no
+  bytes back there. At any other point (inside a multi-byte character, after skipped special
+  tokens) a detokenizer primed with prompt + tokens starts with no prefix and emits the whole
+  prompt as new text: measured on tiny LLaVA with `ignore_eos`, 45 of 159 cut points. Only
+  for requests whose next tokens do not depend on which tokens are "output" and which
+  "prompt" (`TOKEN_IN_KEYS`): greedy, or unseeded sampling cut exactly where the client is.
+- **replay**: the same chat request again, from its first token, for a deterministic request
+  (greedy, or a `seed`): everything that depends on the output so far (presence and frequency
+  penalties, stop strings, structured outputs, the seeded generator, usage) is then the same
+  as on the lost instance. It costs the tokens sent generated again.
+Requests that are neither (several choices, logprobs, tool calls, unseeded sampling cut
+elsewhere) are not continued: the stream ends with an error event, as without failover. A
 non-streamed answer that breaks off is simply asked again elsewhere (the client has seen
 nothing). Token ids the client did not ask for are removed from what it gets.
 """
 
 from __future__ import annotations
 
-import copy
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,29 +42,57 @@ import msgspec
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 
+# Top-level chat request keys a token-in continuation keeps exact, as long as their values
+# are neutral where noted in `_token_in_refusal`: sampling is per step (temperature, top_*,
+# min_p, logit_bias, allowed_token_ids), the repetition penalty counts prompt and output
+# tokens alike (vLLM: prompt_mask | output_mask), min/max tokens are counted down from the
+# cut, and EOS handling is the same at every step. Anything else (presence/frequency
+# penalties, stop strings, bad words, structured outputs, tools, logprobs, echo, n, usage, a
+# prompt truncation) depends on what counts as output, or shapes the stream: replay instead.
+TOKEN_IN_KEYS = frozenset({
+    "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logit_bias",
+    "allowed_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "return_token_ids", "ec_transfer_params", "user",
+    "add_generation_prompt", "continue_final_message", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "priority", "request_id", "cache_salt",
+    "logprobs", "top_logprobs", "parallel_tool_calls", "tool_choice", "n",
+})
+
 
 class StreamTracker:
     """Follows a chat completion stream (SSE bytes in, SSE bytes out): what was sent.
-    `resume()` switches it to a continuation's stream: its role chunk is dropped (the client
-    had one) and its chunks carry the first stream's id."""
+    `resume(skip)` switches it to a continuation's stream: what the continuation produces
+    again is checked and dropped (`skip`), its role chunk is dropped (the client had one) and
+    its chunks carry the first stream's id."""
 
     def __init__(self, client_wants_ids: bool) -> None:
         self.client_wants_ids = client_wants_ids
         self.text: list[str] = []
+        self.text_len = 0
         self.token_ids: list[int] = []
         self.finished = False  # a finish_reason or [DONE] passed
         self.continuable = True  # one plain-text choice so far
         self.stream_id: str | None = None
         self.prompt_ids: list[int] | None = None  # the first stream's prompt
+        self.clean = Cut(0, 0)  # the last clean cut (see the module docstring)
+        self._skip: Skip | None = None
         self._resumed = False
         self._pending = b""
 
-    def resume(self) -> None:
+    def resume(self, skip: Skip | None = None) -> None:
         self._resumed = True
+        self._skip = skip
         self._pending = b""
 
+    @property
+    def sent_text(self) -> str:
+        return "".join(self.text)
+
     def feed(self, chunk: bytes) -> bytes:
-        """The part of `chunk` to send on (whole events only; a partial one waits)."""
+        """The part of `chunk` to send on (whole events only; a partial one waits). Raises
+        `ResumeMismatch` when a continuation's repeated part differs from what was sent."""
         data = self._pending + chunk
         *events, self._pending = data.split(b"\n\n")
         out = [self._event(e) for e in events]
@@ -61,6 +102,8 @@ class StreamTracker:
         if not event.startswith(b"data: "):
             return event
         if event.startswith(b"data: [DONE]"):
+            if self._skip is not None and not self._skip.done:
+                raise ResumeMismatch("the continuation ended before the point the client saw")
             self.finished = True
             return event
         try:
@@ -74,18 +117,26 @@ class StreamTracker:
         choices = body.get("choices") or []
         if len(choices) > 1:
             self.continuable = False
+        if self._skip is not None and choices and not self._skip.done:
+            if not self._skip.take(choices[0]):
+                return b""  # all of it was sent before
+            changed = True
         role_only = bool(choices)
         for choice in choices:
             delta = choice.get("delta") or {}
             if set(delta) - {"role", "content"} or choice.get("logprobs"):
                 self.continuable = False  # tool calls, reasoning, logprobs: not continued
-            if delta.get("content"):
-                self.text.append(delta["content"])
-            self.token_ids.extend(choice.get("token_ids") or ())
+            ids = choice.get("token_ids") or ()
+            content = delta.get("content")
+            if content:
+                self.text.append(content)
+                self.text_len += len(content)
+            self.token_ids.extend(ids)
+            if len(ids) == 1 and content:  # the detokenizer holds nothing back here
+                self.clean = Cut(len(self.token_ids), self.text_len)
             if choice.get("finish_reason"):
                 self.finished = True
-            if (delta.get("content") or choice.get("token_ids") or choice.get("finish_reason")
-                    or "role" not in delta):
+            if content or ids or choice.get("finish_reason") or "role" not in delta:
                 role_only = False
             if not self.client_wants_ids and choice.pop("token_ids", None) is not None:
                 changed = True
@@ -104,85 +155,159 @@ class StreamTracker:
         return b"data: " + _encode(body) if changed else event
 
 
+@dataclass(frozen=True)
+class Cut:
+    """A point of the answer: `ids` tokens and `chars` characters of text sent."""
+
+    ids: int
+    chars: int
+
+
+class ResumeMismatch(Exception):
+    """A continuation produced again something other than what the client was sent."""
+
+
+class Skip:
+    """What a continuation produces again before the point the client reached: the token ids
+    and text it must repeat exactly, dropped from what the client gets."""
+
+    def __init__(self, ids: list[int], text: str) -> None:
+        self.ids, self.text = ids, text
+        self._i = self._t = 0
+
+    @property
+    def done(self) -> bool:
+        return self._i == len(self.ids) and self._t == len(self.text)
+
+    def take(self, choice: dict[str, Any]) -> bool:
+        """Drops the repeated part of `choice` in place (after checking it); True when
+        something of it is new."""
+        ids = list(choice.get("token_ids") or ())
+        n = min(len(ids), len(self.ids) - self._i)
+        if ids[:n] != self.ids[self._i:self._i + n]:
+            raise ResumeMismatch("the continuation repeated other tokens than those sent")
+        self._i += n
+        delta = choice.get("delta") or {}
+        content = delta.get("content") or ""
+        m = min(len(content), len(self.text) - self._t)
+        if content[:m] != self.text[self._t:self._t + m]:
+            raise ResumeMismatch("the continuation repeated other text than was sent")
+        self._t += m
+        if choice.get("finish_reason") and not self.done:
+            raise ResumeMismatch("the continuation ended before the point the client saw")
+        if n == len(ids) and m == len(content) and not choice.get("finish_reason"):
+            return False
+        if "token_ids" in choice:
+            choice["token_ids"] = ids[n:]
+        if content:
+            delta["content"] = content[m:]
+        return True
+
+
 def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
     """The body to send upstream for a streamed chat request: token ids on (the tracker
     removes them again from what a client that did not ask gets)."""
     return body if body.get("return_token_ids") is True else {**body, "return_token_ids": True}
 
 
-def continuation(body: dict[str, Any], sent: StreamTracker) -> dict[str, Any] | None:
-    """The request that continues the answer `sent` began (None: it cannot be continued)."""
-    if (not sent.continuable or sent.finished or not sent.token_ids or sent.prompt_ids is None
-            or body.get("n", 1) != 1):
-        return None
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    cont = copy.copy(body)
-    cont["messages"] = [*messages, {"role": "assistant", "content": "".join(sent.text)}]
-    cont["continue_final_message"] = True
-    cont["add_generation_prompt"] = False
-    cont["return_token_ids"] = True
-    for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int):
-            left = body[key] - len(sent.token_ids)
-            if left <= 0:
-                return None
-            cont[key] = left
-    if isinstance(body.get("min_tokens"), int):
-        cont["min_tokens"] = max(0, body["min_tokens"] - len(sent.token_ids))
-    return cont
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def exact_resume(first_events: bytes, sent: StreamTracker) -> bool:
-    """Is the continuation's prompt exactly the first prompt followed by the tokens already
-    sent? (vLLM puts `prompt_token_ids` in the first chunk when asked for token ids.) Chat
-    templates and tokenizers may render the begun assistant message differently (a merge
-    across the boundary, a separator): then greedy decoding could go another way, so no."""
-    for event in first_events.split(b"\n\n"):
-        if not event.startswith(b"data: {"):
-            continue
-        try:
-            body = _decode(event[6:])
-        except msgspec.DecodeError:
-            return False
-        prompt = body.get("prompt_token_ids") if isinstance(body, dict) else None
-        if prompt is not None:
-            return sent.prompt_ids is not None and prompt == sent.prompt_ids + sent.token_ids
-    return False
+def _token_in_refusal(body: dict[str, Any], params: dict[str, Any]) -> str | None:
+    """Why the token-in continuation cannot continue `body` exactly (None: it can)."""
+    extra = set(body) - TOKEN_IN_KEYS
+    if extra:
+        return f"fields {sorted(extra)}"
+    if any(body.get(k) for k in ("presence_penalty", "frequency_penalty")):
+        return "presence/frequency penalties count output tokens"
+    if body.get("stop"):
+        return "stop strings may span the cut"
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("n", 1) != 1:
+        return "logprobs or several choices"
+    if body.get("tool_choice") not in (None, "none"):
+        return "tools"
+    if (body.get("stream_options") or {}).get("include_usage"):
+        return "usage counts the whole answer"
+    if not _is_int(params.get("max_tokens", 0)):
+        return "no max_tokens in the rendered parameters"
+    return None
 
 
-def generate_request(rendered: Any, sent_body: dict[str, Any], sent: StreamTracker
-                     ) -> dict[str, Any] | None:
-    """vLLM's token-in request (`POST /inference/v1/generate`) that continues the answer:
-    the prompt `/v1/chat/completions/render` made from the same chat request, which must be
-    exactly the first prompt, then the tokens already sent; text out, streamed. None when the
-    prompt differs or nothing is left to generate."""
+def greedy(body: dict[str, Any], params: dict[str, Any] | None) -> bool:
+    """Does the request decode greedily? (vLLM's render reports the effective temperature,
+    the model's default included; without it only an explicit 0 counts.)"""
+    t = (params or {}).get("temperature", body.get("temperature"))
+    return isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
+
+
+def plan(body: dict[str, Any], params: dict[str, Any] | None, sent: StreamTracker
+         ) -> tuple[str, Cut] | tuple[None, str]:
+    """How to continue `body` after `sent` broke off: ("token_in", cut), ("replay", Cut(0, 0))
+    or (None, why not). `params`: the sampling parameters another instance rendered for
+    the same request (None: no token-in API there)."""
+    if not sent.continuable or body.get("n", 1) != 1:
+        return None, "several choices, tool calls or logprobs"
+    if sent.finished:
+        return None, "the answer had finished"
+    if not sent.token_ids:
+        return "replay", Cut(0, 0)  # the client saw no token yet: any answer is the answer
+    if sent.prompt_ids is None:
+        return None, "no prompt token ids were streamed"
+    is_greedy, seeded = greedy(body, params), _is_int(body.get("seed"))
+    why = "no token-in API" if params is None else _token_in_refusal(body, params)
+    if why is None and (is_greedy or (not seeded and sent.clean.ids == len(sent.token_ids))):
+        return "token_in", sent.clean  # unseeded sampling: only exactly where the client is
+    if is_greedy or seeded:  # a seeded generator is exact only from the first token
+        return "replay", Cut(0, 0)
+    return None, f"sampling without a seed ({why or 'cut inside a character'})"
+
+
+def skip_for(sent: StreamTracker, cut: Cut) -> Skip:
+    """What a continuation from `cut` produces again: the tokens and text sent after it."""
+    return Skip(sent.token_ids[cut.ids:], sent.sent_text[cut.chars:])
+
+
+def generate_request(rendered: Any, sent_body: dict[str, Any], sent: StreamTracker,
+                     cut: Cut) -> dict[str, Any] | None:
+    """vLLM's token-in request (`POST /inference/v1/generate`) that continues the answer from
+    `cut`: the prompt `/v1/chat/completions/render` made from the same chat request, which
+    must be exactly the first prompt, then the tokens sent up to the cut; text out, streamed.
+    None when the prompt differs or nothing is left to generate."""
     if isinstance(rendered, list) and len(rendered) == 1:
         rendered = rendered[0]
-    if (not isinstance(rendered, dict) or sent.prompt_ids is None or not sent.token_ids
+    if (not isinstance(rendered, dict) or sent.prompt_ids is None
             or rendered.get("token_ids") != sent.prompt_ids):
         return None
     req = dict(rendered)
-    req["token_ids"] = sent.prompt_ids + sent.token_ids
+    req["token_ids"] = sent.prompt_ids + sent.token_ids[:cut.ids]
     params = dict(req.get("sampling_params") or {})
     # vLLM's render leaves out fields equal to SamplingParams' defaults: a client's
     # max_tokens of exactly 16 would be lost, and /generate would then run to the model's
     # length. The client's own limit is the one to keep.
     asked = sent_body.get("max_completion_tokens", sent_body.get("max_tokens"))
-    if isinstance(asked, int) and not isinstance(asked, bool):
+    if _is_int(asked):
         params["max_tokens"] = asked
-    if isinstance(params.get("max_tokens"), int):
-        params["max_tokens"] -= len(sent.token_ids)
-        if params["max_tokens"] <= 0:
-            return None
-    if isinstance(params.get("min_tokens"), int):
-        params["min_tokens"] = max(0, params["min_tokens"] - len(sent.token_ids))
+    if _is_int(params.get("max_tokens")):
+        params["max_tokens"] -= cut.ids
+        if params["max_tokens"] <= len(sent.token_ids) - cut.ids:
+            return None  # the answer ends within what the client has
+    if _is_int(params.get("min_tokens")):
+        params["min_tokens"] = max(0, params["min_tokens"] - cut.ids)
     params["detokenize"] = True
     req.update(sampling_params=params, stream=True, output_mode="text")
     if sent_body.get("ec_transfer_params") is not None:  # metadata-only items load from EPD
         req["ec_transfer_params"] = sent_body["ec_transfer_params"]
     return req
+
+
+def rendered_params(rendered: Any) -> dict[str, Any] | None:
+    """The sampling parameters in a `/v1/chat/completions/render` answer."""
+    if isinstance(rendered, list) and len(rendered) == 1:
+        rendered = rendered[0]
+    if isinstance(rendered, dict) and isinstance(rendered.get("sampling_params"), dict):
+        return rendered["sampling_params"]
+    return None
 
 
 class GenerateToChat:

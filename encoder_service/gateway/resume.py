@@ -1,0 +1,107 @@
+"""Mid-stream failover, the I/O half: open the continuation of a broken answer on another
+decode instance, as `failover.plan` decides (token-in from a clean cut, or a replay of the
+same request), and hand the relay its stream with the repeated part set to be checked and
+dropped. Everything here goes through `DecodePool.open`, so keys, deadlines and the
+instance choice are the pool's."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
+from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.failover import (
+    GenerateToChat,
+    StreamTracker,
+    generate_request,
+    plan,
+    rendered_params,
+    skip_for,
+)
+
+logger = logging.getLogger("epd.gateway")
+
+_encode = msgspec.json.encode
+_MAX_RENDER_BYTES = 1 << 24
+
+Resumed = tuple[Upstream, AsyncIterator[bytes], bytes]
+
+
+class Resumer:
+    """Continues broken answers on the other decode instances of `decoders`."""
+
+    def __init__(self, decoders: DecodePool, model: str, decode_timeout_s: float) -> None:
+        self.decoders, self.model, self.timeout = decoders, model, decode_timeout_s
+
+    async def resume(self, sent: dict[str, Any], tracker: StreamTracker | None,
+                     failed_url: str, rid: str) -> Resumed | None:
+        """Another instance continuing the answer `tracker` saw break off at `failed_url`
+        (its upstream, chunk iterator and first bytes; `tracker` switched to it), or None
+        when it cannot be continued exactly. `tracker` None: a non-streamed answer, asked
+        again whole."""
+        self.decoders.cool_down(failed_url)
+        if tracker is None:
+            up = await self._open("/v1/chat/completions", sent, rid, failed_url)
+            return None if up is None else (up, up.chunks(), b"")
+        rendered = await self._render(sent, rid, failed_url)
+        how, cut = plan(sent, rendered_params(rendered), tracker)
+        if how is None:
+            logger.info("failover rid=%s not continued: %s", rid, cut)
+            return None
+        if how == "token_in":
+            req = generate_request(rendered, sent, tracker, cut)
+            up = None if req is None else await self._open(
+                "/inference/v1/generate", req, rid, failed_url)
+            if up is not None:
+                to_chat = GenerateToChat(tracker.stream_id, str(sent.get("model", self.model)))
+                tracker.resume(skip_for(tracker, cut))
+                return up, _converted(up, to_chat), b""
+            how, cut = plan({**sent, "n": 1}, None, tracker)  # no token-in after all
+            if how is None:
+                return None
+        up = await self._open("/v1/chat/completions", sent, rid, failed_url)
+        if up is None:
+            return None
+        tracker.resume(skip_for(tracker, cut))
+        return up, up.chunks(), b""
+
+    async def _render(self, sent: dict[str, Any], rid: str, failed_url: str) -> Any:
+        """`/v1/chat/completions/render` of the same request on another instance (None: no
+        token-in API there, or it refused)."""
+        body = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
+        up = await self._open("/v1/chat/completions/render", body, rid, failed_url)
+        if up is None:
+            return None
+        try:
+            data = await asyncio.wait_for(up.read(), self.timeout)
+            return msgspec.json.decode(data) if len(data) < _MAX_RENDER_BYTES else None
+        except (UpstreamError, asyncio.TimeoutError, msgspec.DecodeError):
+            return None
+        finally:
+            await up.release()
+
+    async def _open(self, path: str, body: dict[str, Any], rid: str,
+                    failed_url: str) -> Upstream | None:
+        """`body` to `path` on an instance other than `failed_url`: the answer once it began
+        with a 200, else None (released)."""
+        try:
+            up = await self.decoders.open("POST", path, _encode(body), f"{rid}-resume",
+                                          exclude={failed_url})
+        except GatewayError:
+            return None
+        if up.status_code != 200:
+            await up.release()
+            return None
+        return up
+
+
+async def _converted(up: Upstream, to_chat: GenerateToChat) -> AsyncIterator[bytes]:
+    async for chunk in up.chunks():
+        out = to_chat.feed(chunk)
+        if out:
+            yield out
