@@ -339,6 +339,75 @@ def test_decode_instances_join_and_leave_under_load_and_no_request_is_lost(clust
         gw2.stop()
 
 
+FIELDS = [  # (request fields, how the gateway continues a stream cut mid-answer)
+    ({"ignore_eos": True, "max_tokens": 60}, "token-in from a clean cut"),
+    ({"ignore_eos": True, "max_tokens": 40, "min_tokens": 30, "stop_token_ids": [5],
+      "logit_bias": {"40": 3}, "repetition_penalty": 1.3}, "token-in"),
+    ({"max_tokens": 40, "presence_penalty": 0.7, "frequency_penalty": 0.4}, "replay"),
+    ({"max_tokens": 40, "ignore_eos": True, "stop": ["ot", "e "]}, "replay"),
+    ({"max_tokens": 40, "temperature": 0.9, "seed": 11, "top_p": 0.9}, "replay"),
+    ({"max_tokens": 30, "ignore_eos": True, "stream_options": {"include_usage": True}},
+     "replay"),
+    ({"max_tokens": 30, "logprobs": True, "top_logprobs": 2}, "refused"),
+]
+
+
+def test_streams_cut_mid_answer_continue_exactly_for_each_field_or_end_with_an_error(
+        cluster, second_decoder):
+    """Both decode instances behind proxies that break each stream off after a few events
+    (a real TCP close, as a dying instance does). Per request field the answer either goes
+    on exactly (ids and text equal the aggregated server's, the usage chunk too) or stops
+    with an error event after a correct prefix: never a wrong token."""
+    from encoder_service.local.conformance import CuttingProxy
+
+    c, dec2 = cluster, second_decoder
+    proxies = [CuttingProxy(u, UP_PORT + 24 + i, seed=i, max_events=12).start()
+               for i, u in enumerate([DEC_URL, dec2.url])]
+    gw2 = Gateway2(c, UP_PORT + 26, [p.url for p in proxies])
+    try:
+        for n, (fields, how) in enumerate(FIELDS):
+            image = sample_image_png(seed=870 + n)
+            body = {**chat_body(MODEL_NAME, image, PROMPT), "temperature": 0.0, **fields}
+            ref = c["client"].post(c["agg"].url + "/v1/chat/completions",
+                                   json={**body, "stream": True}).text
+            got = c["client"].post(gw2.url + "/v1/chat/completions",
+                                   json={**body, "stream": True}).text
+
+            def parse(sse: str) -> tuple[list[int], str, list[dict], dict | None]:
+                ids, text, errors, usage = [], "", [], None
+                for line in sse.splitlines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        errors.append(event)
+                    usage = event.get("usage") or usage
+                    for ch in event.get("choices") or ():
+                        ids += ch.get("token_ids") or []
+                        text += (ch.get("delta") or {}).get("content") or ""
+                return ids, text, errors, usage
+
+            r_ids, r_text, _, r_usage = parse(ref)
+            g_ids, g_text, errors, g_usage = parse(got)
+            assert r_ids, fields
+            if how == "refused":
+                assert errors and r_ids[:len(g_ids)] == g_ids and r_text.startswith(g_text)
+                continue
+            assert not errors, (fields, errors)
+            assert (g_ids, g_text) == (r_ids, r_text), (fields, how)
+            if r_usage is not None:
+                assert g_usage is not None and g_usage["completion_tokens"] == r_usage[
+                    "completion_tokens"]
+        assert sum(p.cuts for p in proxies) >= len(FIELDS) - 1  # streams were really cut
+        text = c["client"].get(gw2.url + "/metrics").text
+        assert metric_value(text, 'epd_gateway_failovers_total{outcome="resumed"}') >= len(
+            FIELDS) - 2
+    finally:
+        gw2.stop()
+        for p in proxies:
+            p.stop()
+
+
 def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluster,
                                                                           second_decoder):
     """A second decode instance serves a long greedy stream and is SIGKILLed after the first

@@ -174,3 +174,40 @@ def test_unknown_metadata_only_item_fails_that_request_only(cluster):
     assert entry["metadata"] == {"image_grid_thw": [1, 8, 8]}
     meta_only = [{"type": "image_embeds", "image_embeds": entry["metadata"], "uuid": item_id}]
     assert tokens(c, DEC_URL, meta_only, ec_transfer_params=params) == ref
+
+
+def test_generated_cases_equal_the_aggregated_server_first_encode_and_cache_hit(cluster):
+    """The CI slice of the conformance harness (benchmarks/conformance.py runs the whole
+    matrix): seeded generated requests (images of several modes and formats, frame-list and
+    mp4 videos, audio at 8-48 kHz mono/stereo in wav/flac/ogg, several items, multi-turn,
+    sampling fields) through the gateway, answered twice (first encode, cache hit): ids and
+    text equal the aggregated server's."""
+    from encoder_service.local.conformance import ask, cases
+
+    c = cluster
+    diffs = []
+    for case in cases(seed=11, n=6):
+        ref = ask(c["client"], c["agg"].url, case.request(MODEL))
+        assert ref.status == 200, (case.kinds, ref.error)
+        for path in ("first", "hit"):
+            got = ask(c["client"], GW, case.request(MODEL))
+            if not got.same(ref):
+                diffs.append((path, case.seed, case.kinds, ref.token_ids, got.token_ids,
+                              got.error))
+    assert not diffs, diffs
+
+
+def test_audio_at_every_common_rate_and_layout_equals_the_aggregated_server(cluster):
+    """44.1/48 kHz stereo from phones and browsers, 22.05 kHz FLAC, 8 kHz: vLLM resamples
+    to the model's 16 kHz (torchaudio, pure Python here); answers equal, never a 500."""
+    import random
+
+    from encoder_service.local.conformance import audio
+
+    c = cluster
+    for rate, channels, fmt in ((44100, 2, "WAV"), (22050, 1, "FLAC"), (48000, 2, "OGG"),
+                                (8000, 1, "WAV")):
+        data = audio(random.Random(rate), rate, channels, fmt, 1.5)
+        parts = [audio_part(data, fmt.lower())]
+        ref = tokens(c, c["agg"].url, parts)
+        assert tokens(c, GW, parts) == ref, (rate, channels, fmt)

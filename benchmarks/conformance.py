@@ -1,0 +1,197 @@
+"""Differential conformance run: generated requests through EPD stacks vs one aggregated vLLM
+server of the same model (encoder_service/local/conformance.py makes the cases).
+
+    .venv/bin/python benchmarks/conformance.py --seed 1 --cases 40 --json .work/conformance.json
+
+Starts the aggregated server once, then each stack in turn (`epd up` of the tiny Qwen2.5-Omni
+thinker: a vLLM encoder or the encoder pool, over safetensors or the Mooncake Transfer Engine;
+the decode instance gets metadata-only items), and runs every case on every path: first encode,
+cache hit and, on the stack with two decode instances, failover (a second gateway whose decode
+instances sit behind proxies that break streams off mid-answer). Prints one line per
+difference and a table of cases per cell; exits 1 on any difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ec_connectors import child_process  # noqa: E402
+from encoder_service.local.conformance import CuttingProxy, ask, cases  # noqa: E402
+from encoder_service.local.processes import VllmServer, metric_value  # noqa: E402
+from encoder_service.local.testmodel import SPECS, build  # noqa: E402
+
+WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
+STACKS = {  # name: (encoder backend, transport, decoders)
+    "vllm+safetensors": ("vllm", "safetensors", 2),
+    "pool+safetensors": ("pool", "safetensors", 1),
+    "vllm+mooncake": ("vllm", "mooncake", 1),
+    "pool+mooncake": ("pool", "mooncake", 1),
+}
+AGG_PORT, BASE_PORT = 18880, 18840
+
+
+def wait(pred, timeout: float, what: str, proc=None) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: exited ({proc.returncode})")
+        try:
+            if pred():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{what}: not ready in {timeout:.0f} s")
+
+
+class Stack:
+    """One `epd up` run (and, with two decode instances, a failover gateway beside it)."""
+
+    def __init__(self, name: str, port: int, model: str, work: Path) -> None:
+        backend, transport, decoders = STACKS[name]
+        self.name, self.port, self.decoders = name, port, decoders
+        self.work = work / name
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.storage = Path(tempfile.mkdtemp(prefix="ec-", dir=self.work))
+        conf = self.work / "up.json"
+        conf.write_text(json.dumps({
+            "model": "qwen-omni", "base_port": port, "encoders": 1, "decoders": decoders,
+            "encoder_backend": backend, "transport": transport,
+            "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
+            "vllm_args": ["--trust-request-mm-kwargs"],
+            "gateway": {"timeouts": {"encoder_s": 60}}}))
+        self.log = open(self.work / "epd-up.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = child_process.popen(
+            [sys.executable, "-m", "encoder_service.cli", "up", "--config", str(conf)],
+            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, EPD_WORK_DIR=str(self.work)))
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+        self.proxies: list[CuttingProxy] = []
+        self.failover_url: str | None = None
+        self.gw2 = None
+
+    def wait(self, client: httpx.Client) -> None:
+        wait(lambda: client.get(self.url + "/health").status_code == 200, 600,
+             f"stack {self.name} (log {self.work / 'epd-up.log'})", self.proc)
+        if self.decoders < 2:
+            return
+        decs = [f"http://127.0.0.1:{self.port + 2 + i}" for i in range(self.decoders)]
+        self.proxies = [CuttingProxy(d, self.port + 30 + i, seed=i).start()
+                        for i, d in enumerate(decs)]
+        gw_port = self.port + 29
+        self.gw2_log = open(self.work / "gateway-failover.log", "wb")  # noqa: SIM115
+        self.gw2 = child_process.popen(
+            [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(gw_port),
+             "--model", self.model, "--encoder", f"http://127.0.0.1:{self.port + 1}",
+             *(x for p in self.proxies for x in ("--decoder", p.url)),
+             "--storage-path", str(self.storage)],
+            cwd=ROOT, stdout=self.gw2_log, stderr=subprocess.STDOUT)
+        self.failover_url = f"http://127.0.0.1:{gw_port}"
+        wait(lambda: client.get(self.failover_url + "/health").status_code == 200, 60,
+             "failover gateway", self.gw2)
+
+    def stop(self) -> None:
+        for p in self.proxies:
+            p.stop()
+        if self.gw2 is not None and self.gw2.poll() is None:
+            self.gw2.send_signal(signal.SIGTERM)
+            self.gw2.wait(timeout=30)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=120)
+        self.log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--cases", type=int, default=40, help="generated cases (each runs on "
+                    "every stack and path)")
+    ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
+    ap.add_argument("--json", type=Path, default=WORK / "conformance.json")
+    args = ap.parse_args()
+    spec = SPECS["qwen-omni"]
+    model_dir = build(WORK / "models" / spec.model_name, spec)
+    work = WORK / "conformance"
+    client = httpx.Client(timeout=300)
+    todo = cases(args.seed, args.cases)
+    print(f"conformance: seed {args.seed}, {len(todo)} cases x {len(args.stacks)} stacks",
+          flush=True)
+    agg = VllmServer("aggregated", model_dir, AGG_PORT, work, None, cpu_core=None,
+                     served_name=spec.model_name,
+                     extra_args=["--trust-request-mm-kwargs"]).start()
+    table: dict[str, dict[str, list[int]]] = {}  # stack -> path -> [equal, total]
+    diffs: list[dict] = []
+    try:
+        agg.wait()
+        refs = []
+        for c in todo:
+            refs.append(ask(client, agg.url, c.request(spec.model_name)))
+        bad_refs = sum(r.status != 200 for r in refs)
+        print(f"aggregated answers: {len(refs) - bad_refs} ok, {bad_refs} refused", flush=True)
+        for i, name in enumerate(args.stacks):
+            stack = Stack(name, BASE_PORT + 40 * i, spec.model_name, work)
+            try:
+                stack.wait(client)
+                paths = {"first": stack.url, "hit": stack.url}
+                if stack.failover_url:
+                    paths["failover"] = stack.failover_url
+                for path, url in paths.items():
+                    cell = table.setdefault(name, {}).setdefault(path, [0, 0])
+                    for c, ref in zip(todo, refs, strict=True):
+                        got = ask(client, url, c.request(spec.model_name,
+                                                         stream=path == "failover"))
+                        ok = got.same(ref) or (ref.status != 200 and got.status == ref.status)
+                        cell[0] += ok
+                        cell[1] += 1
+                        if not ok:
+                            diffs.append({"stack": name, "path": path, "seed": c.seed,
+                                          "kinds": c.kinds, "ref": ref.__dict__,
+                                          "got": got.__dict__})
+                            print(f"DIFF {name}/{path} seed={c.seed} {c.kinds}: "
+                                  f"ref {ref.status} {ref.token_ids[:8]} {ref.text[:40]!r} "
+                                  f"got {got.status} {got.token_ids[:8]} {got.text[:40]!r} "
+                                  f"{got.error or ''}", flush=True)
+                    print(f"{name:18s} {path:9s} {cell[0]}/{cell[1]} equal", flush=True)
+                if stack.failover_url:
+                    text = client.get(stack.failover_url + "/metrics").text
+                    resumed = metric_value(
+                        text, 'epd_gateway_failovers_total{outcome="resumed"}')
+                    print(f"  failover: streams cut {sum(p.cuts for p in stack.proxies)}, "
+                          f"resumed {resumed:.0f}", flush=True)
+                    table[name]["failover"].append(int(resumed))
+            finally:
+                stack.stop()
+    finally:
+        agg.stop()
+        client.close()
+    total = sum(c[1] for t in table.values() for c in t.values())
+    equal = sum(c[0] for t in table.values() for c in t.values())
+    print(f"\n| stack | {' | '.join(('first', 'hit', 'failover'))} |\n|---|---|---|---|")
+    for name, t in table.items():
+        cells = [f"{t[p][0]}/{t[p][1]}" if p in t else "-" for p in ("first", "hit",
+                                                                      "failover")]
+        print(f"| {name} | {' | '.join(cells)} |")
+    print(f"\n{equal}/{total} equal, {len(diffs)} differences")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"seed": args.seed, "cases": len(todo), "table": table,
+                                     "differences": diffs}, indent=1))
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
