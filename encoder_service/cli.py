@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                            "admin endpoints (POST /admin/instances), derived from the "
                            "deployment secret")
     token.add_argument("--secret-file", help="default $EPD_SECRET_FILE")
+    key = sub.add_parser("api-key", help="print the API key every vLLM server and encoder "
+                         "of the deployment requires (the gateway presents it), derived from "
+                         "the deployment secret")
+    key.add_argument("--secret-file", help="default $EPD_SECRET_FILE")
     # Subcommands with their own argument parsers (`epd NAME --help`).
     own = {"gateway": ("encoder_service.gateway.cli",
                        "the HTTP endpoint in front of encoders and prefill/decode instances"),
@@ -66,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     from encoder_service.local.testmodel import SPECS
     from encoder_service.local.testmodel import build as build_model
 
-    if args.cmd == "admin-token":
-        from ec_connectors.protocol.secret import SecretError, admin_token, read_secret
+    if args.cmd in ("admin-token", "api-key"):
+        from ec_connectors.protocol.secret import SecretError, admin_token, api_key, read_secret
 
         try:
             secret = read_secret(args.secret_file)
@@ -75,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
         if secret is None:
             parser.error("no deployment secret (--secret-file or $EPD_SECRET_FILE); without "
-                         "one the admin endpoints answer loopback callers only")
-        print(admin_token(secret))
+                         "one the admin endpoints answer loopback callers only and the "
+                         "servers take no API key")
+        print(admin_token(secret) if args.cmd == "admin-token" else api_key(secret))
         return 0
     work = _work_dir()
     if args.cmd == "build-model":

@@ -15,6 +15,10 @@ POST /v1/encode   {"items": [{"id", "modality": "image" | "video" | "audio",
 POST /v1/release  {"item_ids": [...], "keep"?}: the decode side has prefilled these items:
                   discard them (default) or keep them for multi-turn reuse
 GET  /health, /metrics (Prometheus), /v1/stats (JSON)
+With a deployment secret (transport `secret_file` or $EPD_SECRET_FILE), or `$VLLM_API_KEY`,
+every /v1 route needs the deployment's API key (`Authorization: Bearer <key>`, as a vLLM
+server of the deployment: ec_connectors.protocol.secret.server_api_key); 401 without it.
+/health and /metrics stay open.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ec_connectors.config_files import read_config_file
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
+from ec_connectors.protocol.secret import server_api_key
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
 from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore
@@ -47,6 +52,7 @@ from encoder_service.encoder_pool.media import (
 from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
 from encoder_service.encoder_pool.publish import Publisher
+from encoder_service.gateway.auth import RequireKey
 
 if TYPE_CHECKING:
     from ec_connectors.config import EPDConfig
@@ -116,6 +122,9 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
 
     app = FastAPI(title="epd encoder pool", lifespan=lifespan)
     app.state.pool, app.state.publisher, app.state.config = pool, publisher, config
+    key = server_api_key(transport.secret_file)
+    if key is not None:  # an encoder of the deployment, as its vLLM servers: keyed
+        app.add_middleware(RequireKey, keys=[key], prefixes=("/v1",))
 
     def door(req: EncodeRequest) -> tuple[list[MediaItem], dict[str, BadMedia]]:
         items, bad = [], {}

@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from ec_connectors.protocol.params import PARAMS_KEY
 from ec_connectors.protocol.secret import admin_token, is_loopback, read_secret
+from encoder_service.gateway.auth import require_key, upstream_headers
 from encoder_service.gateway.availability import make_availability
 from encoder_service.gateway.config import AdminChange, GatewayConfig
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
@@ -148,7 +149,8 @@ class Gateway:
         t = self.cfg.timeouts
         limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(
-            connect=t.connect_s, read=t.decode_s, write=t.decode_s, pool=t.connect_s))
+            connect=t.connect_s, read=t.decode_s, write=t.decode_s, pool=t.connect_s),
+            headers=upstream_headers(self.cfg.secret_file))  # the deployment's key (auth.py)
         self.fetch_client = httpx.AsyncClient(trust_env=False)
         r = self.cfg.routing
         self.router = EncoderRouter([self._encoder_client(u) for u in self.cfg.encoders],
@@ -767,8 +769,14 @@ class GatewayApp:
         self.gateway = gw
         self.app = app
         self.state = app.state
+        # client API keys on /v1 (auth.py); none configured: open, as before
+        self.entry = require_key(self._dispatch, gw.cfg.client_api_keys,
+                                 on_refused=gw.metrics.rejected.labels("invalid_api_key").inc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.entry(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope["path"] == "/v1/chat/completions"
                 and scope["method"] == "POST"):
             await self.gateway.chat(scope, receive, send)

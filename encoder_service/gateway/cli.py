@@ -22,6 +22,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--decoder", action="append", default=[], help="decode base URL (repeat)")
     p.add_argument("--storage-path", help="safetensors transport directory (enables "
                    "skipping items that are already encoded)")
+    p.add_argument("--api-key", action="append", default=[], help="a key clients must send "
+                   "as `Authorization: Bearer <key>` (repeat; as `vllm serve --api-key`; "
+                   "prefer --api-keys-file or $EPD_GATEWAY_API_KEY: argv is visible to `ps`)")
+    p.add_argument("--api-keys-file", help="client keys, one per line (several clients)")
     args = p.parse_args(argv)
     try:
         data = read_config_file(args.config, error=GatewayConfigError) if args.config else {}
@@ -32,6 +36,10 @@ def main(argv: list[str]) -> int:
             data["encoders"] = args.encoder
         if args.decoder:
             data["decoders"] = args.decoder
+        if args.api_key:
+            data["api_keys"] = [*data.get("api_keys", []), *args.api_key]
+        if args.api_keys_file:
+            data["api_keys_file"] = args.api_keys_file
         if args.storage_path:
             data["availability"] = {**data.get("availability", {}), "kind": "safetensors",
                                     "storage_path": args.storage_path}
@@ -41,7 +49,10 @@ def main(argv: list[str]) -> int:
         return 2
     from encoder_service.gateway.server import serve
 
+    keys = len(cfg.client_api_keys)
     print(f"epd gateway: serving {cfg.model} on http://{cfg.host}:{cfg.port} "
-          f"(encoders {cfg.encoders or 'none'}, decoders {cfg.decoders})", flush=True)
+          f"(encoders {cfg.encoders or 'none'}, decoders {cfg.decoders}); "
+          + (f"clients need one of {keys} API key(s)" if keys else "no client API key "
+             "(--api-keys-file, --api-key or $EPD_GATEWAY_API_KEY set one)"), flush=True)
     serve(cfg)
     return 0

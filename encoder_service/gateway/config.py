@@ -17,6 +17,7 @@ from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol.net import EndpointList
 from ec_connectors.protocol.ports import GATEWAY_PORT
 from ec_connectors.protocol.secret import IdSigner, read_secret
+from encoder_service.gateway.auth import client_keys, read_keys_file
 
 MiB = 1 << 20
 
@@ -202,11 +203,31 @@ class GatewayConfig(_Strict):
                           "signed with it (producers share only signed ids), Mooncake "
                           "announcements are read with it")
 
+    api_keys: list[str] = Field(
+        default_factory=list, repr=False,
+        description="keys clients must present on /v1 (`Authorization: Bearer <key>`, as "
+                    "`vllm serve --api-key`); with api_keys_file and $EPD_GATEWAY_API_KEY: "
+                    "none anywhere = no client key (auth.py)")
+    api_keys_file: str | None = Field(None, description="client keys, one per line (several "
+                                      "clients); `#` comments")
+
     @field_validator("secret_file")
     @classmethod
     def _secret(cls, value: str | None) -> str | None:
         read_secret(value)  # a bad file is a config error now
         return value
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, value: str | None) -> str | None:
+        if value:
+            read_keys_file(value)  # missing or empty: a config error, never an open gateway
+        return value
+
+    @property
+    def client_api_keys(self) -> list[str]:
+        """Every key a client may present (api_keys, the file's, $EPD_GATEWAY_API_KEY)."""
+        return client_keys(self.api_keys, self.api_keys_file)
 
     @property
     def ids(self) -> IdSigner:

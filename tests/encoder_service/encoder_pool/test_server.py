@@ -295,15 +295,28 @@ def test_omni_pool_encodes_16khz_audio_and_refuses_other_rates(tmp_path):
         assert items["junk"]["status"] == "failed" and "cannot decode" in items["junk"]["error"]
 
 
-def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path):
-    from ec_connectors.protocol.secret import IdSigner, read_secret
+def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path, monkeypatch):
+    from ec_connectors.protocol.secret import IdSigner, api_key, read_secret
 
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     secret = tmp_path / "secret"
     secret.write_bytes(b"pool-deployment-secret-0123456789")
     secret.chmod(0o600)
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "transport": {
         "storage_path": str(tmp_path / "store"), "secret_file": str(secret)}})
+    key = {"authorization": f"Bearer {api_key(read_secret(secret))}"}
     with Served(create_app(cfg), 18413) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        # an encoder of the deployment: its API needs the deployment's key, health does not
+        item = {"id": IdSigner(read_secret(secret)).sign("image-a"), "data": b64(png(112))}
+        for path, body in (("/v1/encode", {"items": [item]}),
+                           ("/v1/release", {"item_ids": [item["id"]]})):
+            for headers in ({}, {"authorization": "Bearer wrong"}):
+                r = c.post(path, json=body, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["message"], r.text
+        assert c.get("/v1/stats").status_code == 401
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+        assert c.get("/v1/stats", headers=key).json()["items_encoded"] == 0  # nothing ran
+        c.headers.update(key)
         r = c.post("/v1/encode", json={"items": [{"id": "image-b", "data": b64(png(112))}]})
         assert r.status_code == 403 and "not signed" in r.json()["error"]
         signed = IdSigner(read_secret(secret)).sign("image-b")
