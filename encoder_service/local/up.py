@@ -15,7 +15,13 @@ EPDConnector over one of these transports (`transport`):
 - `tiered`: tiers ["mooncake", "mooncake_store", "safetensors"] (loads try them in that
   order, saves write all): the Transfer Engine wiring, the master and the shared directory
   together; the gateway's availability follows the Mooncake announcements.
-All Mooncake processes bind to 127.0.0.1 (MC_TCP_BIND_ADDRESS). `connector_extra` adds
+All Mooncake processes bind to 127.0.0.1 (MC_TCP_BIND_ADDRESS; the Transfer Engine's own two
+listeners cannot be told an address: docs/trust.md). Keys: with a deployment secret
+(`secret_file`, else $EPD_SECRET_FILE) every vLLM server and encoder pool requires the API key
+derived from it (passed in $VLLM_API_KEY, never on a command line) and the gateway presents
+it; without one they take no key and listen on 127.0.0.1 only, as the data plane does (said at
+start). Gateway clients need a key when `gateway` sets api_keys / api_keys_file or
+$EPD_GATEWAY_API_KEY is set (said at start too). `connector_extra` adds
 ec_connector_extra_config keys and may change sizes (memory_pool_bytes, store_segment_bytes,
 store_buffer_bytes, ...), never the wiring (transport, host, ports, producers, store_master,
 store_metadata). Waits for health with progress output, then serves the gateway in-process and
@@ -45,6 +51,13 @@ from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.config_files import read_config_file, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
+from ec_connectors.protocol.secret import (
+    API_KEY_ENV,
+    SECRET_ENV,
+    SecretError,
+    api_key,
+    read_secret,
+)
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import (
@@ -105,7 +118,23 @@ class UpConfig(BaseModel):
     startup_timeout_s: float = Field(420.0, gt=0)
     clear_cache: bool = Field(True, description="empty the storage directory at start")
     gateway: dict[str, Any] = Field(default_factory=dict,
-                                    description="GatewayConfig keys (limits, media, ...)")
+                                    description="GatewayConfig keys (limits, media, client "
+                                    "api_keys / api_keys_file, ...)")
+    secret_file: str | None = Field(None, description="the deployment secret (default "
+                                    "$EPD_SECRET_FILE): CURVE on the data plane, signed item "
+                                    "ids, sealed objects, and the API key of every server")
+
+    @field_validator("secret_file")
+    @classmethod
+    def _secret(cls, v: str | None) -> str | None:
+        read_secret(v)  # a bad file is a config error now, not after minutes of start-up
+        return v
+
+    @property
+    def secret_path(self) -> str | None:
+        """The secret file every process of the deployment reads, None without one."""
+        path = self.secret_file or os.environ.get(SECRET_ENV) or None
+        return None if path is None else str(Path(path).resolve())
 
     @field_validator("model")
     @classmethod
@@ -238,6 +267,15 @@ class Deployment:
         if cfg.uses_store:
             self.master = master_server(logs, cfg.master_port)
             self.master.env = dict(env)
+        try:
+            secret = read_secret(cfg.secret_path)
+        except SecretError as exc:
+            raise UpError(str(exc)) from None
+        # Every server's key, in its environment (never argv: `ps` shows that); without a
+        # secret an inherited $VLLM_API_KEY is cleared, as the gateway could not present it.
+        env[API_KEY_ENV] = "" if secret is None else api_key(secret)
+        if secret is not None:
+            env[SECRET_ENV] = str(cfg.secret_path)
         for i in range(n):
             core = cores[i] if cores else i % ncpu
             if i < cfg.encoders:
@@ -275,12 +313,32 @@ class Deployment:
             availability = {"kind": "safetensors", "storage_path": str(storage)}
         try:
             self.gateway_cfg = GatewayConfig.build({
-                **cfg.gateway, "host": cfg.host, "port": cfg.base_port,
+                **cfg.gateway, **({"secret_file": cfg.secret_path} if secret else {}),
+                "host": cfg.host, "port": cfg.base_port,
                 "model": cfg.served_model_name, "encoders": [s.url for s in self.encoders],
                 "encoder_backend": cfg.encoder_backend,
                 "decoders": [s.url for s in self.decoders], "availability": availability})
         except GatewayConfigError as exc:
             raise UpError(str(exc)) from None
+
+    def trust_lines(self) -> list[str]:
+        """What `epd up` says about keys at start (never a key itself)."""
+        cfg, gw = self.cfg, self.gateway_cfg
+        assert gw is not None
+        if cfg.secret_path and read_secret(cfg.secret_path) is not None:
+            servers = (f"deployment secret {cfg.secret_path}: every vLLM server and encoder "
+                       "requires the API key derived from it (in $VLLM_API_KEY; `epd api-key` "
+                       "prints it) and the gateway presents it")
+        else:
+            servers = ("no deployment secret (secret_file or $EPD_SECRET_FILE): the vLLM "
+                       "servers, encoders and data plane listen on 127.0.0.1 only and take no "
+                       "API key")
+        n = len(gw.client_api_keys)
+        clients = (f"gateway clients must send `Authorization: Bearer <key>` ({n} key(s))"
+                   if n else f"gateway: no client API key, anyone who reaches {self.url} can "
+                   "use it; set gateway.api_keys_file (one key per line) or gateway.api_keys "
+                   "in the config, or $EPD_GATEWAY_API_KEY")
+        return [servers, clients]
 
     @property
     def mooncake_producers(self) -> list[str]:
@@ -384,6 +442,8 @@ def run_up(cfg: UpConfig, work_dir: Path,
                 f"tiers {', '.join(cfg.tiers)}")
         say(f"starting {cfg.encoders} encoder(s) ({kind}) and {cfg.decoders} prefill/decode "
             f"instance(s) of {cfg.served_model_name} (EPDConnector over {over})")
+        for line in dep.trust_lines():
+            say(line)
         dep.start(progress=say)
         say(f"ready: OpenAI-compatible endpoint {dep.url}/v1 (model {cfg.served_model_name!r}); "
             f"metrics {dep.url}/metrics; logs {work_dir / 'up'}")

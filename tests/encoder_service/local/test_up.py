@@ -14,6 +14,9 @@ from ec_connectors.child_process import die_with_parent
 from encoder_service.local.up import Deployment, UpConfig, UpError, load_up_config
 from tests.helpers import ROOT
 
+# a Mooncake server's environment without a deployment secret: loopback, no API key
+NO_SECRET_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_API_KEY": ""}
+
 
 def test_defaults_and_clear_errors(tmp_path):
     cfg = load_up_config(None)
@@ -82,14 +85,14 @@ def test_plan_mooncake_wires_a_side_channel_per_encoder_and_all_to_every_decoder
     assert [e["base_port"] for e in extra[:2]] == [16670, 16680]
     producers = ["127.0.0.1:16670", "127.0.0.1:16680"]
     assert [e["producers"] for e in extra[2:]] == [producers, producers]
-    assert all(s.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} for s in dep.servers)
+    assert all(s.env == NO_SECRET_ENV for s in dep.servers)
     g = dep.gateway_cfg
     assert g.availability.kind == "mooncake" and g.availability.producers == producers
     assert g.encoder_backend == "vllm"
     # safetensors (the default) sets no mooncake env or keys
     dep = Deployment(UpConfig(base_port=18630), tmp_path)
     dep.plan(tmp_path / "model")
-    assert all(s.env == {} for s in dep.servers)
+    assert all(s.env == {"VLLM_API_KEY": ""} for s in dep.servers)  # no secret: no key
     assert dep.servers[1].ec_config["ec_connector_extra_config"]["transport"] == "safetensors"
     with pytest.raises(UpError, match="memory_pool_bytez"):
         Deployment(UpConfig(transport="mooncake", connector_extra={"memory_pool_bytez": 1}),
@@ -107,7 +110,7 @@ def test_plan_pool_backend_starts_epd_encoder_processes(tmp_path):
     assert isinstance(enc, PoolServer) and enc.port == 18631
     assert enc.pool_config["max_batch_size"] == 4
     assert enc.pool_config["transport"]["base_port"] == 16670
-    assert enc.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    assert enc.env == NO_SECRET_ENV
     cmd = enc.command()
     assert cmd[cmd.index("-m") + 1] == "encoder_service.encoder_pool.server"
     assert dep.gateway_cfg.encoder_backend == "pool"
@@ -158,7 +161,7 @@ def test_plan_mooncake_store_starts_a_master_and_wires_every_server_to_it(tmp_pa
     for e in extra:
         c = EPDConfig.from_dict(e)
         assert c.tiers == ["mooncake_store"] and c.store_metadata_url == m.metadata_url
-    assert all(s.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} for s in dep.servers)
+    assert all(s.env == NO_SECRET_ENV for s in dep.servers)
     assert dep.gateway_cfg.availability.kind == "none"  # the store has no catalog to follow
     with pytest.raises(UpError, match="store_segment_bytez"):
         Deployment(UpConfig(transport="mooncake_store",
@@ -250,3 +253,43 @@ def test_epd_master_and_the_new_transports_are_on_the_command_line():
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "mooncake_store" in r.stdout and "tiered" in r.stdout
     assert "--master-port" in r.stdout
+
+
+def test_with_a_secret_every_server_requires_the_derived_key_from_its_environment(
+        tmp_path, monkeypatch):
+    from ec_connectors.protocol.secret import api_key, read_secret
+
+    monkeypatch.delenv("EPD_SECRET_FILE", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "inherited-by-accident")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"up-deployment-secret-0123456789a")
+    secret.chmod(0o600)
+    key = api_key(read_secret(secret))
+    for backend in ("vllm", "pool"):
+        dep = Deployment(UpConfig(encoders=1, decoders=1, base_port=18630, transport="tiered",
+                                  mooncake_base_port=16670, encoder_backend=backend,
+                                  secret_file=str(secret)), tmp_path)
+        dep.plan(tmp_path / "model")
+        for s in dep.servers:
+            assert s.env["VLLM_API_KEY"] == key and s.env["EPD_SECRET_FILE"] == str(secret)
+            assert not [a for a in s.command() if key in a or "api-key" in a]  # never argv
+        assert "VLLM_API_KEY" not in dep.master.env  # the store master takes no key
+        assert dep.gateway_cfg.secret_file == str(secret)  # it presents the same key
+        servers, clients = dep.trust_lines()
+        assert f"deployment secret {secret}" in servers and key not in servers
+        assert "no client API key" in clients
+    # without a secret: no key (an inherited one is cleared, the gateway could not present
+    # it), loopback only, and said so
+    dep = Deployment(UpConfig(base_port=18630, gateway={"api_keys": ["c1", "c2"]}), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert all(s.env["VLLM_API_KEY"] == "" for s in dep.servers)
+    assert all("--host" in (cmd := s.command()) and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+               for s in dep.servers)
+    servers, clients = dep.trust_lines()
+    assert "127.0.0.1 only" in servers and "take no API key" in servers
+    assert "(2 key(s))" in clients and "c1" not in clients
+    open_secret = tmp_path / "open"
+    open_secret.write_bytes(b"x" * 32)
+    open_secret.chmod(0o644)
+    with pytest.raises(UpError, match="chmod 600"):
+        load_up_config(None, {"secret_file": str(open_secret)})
