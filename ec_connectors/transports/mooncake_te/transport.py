@@ -382,7 +382,11 @@ class MooncakeTransport(Transport):
                     logger.warning("EPD: %s answered a pull of %s with item %s; ignored",
                                    endpoint, key, reply.info.key)
                     return "corrupt", None, nbytes
-                return "ok", self._receive(reply, p, verifier), nbytes
+                tensor = self._receive(reply, p, verifier)
+                # bytes that fail verification (damaged, or written by an outsider into a
+                # registered pool: docs/trust.md) are this producer's corrupt copy: the next
+                # producer is asked, never this one again in a hot loop
+                return ("ok" if tensor is not None else "corrupt"), tensor, nbytes
             if isinstance(reply, PullFailed):
                 if reply.code == "too_small" and reply.info is not None:
                     return "too_small", None, reply.info.nbytes

@@ -606,3 +606,56 @@ def test_a_dead_producer_costs_a_pull_milliseconds_not_its_deadline(peers):
                          "nbytes": put["nbytes"]})
         assert not got["found"] and time.monotonic() - t0 < 1.5
     assert health(cons)["pool_used_bytes"] == 0
+
+
+_OUTSIDER = """
+import ctypes, json, sys
+from mooncake.engine import TransferEngine
+session, size = sys.argv[1], int(sys.argv[2])
+engine = TransferEngine()  # no deployment secret: an outsider who found the port
+assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+junk = ctypes.create_string_buffer(b"\\xa5" * size, size)
+assert engine.register_memory(ctypes.addressof(junk), size) == 0
+target = engine.get_first_buffer_address(session)  # the handshake tells anyone
+rc = engine.transfer_sync_write(session, ctypes.addressof(junk), target, size)
+print(json.dumps({"target": target, "rc": rc}))
+"""
+
+
+def test_an_outsiders_write_into_a_registered_pool_is_caught_and_the_item_refetched(
+        peers, tmp_path):
+    """The Transfer Engine's handshake and TCP data listeners bind every interface and take
+    no credential (Mooncake has no setting for their address: docs/trust.md). A process that
+    reaches them, without the deployment secret, learns a producer's pool address from the
+    handshake and writes into it. The consumer's verification (the xxh3 the producer sent
+    over the CURVE side channel) refuses those bytes, asks the next producer, and gets the
+    item right; the damaged copy costs one pull, not a loop until the deadline."""
+    import json
+    import subprocess
+    import sys
+
+    secret = secret_file(tmp_path)
+    a, b = (peers.start(PRODUCER, **mc_config(next(_ports), secret_file=secret))
+            for _ in range(2))
+    shape = [512, 1024]  # 1 MiB: through the engine, not inline
+    puts = [p.call({"op": "put", "id": "x", "seed": 21, "shape": shape, "dtype": "bfloat16"})
+            for p in (a, b)]
+    assert puts[0]["checksum"] == puts[1]["checksum"] == expected(21, shape)
+    cons = peers.start(CONSUMER, **mc_config(next(_ports), secret_file=secret, producers=[
+        puts[0]["location"], puts[1]["location"]]))
+    ha = health(a)
+    run = subprocess.run([sys.executable, "-c", _OUTSIDER, ha["session"], "4096"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    wrote = json.loads(run.stdout.strip().splitlines()[-1])
+    assert wrote == {"target": ha["pool_addr"], "rc": 0}  # the write landed: the limit
+    # from the damaged producer alone: refused at once (a size query, then the one pull),
+    # no wrong embedding
+    got = cons.call({"op": "get", "id": "x", "timeout_s": 5, "location": puts[0]["location"]})
+    assert not got["found"] and got["get_s"] < 2.0, got
+    assert health(cons)["pulls"] <= 2
+    # from any producer: the damaged copy is passed over, the other one's is right
+    got = cons.call({"op": "get", "id": "x", "timeout_s": 5, "nbytes": puts[0]["nbytes"]})
+    assert got["found"] and got["checksum"] == expected(21, shape), got
+    assert health(cons)["pulls"] <= 4
