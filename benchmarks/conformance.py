@@ -143,6 +143,10 @@ def main() -> int:
             refs.append(ask(client, agg.url, c.request(spec.model_name)))
         bad_refs = sum(r.status != 200 for r in refs)
         print(f"aggregated answers: {len(refs) - bad_refs} ok, {bad_refs} refused", flush=True)
+        for c, r in zip(todo, refs, strict=True):
+            if r.status != 200:  # EPD must refuse these the same way (counted equal then)
+                print(f"  refused by aggregated: seed={c.seed} {c.kinds}: {r.status} "
+                      f"{r.error}", flush=True)
         for i, name in enumerate(args.stacks):
             stack = Stack(name, BASE_PORT + 40 * i, spec.model_name, work)
             try:
