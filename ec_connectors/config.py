@@ -196,8 +196,17 @@ class ConsumerSettings(_Settings):
     on_unavailable: Literal["local_encode", "fail"] = "local_encode"
 
 
-class EPDConfig(ConsumerSettings, ProducerSettings, StoreSettings, MooncakeSettings,
-                SafetensorsSettings, CommonSettings):
+class GuardSettings(_Settings):
+    """Every role: what the API server's guard (`server_guard.py`, vLLM's `--middleware`)
+    lets a request hold before vLLM parses it; beyond, 413 or 400 with a reason."""
+
+    guard_max_body_bytes: int = Field(default=512 * MiB, gt=0)
+    guard_max_items: int = Field(default=64, ge=1, le=1024)  # multimodal items per request
+    guard_max_params_bytes: int = Field(default=256 * KiB, ge=1 * KiB)  # ec_transfer_params
+
+
+class EPDConfig(GuardSettings, ConsumerSettings, ProducerSettings, StoreSettings,
+                MooncakeSettings, SafetensorsSettings, CommonSettings):
     """Settings of EPDConnector: the keys of every group, flat, and the connector's own
     wiring. (pydantic orders fields from the last base to the first: CommonSettings' keys
     come first, then each group in turn, then this class's own.)"""

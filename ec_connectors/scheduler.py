@@ -57,6 +57,7 @@ from ec_connectors.protocol.params import (
     item_sources,
     producer_params,
 )
+from ec_connectors.refusals import ReasonBoard, board_dir, classify
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport, dtype_name, tensor_bytes
 from scheduler_hooks.decisions import Verdict, covered, decide, pull_location, unavailable_action
@@ -139,6 +140,8 @@ class EPDSchedulerSide:
         self.engine_cache = EncoderCacheView()  # consumer: items vLLM's encoder cache holds
         self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
         self._unavailable: set[str] = set()
+        # why a request was failed, for the API server's answer (refusals.py)
+        self.reasons = ReasonBoard(board_dir(config.control_dir, engine_id))
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._saved: OrderedDict[str, ItemInfo] = OrderedDict()
         self._last_sweep = time.monotonic()
@@ -446,6 +449,7 @@ class EPDSchedulerSide:
                              "retry it with the raw media" if metadata_only else "")
                 self._unavailable.add(request.request_id)
                 self.stats.inc("failed_requests")
+                self.reasons.post(item_id, classify(why), f"item {item_id[:80]!r}: {why}")
             return
         key = (request.request_id, item_id)
         if key not in self._fallbacks_logged:
@@ -518,6 +522,7 @@ class EPDSchedulerSide:
             return
         self._last_sweep = now
         self._drop(self.staging.sweep(now))
+        self.reasons.sweep(now)
         if self._pending:  # promises nobody asks about any more (their requests left)
             cutoff = now - 2 * self.config.load_timeout_s
             self._pending = {k: t for k, t in self._pending.items() if t > cutoff}

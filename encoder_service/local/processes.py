@@ -63,6 +63,11 @@ def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
     return ["taskset", "-c", str(cpu_core), *cmd]
 
 
+# vLLM's `--middleware` every server gets: the deployment key on every route, bounds on
+# metadata-only items before vLLM allocates anything, a reason on every refusal
+SERVER_GUARD = "ec_connectors.server_guard.ServerGuard"
+
+
 class ServerFailed(RuntimeError):
     pass
 
@@ -195,7 +200,8 @@ class VllmServer(ManagedProcess):
         cmd = [sys.executable, "-m", "encoder_service.local.vllm_cli", "serve", str(self.model),
                "--served-model-name", self.served_name, "--host", "127.0.0.1",
                "--port", str(self.port), "--enforce-eager", "--max-model-len", "1024",
-               "--max-num-seqs", "16", "--runner", "generate", *self.extra_args]
+               "--max-num-seqs", "16", "--runner", "generate", "--middleware", SERVER_GUARD,
+               *self.extra_args]
         if self.model_in_engine_core:
             cmd += ["--distributed-executor-backend", "uni"]
         if self.ec_config is not None:

@@ -35,7 +35,7 @@ def test_groups_combine_into_one_flat_frozen_strict_config():
     from ec_connectors import config as c
 
     groups = [c.CommonSettings, c.SafetensorsSettings, c.MooncakeSettings, c.StoreSettings,
-              c.ProducerSettings, c.ConsumerSettings]
+              c.ProducerSettings, c.ConsumerSettings, c.GuardSettings]
     owned = [k for g in groups for k in g.model_fields]
     assert len(owned) == len(set(owned))  # every key in one group only
     assert list(EPDConfig.model_fields) == [*owned, "control_dir"]  # group order, flat
