@@ -62,7 +62,8 @@ def _torch(tensor: torch.Tensor, compress: bool = False) -> str:
 
 def _sparse_huge() -> str:
     """One non-zero in a (2^20, 2^20) sparse tensor: 4 TiB once densified."""
-    t = torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([1.0]), (1 << 20, 1 << 20))
+    t = torch.sparse_coo_tensor(torch.tensor([[0], [0]]), torch.tensor([1.0]), (1 << 20, 1 << 20),
+                                check_invariants=True)
     return _torch(t)
 
 

@@ -2,7 +2,9 @@
 encoder, a vLLM prefill/decode instance, the gateway) beside an aggregated vLLM server (the
 reference). Through the gateway the decode instance gets metadata-only parts (no media
 bytes); its greedy tokens must equal the aggregated server's. A metadata-only part the decode
-instance cannot get fails that request only, and the engine keeps serving."""
+instance cannot get fails that request only, with a 503 and its reason, and the engine keeps
+serving. Hostile metadata-only requests (tests/hostile.py) sent straight to the decode
+instance end in a 4xx with a reason within 1 s, its memory stays put (server_guard.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
+import psutil
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from ec_connectors import child_process
+from ec_connectors.protocol.keys import item_key
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import (
     audio_part,
@@ -30,6 +36,7 @@ from encoder_service.local.requests import (
 )
 from encoder_service.local.testmodel import SPECS, build
 from tests.helpers import ROOT, WORK, wait_for
+from tests.hostile import HUGE_GRID, grid_part, hostile_request
 
 SPEC = SPECS["qwen-omni"]
 MODEL = SPEC.model_name
@@ -42,6 +49,7 @@ ENCODED = 'epd_gateway_items_total{outcome="encoded"}'
 HITS = 'epd_gateway_items_total{outcome="cache_hit"}'
 # vLLM refuses per-request processor kwargs unless told to trust them (behind the gateway)
 TRUST_KWARGS = ["--trust-request-mm-kwargs"]
+LOAD_TIMEOUT_S = 4  # a promised item that never lands fails its request after this
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +57,10 @@ def cluster(tmp_path_factory):
     model = build(WORK / "models" / MODEL, SPEC)
     work = WORK / "test-qwen-e2e"
     conf = tmp_path_factory.mktemp("up") / "up.json"
+    storage = tmp_path_factory.mktemp("ec-store")
     conf.write_text(json.dumps({
         "model": "qwen-omni", "base_port": UP_PORT, "cpu_cores": [0, 1],
-        "storage_path": str(tmp_path_factory.mktemp("ec-store")),
+        "storage_path": str(storage), "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
         "vllm_args": TRUST_KWARGS, "gateway": {"timeouts": {"encoder_s": 30}}}))
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0,
                      served_name=MODEL, extra_args=TRUST_KWARGS).start()
@@ -72,7 +81,7 @@ def cluster(tmp_path_factory):
 
     try:
         assert wait_for(ready, timeout=420, interval=1.0), "cluster not ready in 420 s"
-        yield {"agg": agg, "client": client}
+        yield {"agg": agg, "client": client, "storage": storage}
     finally:
         client.close()
         agg.stop()
@@ -160,7 +169,8 @@ def test_unknown_metadata_only_item_fails_that_request_only(cluster):
     unknown = [{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 8, 8]},
                 "uuid": "never-encoded-anywhere"}]
     r = post(c, DEC_URL, unknown)
-    assert r.status_code >= 500, r.text  # vLLM's retryable per-request error
+    assert r.status_code == 503, r.text  # the engine failed it; the guard says why
+    assert r.json()["error"]["code"] == "embedding_unavailable", r.text
     # the engine keeps serving: a real request, and then a metadata-only part of an item the
     # encoder made (the decode instance has no media for it at all)
     parts = samples(300)["image"]
@@ -211,3 +221,101 @@ def test_audio_at_every_common_rate_and_layout_equals_the_aggregated_server(clus
         parts = [audio_part(data, fmt.lower())]
         ref = tokens(c, c["agg"].url, parts)
         assert tokens(c, GW, parts) == ref, (rate, channels, fmt)
+
+
+# -- refusals of the decode instance (docs/errors.md) -------------------------------------------
+def _refusal(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["code"], str) and err["message"] and err["type"], err
+    return err["code"]
+
+
+def _encoded(c, seed: int) -> tuple[list[dict], str, dict]:
+    """An image the encoder made (not through the gateway): its parts, id and params."""
+    parts = [image_part(sample_image_png(seed))]
+    r = c["client"].post(ENC_URL + "/v1/chat/completions",
+                         json=parts_body(MODEL, copy.deepcopy(parts), PROMPT, max_tokens=1))
+    params = r.json()["ec_transfer_params"]
+    (item_id, _), = params["epd"]["items"].items()
+    return parts, item_id, params
+
+
+def test_each_decode_instance_refusal_has_its_reason(cluster):
+    c = cluster
+    # unknown model
+    r = c["client"].post(DEC_URL + "/v1/chat/completions",
+                         json=parts_body("no-such-model", [], PROMPT))
+    assert _refusal(r, 404) == "model_not_found"
+    # a grid that does not match the stored embedding (16 tokens; the request says 32)
+    _, item_id, params = _encoded(c, 400)
+    wrong = [grid_part([1, 8, 16], "image", item_id)]
+    assert _refusal(post(c, DEC_URL, wrong, ec_transfer_params=params), 503) \
+        == "embedding_mismatch"
+    # verification failure: the stored file damaged in place (the index still lists it)
+    _, item_id, params = _encoded(c, 401)
+    path, = c["storage"].rglob(item_key(item_id) + ".safetensors")
+    with open(path, "r+b") as f:
+        f.seek(-16, os.SEEK_END)
+        f.write(b"\xff" * 16)
+    r = post(c, DEC_URL, [grid_part([1, 8, 8], "image", item_id)], ec_transfer_params=params)
+    assert _refusal(r, 503) == "embedding_load_failed"
+    assert "missing, corrupt or timed out" in r.json()["error"]["message"]
+    # a promise that never lands: the request waits LOAD_TIMEOUT_S, then fails with why
+    promised = {"epd": {"items": {"never-made": {"pending": True}}}}
+    r = post(c, DEC_URL, [grid_part([1, 8, 8], "image", "never-made")],
+             ec_transfer_params=promised)
+    assert _refusal(r, 503) == "embedding_timeout"
+    # streamed: the error event carries the reason
+    r = post(c, DEC_URL, [grid_part([1, 8, 8], "image", "never-anywhere")], stream=True)
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "embedding_unavailable", r.text
+
+
+def _server_rss(port: int) -> tuple[psutil.Process, int]:
+    """The process listening on `port` (vLLM's API server) and its tree's RSS."""
+    pid = next(conn.pid for conn in psutil.net_connections("tcp")
+               if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid)
+    proc = psutil.Process(pid)
+    return proc, sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+
+
+def test_hostile_metadata_only_requests_end_in_a_4xx_within_a_second(cluster):
+    """The issue's grid [1, 100000, 100000] (it OOM-killed this server), then 500 generated
+    hostile requests: each a 4xx with a reason within 1 s, memory within 1 GiB of the start,
+    the server healthy and answering after."""
+    c = cluster
+    client = httpx.Client(timeout=10)
+    proc, rss0 = _server_rss(UP_PORT + 2)
+    times: list[float] = []
+
+    def refused(body: dict) -> None:
+        t0 = time.perf_counter()
+        r = client.post(DEC_URL + "/v1/chat/completions", json=body)
+        times.append(time.perf_counter() - t0)
+        assert 400 <= r.status_code < 500 and times[-1] < 1.0, (r.status_code, r.text[:300])
+        assert isinstance(r.json()["error"]["code"], str), r.text[:300]
+
+    refused(parts_body(MODEL, [grid_part(HUGE_GRID)], PROMPT))
+
+    @settings(max_examples=500, derandomize=True, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=hostile_request(MODEL))
+    def each(body):
+        refused(body)
+
+    try:
+        each()
+    finally:
+        client.close()
+    _, rss1 = _server_rss(UP_PORT + 2)
+    times.sort()
+    print(f"\n{len(times)} hostile requests: median {times[len(times) // 2] * 1e3:.1f} ms, "
+          f"max {times[-1] * 1e3:.1f} ms; API server tree RSS {rss0 / 2**20:.0f} -> "
+          f"{rss1 / 2**20:.0f} MiB")
+    assert len(times) >= 501 and proc.is_running()
+    assert rss1 - rss0 < 1 << 30
+    assert c["client"].get(DEC_URL + "/health").status_code == 200
+    parts = samples(500)["image"]
+    assert tokens(c, DEC_URL, parts) == tokens(c, c["agg"].url, parts)
