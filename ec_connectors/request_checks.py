@@ -232,11 +232,11 @@ def _add_tokens(out: Checked, tokens: int, bounds: ModelBounds) -> None:
                    f"context is {bounds.max_model_len}", "context_length_exceeded")
 
 
-def _positive_int(value: Any, what: str) -> int:
+def _positive_int(value: Any, what: str, code: str = "bad_metadata") -> int:
     if isinstance(value, list) and len(value) == 1:
         value = value[0]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise _bad(f"{what} must be a positive integer", "bad_metadata")
+        raise _bad(f"{what} must be a positive integer", code)
     return value
 
 
@@ -248,7 +248,7 @@ def _metadata_tokens(name: str, value: Any, kind: str, bounds: ModelBounds) -> i
             value = value[0]  # one row of a batch
         if not isinstance(value, list) or len(value) != 3:
             raise _bad(f"{what} must be three positive integers [t, h, w]", "bad_grid")
-        t, h, w = (_positive_int(v, f"{what} entries") for v in value)
+        t, h, w = (_positive_int(v, f"{what} entries", "bad_grid") for v in value)
         m = bounds.merge_size
         if h % m or w % m:
             raise _bad(f"{what}: h and w must be multiples of the spatial merge size {m}",

@@ -30,6 +30,7 @@ import secrets
 import time
 from typing import Any
 
+import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ec_connectors.config import GuardSettings
@@ -183,20 +184,26 @@ class ServerGuard:
                 ctype = raw.decode("latin-1").lower()
         if ctype and "json" not in ctype:
             return None  # multipart uploads (transcriptions): vLLM reads no parts there
-        try:
-            parsed = json.loads(body)  # the parser vLLM's FastAPI uses: same duplicate keys
-        except RecursionError:
-            raise Refusal(400, "invalid_json", "the request body is nested too deeply") \
-                from None
-        except ValueError as exc:
-            raise Refusal(400, "invalid_json", f"the request body is not valid JSON: {exc}") \
-                from None
+        try:  # msgspec: 4-5x faster; what it refuses (NaN, lone surrogates) json reads as
+            parsed = msgspec.json.decode(body)  # vLLM's FastAPI does (same duplicate keys)
+        except (msgspec.DecodeError, RecursionError):
+            parsed = _json(body)
         return check_request(parsed, self._bounds)
 
     def failure_reason(self, checked: Checked | None, since: float) -> tuple[str, str] | None:
         if checked is None or not checked.item_ids or self._reasons is None:
             return None
         return self._reasons.read(checked.item_ids, since - 0.001)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise Refusal(400, "invalid_json", "the request body is nested too deeply") from None
+    except ValueError as exc:
+        raise Refusal(400, "invalid_json", f"the request body is not valid JSON: {exc}") \
+            from None
 
 
 def _replay(body: bytes, receive: Receive, first: Message | None = None) -> Receive:

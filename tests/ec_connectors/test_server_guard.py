@@ -195,6 +195,10 @@ def test_body_and_json_limits(guarded):
                       headers={"content-type": "application/json"})
     assert _refused(bad, 400) == "invalid_json"
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b', "x": "\\u0041"}'
+    # what msgspec refuses and vLLM's json reads (NaN, a lone surrogate) is read as json does
+    nan = b'{"messages": [{"role": "user", "content": [{"type": "image_embeds", ' \
+        b'"image_embeds": {"image_grid_thw": [1, NaN, 8]}, "uuid": "\\ud800"}]}]}'
+    assert _refused(client.post("/v1/chat/completions", content=nan), 400) == "bad_grid"
     assert _refused(client.post("/v1/chat/completions", content=deep), 400) == "invalid_json"
     assert up.bodies == []
 
