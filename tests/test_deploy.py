@@ -168,3 +168,16 @@ def test_compose_keeps_the_data_plane_on_an_internal_network():
     for name, s in doc["services"].items():
         expected = ["data-plane", "clients"] if name == "gateway" else ["data-plane"]
         assert s["networks"] == expected, name
+
+
+def test_every_vllm_server_loads_the_server_guard():
+    """Bounds on metadata-only items, the key on every route, reasons on refusals
+    (ec_connectors/server_guard.py): the same --middleware `epd up` gives its servers."""
+    from encoder_service.local.processes import SERVER_GUARD
+
+    module, _, name = SERVER_GUARD.rpartition(".")
+    assert callable(getattr(__import__(module, fromlist=[name]), name))
+    servers = vllm_servers()
+    assert len(servers) == 4
+    for server, argv, _ in servers:
+        assert argv[argv.index("--middleware") + 1] == SERVER_GUARD, server
