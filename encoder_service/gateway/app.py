@@ -585,9 +585,8 @@ class Gateway:
                         logger.warning("decode stream broke rid=%s decoder=%s error=%s", rid,
                                        up.url, exc)
                         status = 502
-                        err = {"error": {"message": "the prefill/decode instance broke off "
-                                         f"the stream ({exc})", "type": "upstream_error",
-                                         "code": 502}}
+                        err = GatewayError(502, "the prefill/decode instance broke off "
+                                           f"the stream ({exc})", "decode_broke").body()
                         await send({"type": "http.response.body",  # tell, not a silent cut
                                     "body": b"data: " + _json_encode(err) + b"\n\n"})
                         break

@@ -61,6 +61,7 @@ class Stub:
         self.fail = False
         self.metadata: dict | None = None  # encoder: placeholder metadata it publishes
         self.fail_metadata_only = False  # decoder: fail requests with *_embeds parts
+        self.refusal: tuple[int, dict] | None = None  # decoder: answer this (status, body)
         self.delay = 0.0  # seconds before answering
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -79,6 +80,8 @@ class Stub:
                     "epd": {"items": {i: {"by": self.url, **extra} for i in ids}}}})
             embeds = any(p.get("type", "").endswith("_embeds") for m in body["messages"]
                          for p in m["content"] if isinstance(p, dict))
+            if self.refusal is not None and (embeds or not self.fail_metadata_only):
+                return JSONResponse(self.refusal[1], status_code=self.refusal[0])
             if embeds and self.fail_metadata_only:
                 if not body.get("stream"):  # vLLM: the engine failed the request
                     return JSONResponse({"error": {"message": "Internal server error"}},
@@ -188,6 +191,14 @@ BAD = {
 }
 
 
+# each refusal's machine-readable reason (docs/errors.md)
+CODES = {"malformed base64": "bad_base64", "non-image bytes": "not_an_image",
+         "oversized media item": "media_too_large", "oversized request": "request_too_large",
+         "http URL (disabled)": "url_disabled", "file URL": "bad_url",
+         "unknown part type": "bad_part", "audio on an image model": "modality_disabled",
+         "other model": "unknown_model", "not an object": "bad_request"}
+
+
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gets_a_clear_4xx_and_no_upstream_call(gw, stubs, case):
     make, status, words = BAD[case]
@@ -196,12 +207,16 @@ def test_bad_input_gets_a_clear_4xx_and_no_upstream_call(gw, stubs, case):
     r = post(gw, make())
     assert r.status_code == status, r.text
     assert words in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == CODES[case]
+    assert r.json()["error"]["type"] == ("not_found_error" if status == 404
+                                         else "invalid_request_error")
     assert (len(enc.calls), len(dec.calls)) == before
 
 
 def test_invalid_json_is_a_400(gw, stubs):
     r = httpx.post(gw.url + "/v1/chat/completions", content=b"{nope", timeout=10)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "bad_json"
     assert metric(gw, "epd_gateway_rejected_total") >= 1
 
 
@@ -215,6 +230,7 @@ def test_forbidden_destinations_when_urls_are_enabled(stubs):
             r = post(g, body_with_url(url))
             assert r.status_code == 403, (url, r.text)
             assert "non-public address" in r.json()["error"]["message"]
+            assert r.json()["error"]["code"] == "forbidden_url"
         assert (len(enc.calls), len(dec.calls)) == before
     finally:
         g.stop()
@@ -366,6 +382,7 @@ def test_decoder_failure_before_first_byte_retries_on_another(stubs):
     try:
         r = post(g, chat_body(MODEL, sample_image_png(33), "x"))
         assert r.status_code == 502 and "no prefill/decode instance" in r.text
+        assert r.json()["error"]["code"] == "decode_unavailable"
     finally:
         g.stop()
 
@@ -515,6 +532,27 @@ def test_metadata_only_failure_is_retried_once_with_raw_media(meta_stubs):
     assert metric(g, "epd_gateway_raw_retries_total") == 2
 
 
+EMBEDDING_UNAVAILABLE = (503, {"error": {
+    "message": "item 'x': not in the transport. The request names an embedding this server "
+               "could not use and carries no media to encode it from", "type":
+    "service_unavailable_error", "code": "embedding_unavailable"}})  # the decode's guard
+
+
+def test_a_decode_instance_refusal_with_a_reason(meta_stubs):
+    """A metadata-only request the decode instance answers with 503 embedding_unavailable
+    (server_guard.py) is asked again with the raw media: the client gets the answer. A
+    request with its media that is refused anyway gets the decode instance's reason."""
+    enc, dec, g = meta_stubs
+    dec.fail_metadata_only, dec.refusal = True, EMBEDDING_UNAVAILABLE
+    n = len(dec.calls)
+    r = post(g, parts_request(image_part(sample_image_png(45))))
+    assert r.status_code == 200, r.text
+    assert len(dec.calls) == n + 2 and metric(g, "epd_gateway_raw_retries_total") == 1
+    dec.fail_metadata_only = False  # now the raw request is refused too
+    r = post(g, parts_request(image_part(sample_image_png(46))))
+    assert r.status_code == 503 and r.json() == EMBEDDING_UNAVAILABLE[1]
+
+
 def test_video_frame_lists_audio_and_processor_kwargs(stubs):
     enc, dec = stubs
     g = gateway([enc.url], [dec.url])
@@ -577,6 +615,7 @@ def test_requests_beyond_the_concurrency_limit_get_429_with_retry_after():
         refused = next(r for r in answers if r.status_code == 429)
         assert refused.headers["retry-after"] == "1"
         assert "max_concurrent_requests" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["code"] == "overloaded"
         assert post(g, body).status_code == 200  # slots come back
     finally:
         g.stop()
@@ -596,6 +635,7 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(stubs):
             reply = sock.recv(4096).decode()
             assert time.monotonic() - t0 < 3
         assert reply.startswith("HTTP/1.1 408"), reply
+        assert '"code":"body_timeout"' in reply.replace(" ", "")
         assert metric(g, 'epd_gateway_rejected_total{reason="body_timeout"}') == 1
     finally:
         g.stop()
