@@ -188,7 +188,28 @@ BAD = {
     "other model": (lambda: {**body_with_url(data_url(sample_image_png(1))), "model": "gpt"},
                     404, "not served here"),
     "not an object": (lambda: [1, 2], 400, "JSON object"),
+    "too many pixels": (lambda: body_with_url(data_url(_png((4100, 4100), "1"))), 413,
+                        "the limit is"),
+    "too many items": (lambda: {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(_png((8, 8)))}}] * 17}]}, 400,
+        "more than 16 media items"),
+    "processor kwargs not an object": (lambda: {**body_with_url(data_url(_png((8, 8)))),
+                                                "mm_processor_kwargs": "x"}, 400,
+                                       "must be an object"),
+    "processor kwargs too large": (lambda: {**body_with_url(data_url(_png((8, 8)))),
+                                            "mm_processor_kwargs": {"x": "y" * 5000}}, 413,
+                                   "larger than"),
+    "data URL without base64": (lambda: body_with_url("data:image/png,abc"), 400,
+                                "data:<mime>;base64"),
 }
+
+
+def _png(size: tuple[int, int], mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size).save(buf, "PNG")
+    return buf.getvalue()
 
 
 # each refusal's machine-readable reason (docs/errors.md)
@@ -196,7 +217,11 @@ CODES = {"malformed base64": "bad_base64", "non-image bytes": "not_an_image",
          "oversized media item": "media_too_large", "oversized request": "request_too_large",
          "http URL (disabled)": "url_disabled", "file URL": "bad_url",
          "unknown part type": "bad_part", "audio on an image model": "modality_disabled",
-         "other model": "unknown_model", "not an object": "bad_request"}
+         "other model": "unknown_model", "not an object": "bad_request",
+         "too many pixels": "image_too_large", "too many items": "too_many_items",
+         "processor kwargs not an object": "bad_kwargs",
+         "processor kwargs too large": "kwargs_too_large",
+         "data URL without base64": "bad_data_url"}
 
 
 @pytest.mark.parametrize("case", list(BAD))
