@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +54,7 @@ from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
 from encoder_service.encoder_pool.publish import Publisher
 from encoder_service.gateway.auth import RequireKey
+from encoder_service.gateway.errors import error_type
 
 if TYPE_CHECKING:
     from ec_connectors.config import EPDConfig
@@ -79,10 +81,20 @@ class ReleaseRequest(BaseModel):
     keep: bool | None = None
 
 
-def _error(status: int, message: str, retry_after: float | None = None,
+def _error(status: int, code: str, message: str, retry_after: float | None = None,
            **extra: Any) -> JSONResponse:
+    """A refusal in OpenAI's error shape with its machine-readable `code` (docs/errors.md)."""
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": error_type(status),
+                                   "code": code}, **extra}, status_code=status,
+                        headers=headers)
+
+
+async def _invalid(_request: Any, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 for a body that breaks the schema, as a 400 in the same shape."""
+    where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}"
+                      for e in exc.errors()[:5])
+    return _error(400, "invalid_request", f"bad encode request: {where}")
 
 
 def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -> EncoderPool:
@@ -121,6 +133,7 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
             publisher.close()
 
     app = FastAPI(title="epd encoder pool", lifespan=lifespan)
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
     app.state.pool, app.state.publisher, app.state.config = pool, publisher, config
     key = server_api_key(transport.secret_file)
     if key is not None:  # an encoder of the deployment, as its vLLM servers: keyed
@@ -149,22 +162,22 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
         policy = req.on_failure or config.on_failure
         timeout = req.timeout_s or config.item_timeout_s
         if len(req.items) > config.max_items_per_request:
-            return _error(400, f"{len(req.items)} items; the limit is "
+            return _error(400, "too_many_items", f"{len(req.items)} items; the limit is "
                                f"{config.max_items_per_request}")
         ids = [it.id for it in req.items]
         if len(set(ids)) != len(ids):
-            return _error(400, "item ids must be unique within a request")
+            return _error(400, "duplicate_ids", "item ids must be unique within a request")
         for item_id in ids:
             try:
                 item_key(item_id)
             except InvalidItemId as exc:
-                return _error(400, f"bad item id: {exc}")
+                return _error(400, "bad_item_id", f"bad item id: {exc}")
             if not signer.vouched(item_id):  # the pool publishes: never under a client's name
-                return _error(403, f"item id {item_id[:80]!r} is not signed with the "
-                                   "deployment secret (the gateway signs the ids it derives)")
+                return _error(403, "unsigned_id", f"item id {item_id[:80]!r} is not signed "
+                              "with the deployment secret (the gateway signs the ids it derives)")
         items, bad = await asyncio.to_thread(door, req)
         if bad and policy == "fail":
-            return _error(400, "; ".join(str(e) for e in bad.values()),
+            return _error(400, "bad_media", "; ".join(str(e) for e in bad.values()),
                           items={k: e.reason for k, e in bad.items()})
         # admission: all or nothing for the queue; budget refusals stop the rest
         need: dict[str, int] = {}
@@ -173,16 +186,17 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
         for modality, n in need.items():
             if pool.free_slots(modality) < n:
                 pool.stats.rejected["queue_full"] = pool.stats.rejected.get("queue_full", 0) + 1
-                return _error(429, f"{modality} queue is full; retry later",
+                return _error(429, "queue_full", f"{modality} queue is full; retry later",
                               config.retry_after_s)
         futures = {}
         try:
             for it in items:
                 futures[it.item_id] = pool.submit(it, timeout, keep=req.keep)
         except Overloaded as exc:
-            return _error(429, str(exc), exc.retry_after_s)
+            return _error(429, "overloaded", str(exc), exc.retry_after_s)
         except BudgetExceeded as exc:
-            return _error(503, f"encoder memory budget is full: {exc}", config.retry_after_s)
+            return _error(503, "over_budget", f"encoder memory budget is full: {exc}",
+                          config.retry_after_s)
         failures: dict[str, tuple[str, str]] = {k: ("bad_media", e.reason) for k, e in bad.items()}
 
         async def finish(item_id: str, fut: asyncio.Future):
@@ -222,7 +236,8 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
                 out_items[item_id] = {"status": "failed", "code": code, "error": reason}
         if failures and policy == "fail":
             status = 504 if all(c == "timeout" for c, _ in failures.values()) else 500
-            return _error(status, "; ".join(f"item {k!r}: {r}" for k, (_, r) in failures.items()),
+            return _error(status, "encode_timeout" if status == 504 else "encode_failed",
+                          "; ".join(f"item {k!r}: {r}" for k, (_, r) in failures.items()),
                           items=out_items)
         return JSONResponse({"items": out_items, "ec_transfer_params": params,
                              "fallback": "text_only" if failures else None})

@@ -112,9 +112,10 @@ def test_bad_media_rejected_at_the_door_or_text_only_fallback(pool_server):
         r = s.client.post("/v1/encode", json={"on_failure": "fail", "items": [
             {"id": "ok-1", "data": b64(good)}, {"id": name, "data": data}]})
         assert r.status_code == 400, (name, r.text)
-        assert f"'{name}'" in r.json()["error"]
+        assert f"'{name}'" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "bad_media"
     assert "pixels" in s.client.post("/v1/encode", json={"on_failure": "fail", "items": [
-        {"id": "big", "data": cases["big"]}]}).json()["error"]
+        {"id": "big", "data": cases["big"]}]}).json()["error"]["message"]
     r = s.client.post("/v1/encode", json={"items": [  # server default policy: text_only
         {"id": "ok-2", "data": b64(good)}, {"id": "truncated", "data": cases["truncated"]}]})
     assert r.status_code == 200
@@ -126,10 +127,15 @@ def test_bad_media_rejected_at_the_door_or_text_only_fallback(pool_server):
     too_big = "A" * 600_000
     r = s.client.post("/v1/encode", json={"on_failure": "fail",
                                           "items": [{"id": "huge", "data": too_big}]})
-    assert r.status_code == 400 and "limit" in r.json()["error"]
-    for bad in ({"items": []}, {"items": [{"id": "a", "data": "x", "extra": 1}]},
-                {"items": [{"id": "a", "data": "AA=="}, {"id": "a", "data": "AA=="}]}):
-        assert s.client.post("/v1/encode", json=bad).status_code in (400, 422)
+    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
+    for bad, code in (({"items": []}, "invalid_request"),
+                      ({"items": [{"id": "a", "data": "x", "extra": 1}]}, "invalid_request"),
+                      ({"items": [{"id": "a", "data": "AA=="}] * 2}, "duplicate_ids"),
+                      ({"items": [{"id": f"i{k}", "data": "AA=="} for k in range(65)]},
+                       "too_many_items")):
+        r = s.client.post("/v1/encode", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_metrics_follow_the_lifecycle_and_release_discards(pool_server):
@@ -210,7 +216,9 @@ def test_full_queue_answers_429_with_retry_after(model, tmp_path):
         refused, first, others = asyncio.run(go())
     assert first.status_code == 200 and [r.status_code for r in others] == [200, 200]
     assert refused.status_code == 429, refused.text
-    assert refused.headers["Retry-After"] == "2" and "queue is full" in refused.json()["error"]
+    assert refused.headers["Retry-After"] == "2"
+    assert "queue is full" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["code"] == "queue_full"
 
 
 def test_config_errors_are_clear(model, tmp_path):
@@ -318,7 +326,18 @@ def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path, mon
         assert c.get("/v1/stats", headers=key).json()["items_encoded"] == 0  # nothing ran
         c.headers.update(key)
         r = c.post("/v1/encode", json={"items": [{"id": "image-b", "data": b64(png(112))}]})
-        assert r.status_code == 403 and "not signed" in r.json()["error"]
+        assert r.status_code == 403 and "not signed" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "unsigned_id"
         signed = IdSigner(read_secret(secret)).sign("image-b")
         r = c.post("/v1/encode", json={"items": [{"id": signed, "data": b64(png(112))}]})
         assert r.status_code == 200 and r.json()["items"][signed]["status"] == "ok"
+
+
+def test_a_full_memory_budget_is_a_503_with_its_reason(model, tmp_path):
+    cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "cpu_budget_bytes": 1,
+                                "transport": {"storage_path": str(tmp_path)}})
+    with Served(create_app(cfg), 18414) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        r = c.post("/v1/encode", json={"items": [{"id": "a", "data": b64(png(112))}]})
+    assert r.status_code == 503 and r.headers["Retry-After"], r.text
+    assert r.json()["error"]["code"] == "over_budget"
+    assert r.json()["error"]["type"] == "service_unavailable_error"
