@@ -322,7 +322,7 @@ class Deployment:
             raise UpError(str(exc)) from None
 
     def trust_lines(self) -> list[str]:
-        """What `epd up` says about keys at start (never a key itself)."""
+        """What `epd up` says about keys and listeners at start (never a key itself)."""
         cfg, gw = self.cfg, self.gateway_cfg
         assert gw is not None
         if cfg.secret_path and read_secret(cfg.secret_path) is not None:
@@ -338,7 +338,15 @@ class Deployment:
                    if n else f"gateway: no client API key, anyone who reaches {self.url} can "
                    "use it; set gateway.api_keys_file (one key per line) or gateway.api_keys "
                    "in the config, or $EPD_GATEWAY_API_KEY")
-        return [servers, clients]
+        lines = [servers, clients]
+        if cfg.uses_te or cfg.uses_store:  # Mooncake cannot be told their address
+            master = (f", as the Store master's HTTP metadata server "
+                      f"(:{ports.master_http_port(cfg.master_port)}) "
+                      "does" if cfg.uses_store else "")
+            lines.append("the Mooncake Transfer Engine's own listeners (two per Mooncake "
+                         "process, random ports in 15000-17000 by default) bind every "
+                         f"interface{master}: firewall them on a shared host (docs/trust.md)")
+        return lines
 
     @property
     def mooncake_producers(self) -> list[str]:

@@ -275,9 +275,10 @@ def test_with_a_secret_every_server_requires_the_derived_key_from_its_environmen
             assert not [a for a in s.command() if key in a or "api-key" in a]  # never argv
         assert "VLLM_API_KEY" not in dep.master.env  # the store master takes no key
         assert dep.gateway_cfg.secret_file == str(secret)  # it presents the same key
-        servers, clients = dep.trust_lines()
+        servers, clients, listeners = dep.trust_lines()
         assert f"deployment secret {secret}" in servers and key not in servers
         assert "no client API key" in clients
+        assert "bind every interface" in listeners and "docs/trust.md" in listeners
     # without a secret: no key (an inherited one is cleared, the gateway could not present
     # it), loopback only, and said so
     dep = Deployment(UpConfig(base_port=18630, gateway={"api_keys": ["c1", "c2"]}), tmp_path)
@@ -285,7 +286,7 @@ def test_with_a_secret_every_server_requires_the_derived_key_from_its_environmen
     assert all(s.env["VLLM_API_KEY"] == "" for s in dep.servers)
     assert all("--host" in (cmd := s.command()) and cmd[cmd.index("--host") + 1] == "127.0.0.1"
                for s in dep.servers)
-    servers, clients = dep.trust_lines()
+    servers, clients = dep.trust_lines()  # safetensors: no Mooncake listener to mention
     assert "127.0.0.1 only" in servers and "take no API key" in servers
     assert "(2 key(s))" in clients and "c1" not in clients
     open_secret = tmp_path / "open"
