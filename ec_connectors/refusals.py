@@ -116,10 +116,16 @@ class ReasonBoard:
                 return record["code"], str(record.get("message", ""))
         return None
 
-    def sweep(self, now: float | None = None) -> None:
+    def sweep(self, now: float | None = None, keep_s: float = _KEEP_S) -> None:
         now = time.monotonic() if now is None else now
         for name, at in list(self._posted.items()):
-            if now - at > _KEEP_S:
+            if now - at > keep_s:
                 del self._posted[name]
                 with contextlib.suppress(OSError):
                     (self.dir / name).unlink()
+
+    def close(self) -> None:
+        """The engine stops: its reasons go, and the directory when nobody else's are left."""
+        self.sweep(keep_s=-1.0)
+        with contextlib.suppress(OSError):
+            self.dir.rmdir()

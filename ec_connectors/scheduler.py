@@ -599,3 +599,4 @@ class EPDSchedulerSide:
         self.index.close()
         self.channel.close()
         self.transport.close()
+        self.reasons.close()

@@ -289,3 +289,6 @@ def test_reason_codes_and_board(tmp_path):
     assert board.read(["zzz", "a"], t0) == ("embedding_unavailable", "why")
     board.sweep(now=time.monotonic() + 61)
     assert board.read(["a"], t0) is None and list(board.dir.iterdir()) == []
+    board.post("b", "embedding_timeout", "why")
+    board.close()  # the engine stops: nothing of it is left
+    assert not board.dir.exists()
