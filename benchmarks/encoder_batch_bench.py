@@ -55,7 +55,7 @@ def main() -> None:
           f"{args.seconds:.0f} s per batch size")
     base = None
     for bs in args.batch_sizes:
-        items = [MediaItem(item_id=f"b{i}", modality="image", image=images[i])
+        items = [encoder.prepare(MediaItem(item_id=f"b{i}", modality="image", media=images[i]))
                  for i in range(bs)]
         rate = images_per_s(encoder, items, args.seconds, sync)
         base = base or rate

@@ -1,8 +1,10 @@
 """HTTP front of the encoder pool (FastAPI + uvicorn): `epd encoder --model DIR ...`.
 
 POST /v1/encode   {"items": [{"id", "modality": "image" | "video" | "audio",
-                               "data": base64 | data URL}],   (video: a JPEG frame list
-                   data:video/jpeg;base64,<f1>,<f2>,...; audio: 16 kHz wav/flac/mp3/ogg)
+                               "data": base64 | data URL}],   (video: a data URL, a JPEG
+                   frame list data:video/jpeg;base64,<f1>,<f2>,... or a container; audio:
+                   what vLLM decodes, wav/flac/mp3/ogg at any rate; all decoded and
+                   preprocessed by vLLM's own code: models.py)
                    "timeout_s"?, "keep"?, "on_failure"?: "text_only" | "fail"}
   200: {"items": {id: {"status": "ok", "num_embeds", "shape", "dtype", ...}
                   | {"status": "failed", "code", "error"}},
@@ -46,8 +48,8 @@ from encoder_service.encoder_pool.media import (
     BadMedia,
     MediaItem,
     decode_audio,
-    decode_frames,
     decode_image,
+    decode_video,
     payload_bytes,
 )
 from encoder_service.encoder_pool.metrics import make_registry
@@ -139,6 +141,9 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
     if key is not None:  # an encoder of the deployment, as its vLLM servers: keyed
         app.add_middleware(RequireKey, keys=[key], prefixes=("/v1",))
 
+    encoder = pool.workers[0].encoder  # preprocessing is the same on every device
+    video_processor = getattr(encoder, "video_processor", None)  # picks vLLM's video loader
+
     def door(req: EncodeRequest) -> tuple[list[MediaItem], dict[str, BadMedia]]:
         items, bad = [], {}
         for it in req.items:
@@ -147,12 +152,13 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
                     raise BadMedia(it.id, f"modality {it.modality!r} is not served "
                                           f"(served: {', '.join(pool.modalities)})")
                 if it.modality == "video":
-                    items.append(decode_frames(it.id, it.data, config.max_media_bytes,
-                                               config.max_image_pixels))
-                    continue
-                raw = payload_bytes(it.id, it.data, config.max_media_bytes)
-                items.append(decode_audio(it.id, raw) if it.modality == "audio" else
-                             decode_image(it.id, raw, config.max_image_pixels))
+                    item = decode_video(it.id, it.data, config.max_media_bytes,
+                                        config.max_image_pixels, video_processor)
+                else:
+                    raw = payload_bytes(it.id, it.data, config.max_media_bytes)
+                    item = (decode_audio(it.id, raw) if it.modality == "audio" else
+                            decode_image(it.id, raw, config.max_image_pixels))
+                items.append(encoder.prepare(item))  # vLLM's processor: exact token count
             except BadMedia as exc:
                 bad[it.id] = exc
         return items, bad

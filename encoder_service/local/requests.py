@@ -20,27 +20,65 @@ def sample_image_png(seed: int, size: int = 112) -> bytes:
     return buf.getvalue()
 
 
-def sample_frames(seed: int, n: int = 4, size: int = 112) -> list[bytes]:
-    """`n` deterministic JPEG frames (a short video)."""
+def _frame_arrays(seed: int, n: int, width: int, height: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    base = rng.random((size, size, 3)) * 255
+    base = rng.random((height, width, 3)) * 255
+    return [np.roll(base, 4 * i, axis=1).astype("uint8") for i in range(n)]
+
+
+def sample_frames(seed: int, n: int = 4, size: int = 112, width: int | None = None,
+                  height: int | None = None) -> list[bytes]:
+    """`n` deterministic JPEG frames (a short video), `size` square or `width` x `height`."""
     frames = []
-    for i in range(n):
+    for arr in _frame_arrays(seed, n, width or size, height or size):
         buf = io.BytesIO()
-        Image.fromarray(np.roll(base, 4 * i, axis=1).astype("uint8")).save(buf, format="JPEG")
+        Image.fromarray(arr).save(buf, format="JPEG")
         frames.append(buf.getvalue())
     return frames
 
 
+def sample_mp4(seed: int, n: int = 4, width: int = 112, height: int = 112,
+               fps: float = 2.0) -> bytes:
+    """The frames of `sample_frames` as an mp4 container (opencv's mp4v) at `fps`."""
+    import os
+    import tempfile
+
+    import cv2
+
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
+        for arr in _frame_arrays(seed, n, width, height):
+            out.write(cv2.cvtColor(arr, cv2.COLOR_RGB2BGR))
+        out.release()
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(path)
+
+
 def sample_wav(seed: int, seconds: float = 2.0, rate: int = 16000) -> bytes:
     """A deterministic mono 16-bit WAV: a tone plus noise."""
+    return sample_audio(seed, seconds, rate)
+
+
+AUDIO_SUBTYPES = {"WAV": "PCM_16", "FLAC": "PCM_16", "OGG": "VORBIS", "MP3": "MPEG_LAYER_III"}
+
+
+def sample_audio(seed: int, seconds: float = 2.0, rate: int = 16000, channels: int = 1,
+                 fmt: str = "WAV") -> bytes:
+    """A deterministic tone plus noise at `rate` Hz, `channels` channels, as `fmt` (WAV, FLAC,
+    OGG or MP3: what libsndfile writes)."""
     import soundfile
 
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * rate)) / rate
-    wave = 0.3 * np.sin(2 * np.pi * (200 + 30 * seed) * t) + 0.05 * rng.standard_normal(t.size)
+    tone = 0.3 * np.sin(2 * np.pi * (200 + 30 * seed) * t)
+    wave = tone[:, None] + 0.05 * rng.standard_normal((t.size, channels))
     buf = io.BytesIO()
-    soundfile.write(buf, wave.astype("float32"), rate, format="WAV", subtype="PCM_16")
+    soundfile.write(buf, wave.astype("float32") if channels > 1 else wave[:, 0].astype(
+        "float32"), rate, format=fmt, subtype=AUDIO_SUBTYPES[fmt])
     return buf.getvalue()
 
 
@@ -52,8 +90,11 @@ def image_part(image: bytes, mime: str = "image/png") -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": data_url(image, mime)}}
 
 
-def video_part(frames: list[bytes]) -> dict[str, Any]:
-    """A video as vLLM's JPEG frame list (`data:video/jpeg;base64,<f1>,<f2>,...`)."""
+def video_part(frames: list[bytes] | bytes, mime: str = "video/mp4") -> dict[str, Any]:
+    """A video as vLLM's JPEG frame list (`data:video/jpeg;base64,<f1>,<f2>,...`) when
+    `frames` is a list, else a container of type `mime`."""
+    if isinstance(frames, bytes):
+        return {"type": "video_url", "video_url": {"url": data_url(frames, mime)}}
     url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
     return {"type": "video_url", "video_url": {"url": url}}
 

@@ -55,7 +55,7 @@ class FakeEncoder:
 
 
 def image(item_id: str, side: int = 64) -> MediaItem:
-    return MediaItem(item_id, "image", image=Image.new("RGB", (side, side)))
+    return MediaItem(item_id, "image", media=Image.new("RGB", (side, side)))
 
 
 def make_pool(*encoders, budget=1 << 20, **kw) -> EncoderPool:
@@ -241,7 +241,7 @@ def test_unknown_modality_is_a_clear_error():
 
     async def go():
         with pytest.raises(ValueError, match="modality 'video' is not served"):
-            pool.submit(MediaItem("v", "video", frames=(Image.new("RGB", (8, 8)),)), 1)
+            pool.submit(MediaItem("v", "video"), 1)
 
     run(go, pool)
 

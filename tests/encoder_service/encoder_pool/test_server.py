@@ -1,5 +1,6 @@
 """The encoder pool server over real HTTP (uvicorn on a port), with the real tiny-LLaVA
-encoder and the real safetensors transport. No vLLM here (see test_pool_e2e_vllm.py)."""
+encoder (vLLM's own, in-process) and the real safetensors transport. No vLLM server here
+(see tests/e2e/test_encoder_pool*.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.params import item_sources
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
-from encoder_service.encoder_pool.media import MediaItem, decode_image
-from encoder_service.encoder_pool.models import LlavaEncoder
+from encoder_service.encoder_pool.media import decode_image
+from encoder_service.encoder_pool.models import load_encoder
 from encoder_service.encoder_pool.server import build_pool, create_app, main, parse_config
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import sample_image_png
@@ -68,15 +69,15 @@ def test_encode_publishes_what_the_encoder_computes(pool_server, model):
     assert set(item_sources(body["ec_transfer_params"])) == set(imgs)
     assert body["ec_transfer_params"]["epd"]["namespace"] == NS
     reader = SafetensorsTransport(s.storage, NS, 1 << 30)
-    ref = LlavaEncoder(model)
+    ref = load_encoder(model)
     for item_id, data in imgs.items():
         info = body["items"][item_id]
         assert info["status"] == "ok" and info["shape"] == [64, 128]
         assert info["dtype"] == "bfloat16" and info["num_embeds"] == 64
         stored = reader.get(item_id, deadline=time.monotonic() + 5)
-        expected = ref.encode([decode_image(item_id, data, 10**6)])[0]
+        expected = ref.encode([ref.prepare(decode_image(item_id, data, 10**6))])[0]
         assert stored is not None and stored.dtype == torch.bfloat16
-        torch.testing.assert_close(stored, expected, rtol=0.02, atol=0.02)
+        assert torch.equal(stored, expected)  # the same code on the same input
     # the same image again: served from memory, no new encode
     before = s.client.get("/v1/stats").json()
     r = s.client.post("/v1/encode", json={"items": [{"id": "img-0", "data": b64(imgs["img-0"])}]})
@@ -166,6 +167,9 @@ class SlowEncoder:
         self.modalities, self.hidden_size = real.modalities, real.hidden_size
         self.dtype, self.device = real.dtype, real.device
 
+    def prepare(self, item):
+        return self.real.prepare(item)
+
     def estimate_tokens(self, *a, **k):
         return self.real.estimate_tokens(*a, **k)
 
@@ -181,7 +185,7 @@ def test_full_queue_answers_429_with_retry_after(model, tmp_path):
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "max_batch_size": 1,
                                 "max_wait_ms": 0, "max_queue_items": 1, "retry_after_s": 2,
                                 "transport": {"storage_path": str(tmp_path)}})
-    pool = build_pool(cfg, encoders=[SlowEncoder(LlavaEncoder(model), 1.0)])
+    pool = build_pool(cfg, encoders=[SlowEncoder(load_encoder(model), 1.0)])
     with Served(create_app(cfg, pool), 18411) as s:
         async def go():
             async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
@@ -253,9 +257,8 @@ def test_config_file_json_or_toml_under_flags(model, tmp_path, capsys):
     assert "nope.toml does not exist" in capsys.readouterr().err
 
 
-def test_qwen_pool_serves_images_and_frame_list_videos_with_their_metadata(tmp_path):
-    from encoder_service.encoder_pool.models import Qwen25VLEncoder
-    from encoder_service.local.requests import sample_frames, video_part
+def test_qwen_pool_serves_images_frame_lists_and_containers_with_their_metadata(tmp_path):
+    from encoder_service.local.requests import sample_frames, sample_mp4, video_part
 
     spec = SPECS["qwen-vl"]
     qmodel = build(WORK / "models" / spec.model_name, spec)
@@ -263,10 +266,12 @@ def test_qwen_pool_serves_images_and_frame_list_videos_with_their_metadata(tmp_p
                                 "transport": {"storage_path": str(tmp_path)}})
     with Served(create_app(cfg), 18411) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         video = video_part(sample_frames(5, n=3, size=112))["video_url"]["url"]
+        mp4 = video_part(sample_mp4(6, n=5, width=112, height=112, fps=4))["video_url"]["url"]
         r = c.post("/v1/encode", json={"items": [
             {"id": "img", "data": b64(png(140, 1))},
             {"id": "vid", "modality": "video", "data": video},
-            {"id": "mp4", "modality": "video", "data": "data:video/mp4;base64,AAAA"}]})
+            {"id": "mp4", "modality": "video", "data": mp4},
+            {"id": "junk", "modality": "video", "data": "data:video/mp4;base64,AAAA"}]})
         assert r.status_code == 200, r.text
         items = r.json()["items"]
         assert items["img"]["metadata"] == {"image_grid_thw": [1, 10, 10]}
@@ -274,15 +279,16 @@ def test_qwen_pool_serves_images_and_frame_list_videos_with_their_metadata(tmp_p
         # 3 frames -> 2 temporal patches (the last frame repeated), 8x8 patches each
         assert items["vid"]["metadata"] == {"video_grid_thw": [2, 8, 8]}
         assert items["vid"]["num_embeds"] == 32
-        assert items["mp4"]["status"] == "failed" and "frame list" in items["mp4"]["error"]
-        enc = Qwen25VLEncoder(qmodel)
-        frame = Image.new("RGB", (112, 112))
-        assert enc.estimate_tokens(MediaItem("i", "image", image=frame.resize((140, 140)))) == 25
-        assert enc.estimate_tokens(MediaItem("v", "video", frames=(frame,) * 3)) == 32
+        # 5 frames in an mp4: vLLM's loader for Qwen2VLVideoProcessor keeps 4 (the pool
+        # picks the loader vLLM's front end picks for the model's video processor)
+        assert items["mp4"]["metadata"] == {"video_grid_thw": [2, 8, 8]}
+        assert items["mp4"]["num_embeds"] == 32
+        assert items["junk"]["status"] == "failed"
+        assert "cannot decode video" in items["junk"]["error"]
 
 
-def test_omni_pool_encodes_16khz_audio_and_refuses_other_rates(tmp_path):
-    from encoder_service.local.requests import sample_wav
+def test_omni_pool_resamples_audio_as_vllm_and_refuses_junk(tmp_path):
+    from encoder_service.local.requests import sample_audio
 
     spec = SPECS["qwen-omni"]
     omodel = build(WORK / "models" / spec.model_name, spec)
@@ -290,16 +296,18 @@ def test_omni_pool_encodes_16khz_audio_and_refuses_other_rates(tmp_path):
                                 "transport": {"storage_path": str(tmp_path)}})
     with Served(create_app(cfg), 18412) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         r = c.post("/v1/encode", json={"items": [
-            {"id": "a16", "modality": "audio", "data": b64(sample_wav(1, seconds=2.0))},
+            {"id": "a16", "modality": "audio", "data": b64(sample_audio(1, seconds=2.0))},
             {"id": "a44", "modality": "audio",
-             "data": b64(sample_wav(2, seconds=1.0, rate=44100))},
+             "data": b64(sample_audio(2, 1.0, rate=44100, channels=2, fmt="FLAC"))},
             {"id": "junk", "modality": "audio", "data": b64(b"RIFF" + b"x" * 64)}]})
         assert r.status_code == 200, r.text
         items = r.json()["items"]
         # 2 s at 16 kHz: 200 mel frames -> 50 embeddings after the encoder's two strides
         assert items["a16"]["metadata"] == {"audio_feature_lengths": [200]}
         assert items["a16"]["num_embeds"] == 50
-        assert items["a44"]["status"] == "failed" and "16000 Hz" in items["a44"]["error"]
+        # 1 s at 44.1 kHz stereo: resampled to 16 kHz mono as vLLM does, 100 mel frames
+        assert items["a44"]["metadata"] == {"audio_feature_lengths": [100]}
+        assert items["a44"]["num_embeds"] == 25
         assert items["junk"]["status"] == "failed" and "cannot decode" in items["junk"]["error"]
 
 
