@@ -261,6 +261,13 @@ def _metadata_tokens(name: str, value: Any, kind: str, bounds: ModelBounds) -> i
         tokens = (((frames - 1) // 2 + 1) - 2) // 2 + 1 if frames <= 8 * limit else limit + 1
         if tokens < 1:
             raise _bad(f"{what}: {frames} frames make no audio token", "bad_metadata")
+    elif name == "timestamps":  # Qwen3-VL video: seconds of each temporal patch (as text)
+        values = value if isinstance(value, list) else [value]
+        if not 1 <= len(values) <= limit or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1e6
+                for v in values):
+            raise _bad(f"{what} must be 1 to {limit} numbers of seconds", "bad_metadata")
+        tokens = len(values)  # at least one text token each
     else:
         raise _bad(f"{what}: this server cannot bound that field", "bad_metadata")
     if tokens > limit:

@@ -292,3 +292,20 @@ def test_reason_codes_and_board(tmp_path):
     board.post("b", "embedding_timeout", "why")
     board.close()  # the engine stops: nothing of it is left
     assert not board.dir.exists()
+
+
+def test_qwen3_video_timestamps_are_bounded():
+    """Qwen3-VL's video metadata also holds `timestamps` (seconds, rendered as text)."""
+    from ec_connectors.refusals import Refusal
+    from ec_connectors.request_checks import check_request
+
+    q3 = ModelBounds(1024, frozenset({"image", "video"}), {"video": {
+        "video_embeds": "values", "video_grid_thw": "metadata", "timestamps": "metadata"}},
+        256, 2)
+    ok = meta_part("video", {"video_grid_thw": [2, 6, 6], "timestamps": [0.5, 2.5]}, "v")
+    assert check_request(body(MODEL, [ok]), q3).tokens == 18 + 2
+    for bad in ([], [float("nan")], [-1], [1e300], "x", [True], [0.5] * 2000):
+        part = meta_part("video", {"video_grid_thw": [2, 6, 6], "timestamps": bad}, "v")
+        with pytest.raises(Refusal) as exc:
+            check_request(body(MODEL, [part]), q3)
+        assert exc.value.code == "bad_metadata"
