@@ -10,9 +10,19 @@ import httpx
 import pytest
 
 from encoder_service.local.processes import VllmServer, start_all
+from encoder_service.local.requests import chat_body
 from encoder_service.local.testmodel import SPECS, build
 from encoder_service.local.up import epd_config
-from tests.e2e.client import ask, ask_before_encoding, case, encode, tokens, wait_metric
+from tests.e2e.client import (
+    MODEL_NAME,
+    PROMPT,
+    ask,
+    ask_before_encoding,
+    case,
+    encode,
+    tokens,
+    wait_metric,
+)
 from tests.e2e.client import metric as cons_metric
 from tests.helpers import LOOPBACK, WORK
 
@@ -86,8 +96,9 @@ def test_no_params_at_all_uses_the_availability_index(cluster):
 
 
 def test_params_naming_a_foreign_producer_are_not_followed(cluster):
-    """Params are client-controlled: a location outside the configured producers is ignored
-    (the item is then looked up among the configured ones), never connected to."""
+    """Params are client-controlled: a location outside the configured producers is refused
+    by the consumer's server guard with a reason, never connected to (behind the guard, the
+    scheduler would ignore it too: scheduler_hooks.decisions.pull_location)."""
     c = cluster
     image, item_id, reference = case(c, seed=504)
     params = encode(c, image, item_id)
@@ -95,5 +106,12 @@ def test_params_naming_a_foreign_producer_are_not_followed(cluster):
     forged["epd"]["items"] = {k: {**v, "location": "10.66.66.66:1"}
                               for k, v in params["epd"]["items"].items()}
     loads = cons_metric(c, "loads_total")
-    assert tokens(ask(c, c["cons"], image, item_id, forged)) == reference
+    r = c["client"].post(c["cons"].url + "/v1/chat/completions",
+                         json=chat_body(MODEL_NAME, image, PROMPT, item_id=item_id,
+                                        ec_transfer_params=forged))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "bad_ec_transfer_params" and "10.66.66.66:1" in err["message"]
+    assert cons_metric(c, "loads_total") == loads  # nothing was pulled
+    assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
