@@ -659,6 +659,8 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(stubs):
             t0 = time.monotonic()
             reply = sock.recv(4096).decode()
             assert time.monotonic() - t0 < 3
+            while "}}" not in reply and time.monotonic() - t0 < 3:  # the body may come later
+                reply += sock.recv(4096).decode()
         assert reply.startswith("HTTP/1.1 408"), reply
         assert '"code":"body_timeout"' in reply.replace(" ", "")
         assert metric(g, 'epd_gateway_rejected_total{reason="body_timeout"}') == 1
