@@ -61,7 +61,7 @@ class Resumer:
                 to_chat = GenerateToChat(tracker.stream_id, str(sent.get("model", self.model)))
                 tracker.resume(skip_for(tracker, cut))
                 return up, _converted(up, to_chat), b""
-            how, cut = plan({**sent, "n": 1}, None, tracker)  # no token-in after all
+            how, cut = plan(sent, None, tracker)  # no token-in API after all: replay?
             if how is None:
                 return None
         up = await self._open("/v1/chat/completions", sent, rid, failed_url)

@@ -2,7 +2,9 @@
 same requests answered by one aggregated vLLM server of the same model, token for token and
 character for character.
 
-Cases come from a seeded generator (`cases`): images of several sizes, modes and formats (EXIF
+Cases come from a seeded generator (`cases`; the same bytes for a seed, but for OGG
+files, whose stream serial libsndfile draws at random: their decoded audio is the same, their
+item ids differ run to run): images of several sizes, modes and formats (EXIF
 rotation, transparency, palette, grayscale, CMYK, WebP), videos as JPEG frame lists or mp4
 (odd and even frame counts, sizes, fps), audio at 8-48 kHz, mono or stereo, wav/flac/ogg;
 one to three items per request, sometimes several turns, and sampling fields (greedy with
@@ -28,6 +30,8 @@ from typing import Any
 import httpx
 import numpy as np
 from PIL import Image
+
+from encoder_service.local.requests import AUDIO_SUBTYPES, mp4_bytes
 
 PATHS = ("first", "hit", "failover")
 PROMPTS = ("describe this", "what do you see and hear?", "tell a long story about it",
@@ -102,30 +106,9 @@ def _video(rng: random.Random) -> tuple[dict[str, Any], str]:
         tag = f"video:jpeg-list/{n}f/{w}x{h}"
     else:
         fps = rng.choice([2, 4, 10, 24])
-        url = "data:video/mp4;base64," + base64.b64encode(mp4(frames, fps)).decode()
+        url = "data:video/mp4;base64," + base64.b64encode(mp4_bytes(frames, fps)).decode()
         tag = f"video:mp4/{n}f/{w}x{h}/{fps}fps"
     return {"type": "video_url", "video_url": {"url": url}}, tag
-
-
-def mp4(frames: list[np.ndarray], fps: int) -> bytes:
-    """`frames` (RGB) as an mp4 file (opencv's mp4v)."""
-    import os
-    import tempfile
-
-    import cv2
-
-    h, w = frames[0].shape[:2]
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    os.close(fd)
-    try:
-        out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
-        for f in frames:
-            out.write(cv2.cvtColor(f, cv2.COLOR_RGB2BGR))
-        out.release()
-        with open(path, "rb") as fh:
-            return fh.read()
-    finally:
-        os.unlink(path)
 
 
 def audio(rng: random.Random, rate: int, channels: int, fmt: str, seconds: float) -> bytes:
@@ -137,8 +120,7 @@ def audio(rng: random.Random, rate: int, channels: int, fmt: str, seconds: float
     wave = 0.3 * np.sin(2 * np.pi * tone * t)[:, None] + 0.05 * g.standard_normal(
         (t.size, channels))
     buf = io.BytesIO()
-    subtype = {"WAV": "PCM_16", "FLAC": "PCM_16", "OGG": "VORBIS"}[fmt]
-    soundfile.write(buf, wave.astype("float32"), rate, format=fmt, subtype=subtype)
+    soundfile.write(buf, wave.astype("float32"), rate, format=fmt, subtype=AUDIO_SUBTYPES[fmt])
     return buf.getvalue()
 
 

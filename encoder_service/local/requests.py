@@ -40,16 +40,22 @@ def sample_frames(seed: int, n: int = 4, size: int = 112, width: int | None = No
 def sample_mp4(seed: int, n: int = 4, width: int = 112, height: int = 112,
                fps: float = 2.0) -> bytes:
     """The frames of `sample_frames` as an mp4 container (opencv's mp4v) at `fps`."""
+    return mp4_bytes(_frame_arrays(seed, n, width, height), fps)
+
+
+def mp4_bytes(frames: list[np.ndarray], fps: float) -> bytes:
+    """RGB `frames` (all one size) as an mp4 file (opencv's mp4v)."""
     import os
     import tempfile
 
     import cv2
 
+    height, width = frames[0].shape[:2]
     fd, path = tempfile.mkstemp(suffix=".mp4")
     os.close(fd)
     try:
         out = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), fps, (width, height))
-        for arr in _frame_arrays(seed, n, width, height):
+        for arr in frames:
             out.write(cv2.cvtColor(arr, cv2.COLOR_RGB2BGR))
         out.release()
         with open(path, "rb") as f:
