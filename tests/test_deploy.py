@@ -125,7 +125,10 @@ def test_epd_vllm_puts_the_key_derived_from_the_secret_in_the_environment(monkey
     secret.write_bytes(b"compose-deployment-secret-012345")
     secret.chmod(0o600)
     monkeypatch.setenv("EPD_SECRET_FILE", str(secret))
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    # unset for export_api_key (empty counts as unset), and registered with monkeypatch so
+    # the key it writes into this process's environment is removed again: left behind, it
+    # keyed every server later tests of this worker start in-process (the encoder pool's)
+    monkeypatch.setenv("VLLM_API_KEY", "")
     monkeypatch.delenv("EPD_PARENT_PID", raising=False)
 
     class Reached(Exception):

@@ -23,7 +23,7 @@ pytest.importorskip("mooncake.engine")
 MiB = 1 << 20
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
-_ports = iter(range(17200, 17900, 10))
+_ports = iter(range(21000, 21700, 10))  # announcements +1000: clear of the 184xx test servers
 
 
 def mc_config(base_port: int, **extra) -> dict:
