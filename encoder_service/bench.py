@@ -7,7 +7,9 @@ images, or a seeded mix (`--mix image=2,video=1,audio=1`: 4-frame JPEG videos, 2
 audio). A `reuse` share of the requests repeat an item already sent (placed at random,
 seeded); the others bring a new one. Arrivals: as fast as `concurrency` allows, or Poisson
 at `request_rate`.
-Reports throughput, TTFT, TPOT and end-to-end latency (p50/p90/p99); writes JSON and a PNG.
+Reports throughput, TTFT, TPOT and end-to-end latency (p50/p90/p99); writes JSON and a PNG,
+by default under the work directory (`$EPD_WORK_DIR`, else `./.work`: `bench/bench-serve.*`),
+so a run never leaves generated output in the working directory (a checkout's root).
 The progress bar (tqdm) and the PNG (matplotlib) come with `pip install epd-serve[bench]`;
 without them progress is plain lines and the PNG is skipped with a note.
 """
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -306,6 +309,12 @@ def write_json(results: dict[str, BenchResult], path: Path, extra: dict | None =
                                 **(extra or {})}, indent=1))
 
 
+def default_output_dir() -> Path:
+    """Where a run's JSON and PNG go unless --json/--png say otherwise: the work directory
+    (ignored by git), as `epd up` and the test models use it."""
+    return Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")) / "bench"
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="epd bench", description="benchmarks")
     sub = p.add_subparsers(dest="what", required=True)
@@ -327,8 +336,11 @@ def main(argv: list[str]) -> int:
     s.add_argument("--image-size", type=int, default=112)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--label", default="run")
-    s.add_argument("--json", type=Path, default=Path("bench-serve.json"))
-    s.add_argument("--png", type=Path, default=Path("bench-serve.png"))
+    out = default_output_dir()
+    s.add_argument("--json", type=Path, default=out / "bench-serve.json",
+                   help="default: $EPD_WORK_DIR (else ./.work)/bench/bench-serve.json")
+    s.add_argument("--png", type=Path, default=out / "bench-serve.png",
+                   help="default: beside the JSON, bench-serve.png")
     s.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
     try:

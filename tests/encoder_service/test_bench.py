@@ -4,6 +4,7 @@ stand-in server over real HTTP (the benchmark itself drives real vLLM servers)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import socket
@@ -26,6 +27,7 @@ from encoder_service.bench import (
     format_table,
     image_sequence,
     item_part,
+    main,
     parse_mix,
     plot,
     run_bench,
@@ -72,8 +74,9 @@ def test_summary_percentiles_and_tpot():
     assert "errors" in format_table({"a": s})
 
 
-def test_run_bench_measures_a_streaming_server(tmp_path):
-    seen: list[str] = []
+@contextlib.contextmanager
+def _stub_server(seen: list[str]):
+    """A streaming chat server on a free port that answers max_tokens "x" tokens."""
 
     async def chat(request: Request):
         body = await request.json()
@@ -94,14 +97,21 @@ def test_run_bench_measures_a_streaming_server(tmp_path):
         Route("/v1/chat/completions", chat, methods=["POST"])]), port=port, log_level="error"))
     server.install_signal_handlers = lambda: None
     threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 10
     while not server.started:
+        assert time.monotonic() < deadline, "stub server did not start"
         time.sleep(0.01)
     try:
-        spec = BenchSpec(url=f"http://127.0.0.1:{port}", num_requests=20, concurrency=4,
-                         reuse=0.5, max_tokens=5)
-        res = asyncio.run(run_bench(spec, progress=False))
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
+
+
+def test_run_bench_measures_a_streaming_server(tmp_path):
+    seen: list[str] = []
+    with _stub_server(seen) as url:
+        spec = BenchSpec(url=url, num_requests=20, concurrency=4, reuse=0.5, max_tokens=5)
+        res = asyncio.run(run_bench(spec, progress=False))
     s = res.summary
     assert s["ok"] == 20 and s["errors"] == 0
     assert len(set(seen)) == 10  # 50% reuse: 10 distinct images sent
@@ -142,3 +152,23 @@ def test_mix_gives_each_item_a_seeded_modality():
     for bad in ("image=x", "smell=1", "image=0", "image=-1,video=2"):
         with pytest.raises(ValueError, match="--mix"):
             parse_mix(bad)
+
+
+def test_serve_writes_its_output_under_the_work_directory_not_the_working_one(
+        tmp_path, monkeypatch):
+    """A run from a checkout's root must not leave bench-serve.* there (they were committed
+    once): by default they go to $EPD_WORK_DIR (else ./.work)/bench/."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EPD_WORK_DIR", raising=False)
+    with _stub_server([]) as url:
+        rc = main(["serve", "--url", url, "--num-requests", "4", "--concurrency", "2",
+                   "--max-tokens", "2", "--no-progress"])
+    assert rc == 0
+    assert not list(tmp_path.glob("bench-serve*"))
+    runs = json.loads((tmp_path / ".work" / "bench" / "bench-serve.json").read_text())["runs"]
+    assert runs["run"]["summary"]["ok"] == 4
+    monkeypatch.setenv("EPD_WORK_DIR", str(tmp_path / "w"))
+    with _stub_server([]) as url:
+        assert main(["serve", "--url", url, "--num-requests", "2", "--max-tokens", "2",
+                     "--no-progress"]) == 0
+    assert (tmp_path / "w" / "bench" / "bench-serve.json").is_file()
