@@ -3,8 +3,9 @@ server of the same model (encoder_service/local/conformance.py makes the cases).
 
     .venv/bin/python benchmarks/conformance.py --seed 1 --cases 40 --json .work/conformance.json
 
-Starts the aggregated server once, then each stack in turn (`epd up` of the tiny Qwen2.5-Omni
-thinker: a vLLM encoder or the encoder pool, over safetensors or the Mooncake Transfer Engine;
+Starts the aggregated server once, then each stack in turn (`epd up` of a tiny test model,
+`--model`, by default the Qwen2.5-Omni thinker (image, video, audio): a vLLM encoder or the
+encoder pool, over safetensors or the Mooncake Transfer Engine;
 the decode instance gets metadata-only items), and runs every case on every path: first encode,
 cache hit and, on the stack with two decode instances, failover (a second gateway whose decode
 instances sit behind proxies that break streams off mid-answer). Prints one line per
@@ -60,7 +61,7 @@ def wait(pred, timeout: float, what: str, proc=None) -> None:
 class Stack:
     """One `epd up` run (and, with two decode instances, a failover gateway beside it)."""
 
-    def __init__(self, name: str, port: int, model: str, work: Path) -> None:
+    def __init__(self, name: str, port: int, model: str, work: Path, spec_name: str) -> None:
         backend, transport, decoders = STACKS[name]
         self.name, self.port, self.decoders = name, port, decoders
         self.work = work / name
@@ -68,7 +69,7 @@ class Stack:
         self.storage = Path(tempfile.mkdtemp(prefix="ec-", dir=self.work))
         conf = self.work / "up.json"
         conf.write_text(json.dumps({
-            "model": "qwen-omni", "base_port": port, "encoders": 1, "decoders": decoders,
+            "model": spec_name, "base_port": port, "encoders": 1, "decoders": decoders,
             "encoder_backend": backend, "transport": transport,
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
             "vllm_args": ["--trust-request-mm-kwargs"],
@@ -122,14 +123,17 @@ def main() -> int:
     ap.add_argument("--cases", type=int, default=40, help="generated cases (each runs on "
                     "every stack and path)")
     ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
+    ap.add_argument("--model", default="qwen-omni", choices=[n for n in SPECS if n != "large"],
+                    help="the test model (cases use the modalities it serves)")
     ap.add_argument("--json", type=Path, default=WORK / "conformance.json")
     args = ap.parse_args()
-    spec = SPECS["qwen-omni"]
+    spec = SPECS[args.model]
     model_dir = build(WORK / "models" / spec.model_name, spec)
     work = WORK / "conformance"
     client = httpx.Client(timeout=300)
-    todo = cases(args.seed, args.cases)
-    print(f"conformance: seed {args.seed}, {len(todo)} cases x {len(args.stacks)} stacks",
+    todo = cases(args.seed, args.cases, spec.modalities)
+    print(f"conformance: {args.model}, seed {args.seed}, {len(todo)} cases x "
+          f"{len(args.stacks)} stacks",
           flush=True)
     agg = VllmServer("aggregated", model_dir, AGG_PORT, work, None, cpu_core=None,
                      served_name=spec.model_name,
@@ -148,7 +152,7 @@ def main() -> int:
                 print(f"  refused by aggregated: seed={c.seed} {c.kinds}: {r.status} "
                       f"{r.error}", flush=True)
         for i, name in enumerate(args.stacks):
-            stack = Stack(name, BASE_PORT + 40 * i, spec.model_name, work)
+            stack = Stack(name, BASE_PORT + 40 * i, spec.model_name, work, args.model)
             try:
                 stack.wait(client)
                 paths = {"first": stack.url, "hit": stack.url}
@@ -192,7 +196,8 @@ def main() -> int:
         print(f"| {name} | {' | '.join(cells)} |")
     print(f"\n{equal}/{total} equal, {len(diffs)} differences")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"seed": args.seed, "cases": len(todo), "table": table,
+    args.json.write_text(json.dumps({"model": args.model, "seed": args.seed,
+                                     "cases": len(todo), "table": table,
                                      "differences": diffs}, indent=1))
     return 1 if diffs else 0
 

@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from vllm.config import ModelConfig
     from vllm.multimodal.inputs import MultiModalFeatureSpec
 
+# Processed fields that change an item's positions or placeholders but that vLLM's
+# metadata-only parsers do not carry (not in `embedding_fields`), with the value a consumer
+# assumes when they are absent. Qwen2.5-VL's `second_per_grid_ts` is 1.0 only for 2 fps
+# video (a JPEG frame list gets 2.0): sent metadata-only, such a video's M-RoPE time axis
+# would be wrong. An item whose value differs is not described, so the consumer gets its raw
+# media (the embedding still comes from the encoder) and computes the field itself.
+_DROPPED_BY_METADATA_ONLY: dict[str, float | bool] = {
+    "second_per_grid_ts": 1.0,
+    "use_audio_in_video": False,  # Qwen2.5-Omni: interleaves the audio's placeholders
+}
+
 
 class Placeholders:
     """SCHEDULER role: placeholder metadata of a model's items (vLLM's own resolver)."""
@@ -37,7 +48,8 @@ class Placeholders:
             modality = features[entry["item_indices"][0]].modality
             wanted = self._resolver.fields_for(modality)
             metadata = entry.get("metadata") or {}
-            if wanted and wanted <= set(metadata):
+            if wanted and wanted <= set(metadata) and not _loses_fields(
+                    features[i].data for i in entry["item_indices"]):
                 out[item_id] = metadata
         return out
 
@@ -48,3 +60,24 @@ class Placeholders:
             return False
         wanted = self._resolver.fields_for(feature.modality)
         return bool(wanted) and set(data.keys()) <= wanted
+
+
+def _loses_fields(datas) -> bool:
+    """True when any item data carries a `_DROPPED_BY_METADATA_ONLY` field at a value other
+    than the one a metadata-only consumer would assume."""
+    for data in datas:
+        if not data:
+            continue
+        for key, default in _DROPPED_BY_METADATA_ONLY.items():
+            field = data.get(key)
+            if field is None:
+                continue
+            value = getattr(field, "data", field)
+            try:
+                value = value.tolist() if hasattr(value, "tolist") else value
+            except (TypeError, ValueError):
+                return True
+            values = value if isinstance(value, list) else [value]
+            if any(v != default for v in values):
+                return True
+    return False

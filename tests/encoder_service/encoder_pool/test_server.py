@@ -266,21 +266,27 @@ def test_qwen_pool_serves_images_frame_lists_and_containers_with_their_metadata(
                                 "transport": {"storage_path": str(tmp_path)}})
     with Served(create_app(cfg), 18411) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         video = video_part(sample_frames(5, n=3, size=112))["video_url"]["url"]
-        mp4 = video_part(sample_mp4(6, n=5, width=112, height=112, fps=4))["video_url"]["url"]
+        mp4 = video_part(sample_mp4(6, n=4, width=112, height=112, fps=2))["video_url"]["url"]
+        mp4_6fps = video_part(sample_mp4(6, n=5, width=112, height=112, fps=6))
         r = c.post("/v1/encode", json={"items": [
             {"id": "img", "data": b64(png(140, 1))},
             {"id": "vid", "modality": "video", "data": video},
             {"id": "mp4", "modality": "video", "data": mp4},
+            {"id": "mp4-6fps", "modality": "video", "data": mp4_6fps["video_url"]["url"]},
             {"id": "junk", "modality": "video", "data": "data:video/mp4;base64,AAAA"}]})
         assert r.status_code == 200, r.text
         items = r.json()["items"]
         assert items["img"]["metadata"] == {"image_grid_thw": [1, 10, 10]}
         assert items["img"]["num_embeds"] == 25
-        # 3 frames -> 2 temporal patches (the last frame repeated), 8x8 patches each
-        assert items["vid"]["metadata"] == {"video_grid_thw": [2, 8, 8]}
+        # 3 frames -> 2 temporal patches (the last frame repeated), 8x8 patches each. A frame
+        # list is read as 1 fps: 2 s per temporal patch, which a metadata-only part cannot
+        # carry to the consumer (Qwen2.5-VL's second_per_grid_ts), so no metadata is
+        # published and the consumer gets the raw media; so for a 6 fps mp4 (0.33 s)
+        assert not items["vid"].get("metadata")
         assert items["vid"]["num_embeds"] == 32
-        # 5 frames in an mp4: vLLM's loader for Qwen2VLVideoProcessor keeps 4 (the pool
-        # picks the loader vLLM's front end picks for the model's video processor)
+        assert not items["mp4-6fps"].get("metadata")
+        # 4 frames of a 2 fps mp4: 1 s per temporal patch, what a metadata-only consumer
+        # assumes, so its metadata is published
         assert items["mp4"]["metadata"] == {"video_grid_thw": [2, 8, 8]}
         assert items["mp4"]["num_embeds"] == 32
         assert items["junk"]["status"] == "failed"
