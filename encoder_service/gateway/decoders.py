@@ -22,11 +22,12 @@ from collections.abc import AsyncIterator, Set
 from dataclasses import dataclass, field
 
 import aiohttp
-import msgspec
 
 from encoder_service.gateway.auth import upstream_headers
+from encoder_service.gateway.codec import DecodeError, json_decode
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.routing import Chooser, Members, rendezvous
 
 
@@ -109,8 +110,8 @@ def _first_event_verdict(event: bytes) -> bool | None:
     if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
         return False
     try:
-        body = msgspec.json.decode(event[6:])
-    except msgspec.DecodeError:
+        body = json_decode(event[6:])
+    except DecodeError:
         return False
     if not isinstance(body, dict):
         return False
@@ -126,9 +127,10 @@ def _first_event_verdict(event: bytes) -> bool | None:
 
 
 class DecodePool(Members):
-    """Call `start()` inside the running event loop, `close()` at shutdown."""
+    """Call `start()` inside the running event loop, `close()` at shutdown. `metrics`: where
+    `request()` counts a client request's decode failures and retries."""
 
-    def __init__(self, cfg: GatewayConfig) -> None:
+    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
         self.urls = list(cfg.decoders)
         super().__init__(self.urls, cfg.cooldown_s, {"requests": 0, "affinity": 0})
         self.chooser = Chooser(cfg.routing.decoders, cfg.routing.decoder_load_factor)
@@ -137,6 +139,7 @@ class DecodePool(Members):
                                              sock_read=t.decode_s)
         self.session: aiohttp.ClientSession | None = None
         self.headers = upstream_headers(cfg.secret_file)  # the deployment's key (auth.py)
+        self.metrics = metrics
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
@@ -229,3 +232,19 @@ class DecodePool(Members):
             return up
         raise GatewayError(502, f"no prefill/decode instance answered ({last_error})",
                            "decode_unavailable")
+
+    async def request(self, method: str, path: str, content: bytes | None, request_id: str,
+                      key: str | None = None) -> Upstream:
+        """`open()` for a client's request, its failures and retries counted in the metrics
+        (a failover's opens are not: the relay counts the break that caused them)."""
+        m = self.metrics
+        try:
+            up = await self.open(method, path, content, request_id, key=key)
+        except GatewayError:
+            if m is not None:
+                m.upstream_errors.labels("decode").inc()
+            raise
+        if up.retries and m is not None:
+            m.retries.labels("decode").inc(up.retries)
+            m.upstream_errors.labels("decode").inc(up.retries)
+        return up

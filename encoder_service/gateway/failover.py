@@ -37,10 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-_decode = msgspec.json.decode
-_encode = msgspec.json.encode
+from encoder_service.gateway.codec import DecodeError, json_decode, json_encode
 
 # Top-level chat request keys a token-in continuation keeps exact, as long as their values
 # are neutral where noted in `_token_in_refusal`: sampling is per step (temperature, top_*,
@@ -107,8 +104,8 @@ class StreamTracker:
             self.finished = True
             return event
         try:
-            body = _decode(event[6:])
-        except msgspec.DecodeError:
+            body = json_decode(event[6:])
+        except DecodeError:
             self.continuable = False
             return event
         if not isinstance(body, dict):
@@ -121,7 +118,20 @@ class StreamTracker:
             if not self._skip.take(choices[0]):
                 return b""  # all of it was sent before
             changed = True
-        role_only = bool(choices)
+        role_only, stripped = self._choices(choices)
+        changed = self._prompt(body) or stripped or changed
+        if self._resumed:
+            if role_only:
+                return b""  # the continuation's role chunk: the client has one
+            if self.stream_id and body.get("id") != self.stream_id:
+                body["id"], changed = self.stream_id, True
+        elif self.stream_id is None and isinstance(body.get("id"), str):
+            self.stream_id = body["id"]
+        return b"data: " + json_encode(body) if changed else event
+
+    def _choices(self, choices: list[Any]) -> tuple[bool, bool]:
+        """Follow one event's choices: (a role-only chunk?, token ids removed?)."""
+        role_only, stripped = bool(choices), False
         for choice in choices:
             delta = choice.get("delta") or {}
             if set(delta) - {"role", "content"} or choice.get("logprobs"):
@@ -139,20 +149,15 @@ class StreamTracker:
             if content or ids or choice.get("finish_reason") or "role" not in delta:
                 role_only = False
             if not self.client_wants_ids and choice.pop("token_ids", None) is not None:
-                changed = True
+                stripped = True
+        return role_only, stripped
+
+    def _prompt(self, body: dict[str, Any]) -> bool:
+        """Keep the first stream's prompt ids; True when they were removed from `body`."""
         prompt = body.get("prompt_token_ids")
         if prompt is not None and self.prompt_ids is None and not self._resumed:
             self.prompt_ids = list(prompt)
-        if not self.client_wants_ids and body.pop("prompt_token_ids", None) is not None:
-            changed = True
-        if self._resumed:
-            if role_only:
-                return b""  # the continuation's role chunk: the client has one
-            if self.stream_id and body.get("id") != self.stream_id:
-                body["id"], changed = self.stream_id, True
-        elif self.stream_id is None and isinstance(body.get("id"), str):
-            self.stream_id = body["id"]
-        return b"data: " + _encode(body) if changed else event
+        return not self.client_wants_ids and body.pop("prompt_token_ids", None) is not None
 
 
 @dataclass(frozen=True)
@@ -329,8 +334,8 @@ class GenerateToChat:
         if not event.startswith(b"data: "):
             return b""
         try:
-            body = _decode(event[6:])
-        except msgspec.DecodeError:
+            body = json_decode(event[6:])
+        except DecodeError:
             return b""
         if not isinstance(body, dict):
             return b""
@@ -342,5 +347,6 @@ class GenerateToChat:
                    for c in body.get("choices") or () if isinstance(c, dict)]
         if not choices:
             return b""
-        return b"data: " + _encode({"id": self.stream_id, "object": "chat.completion.chunk",
-                                     "model": self.model, "choices": choices}) + b"\n\n"
+        out = {"id": self.stream_id, "object": "chat.completion.chunk", "model": self.model,
+               "choices": choices}
+        return b"data: " + json_encode(out) + b"\n\n"

@@ -13,15 +13,16 @@ with other settings never share an embedding; encoders get the same settings.
 from __future__ import annotations
 
 import binascii
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import pybase64
 
 from ec_connectors.protocol.keys import content_item_id
+from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.secret import IdSigner
+from encoder_service.gateway.codec import json_encode
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.media import check_audio, check_frames, check_image, check_video
@@ -73,24 +74,9 @@ def _split_data_url(url: str) -> tuple[str, str]:
     return head[5:-7].lower(), payload
 
 
-class _Recent:
-    """A bounded set of content ids whose bytes already passed validation (same bytes, same
-    verdict: a repeated image skips the decode check)."""
-
-    def __init__(self, size: int = 4096) -> None:
-        self.size = size
-        self.ids: dict[str, None] = {}
-
-    def __contains__(self, item_id: str) -> bool:
-        return item_id in self.ids
-
-    def add(self, item_id: str) -> None:
-        self.ids[item_id] = None
-        if len(self.ids) > self.size:
-            del self.ids[next(iter(self.ids))]
-
-
-_validated = _Recent()
+# verdicts (limits, modality, content id) whose bytes already passed validation (same bytes,
+# same verdict: a repeated image skips the decode check)
+_validated: BoundedLRU[str, None] = BoundedLRU(4096)
 
 
 def _check(modality: str, data: bytes, frames: list[bytes] | None,
@@ -108,7 +94,7 @@ def _check(modality: str, data: bytes, frames: list[bytes] | None,
 
 def canonical_settings(kwargs: dict[str, Any]) -> bytes:
     """The canonical bytes of a request's settings (b"" for none)."""
-    return msgspec.json.encode(kwargs, order="sorted") if kwargs else b""
+    return json_encode(kwargs, order="sorted") if kwargs else b""
 
 
 def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -171,6 +157,53 @@ async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConf
     return mime, data, None
 
 
+def _parts(messages: list[Any]) -> Iterator[dict[str, Any]]:
+    """The content parts of `messages`, in order (a string content has none)."""
+    for msg in messages:
+        if not isinstance(msg, dict):
+            raise GatewayError(400, "each message must be an object")
+        content = msg.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise GatewayError(400, "message content must be a string or a list of parts")
+        for part in content:
+            if not isinstance(part, dict):
+                raise GatewayError(400, "each content part must be an object")
+            yield part
+
+
+def _media_kind(ptype: Any, cfg: GatewayConfig) -> tuple[str, str] | None:
+    """(modality, payload key) of a media part type, None for text; 400 for the others."""
+    if ptype in _TEXT_PARTS:
+        return None
+    if ptype not in _MEDIA_PARTS:
+        raise GatewayError(400, f"unsupported content part type {ptype!r}", "bad_part")
+    modality, kind = _MEDIA_PARTS[ptype]
+    if modality not in cfg.media.modalities:
+        raise GatewayError(400, f"model {cfg.model!r} does not accept {modality} input here "
+                           "(media.modalities)", "modality_disabled")
+    return modality, kind
+
+
+async def _tag(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
+               fetch: Fetcher, namespace: str, signer: IdSigner) -> int:
+    """Load and check one media part and give it its content id (`uuid`); its size."""
+    mime, data, frames = await _load(part, kind, modality, cfg, fetch)
+    if len(data) > cfg.limits.max_media_bytes:
+        raise GatewayError(413, f"media item is larger than {cfg.limits.max_media_bytes} "
+                           "bytes", "media_too_large")
+    if not data:
+        raise GatewayError(400, f"{part.get('type')} is empty", "bad_part")
+    item_id = signer.sign(content_item_id(data, namespace))
+    verdict = f"{hash(cfg.limits)}:{modality}:{item_id}"
+    if verdict not in _validated:
+        _check(modality, data, frames, cfg)
+        _validated[verdict] = None
+    part["uuid"] = item_id
+    return len(data)
+
+
 async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,
                        signer: IdSigner | None = None) -> PreparedRequest:
     """Validate `body` (a parsed chat completion request) and tag its media; see module doc."""
@@ -189,46 +222,19 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,
     signer = signer or IdSigner(None)  # the gateway's own, made once (Gateway.__init__)
     items: dict[str, MediaPart] = {}
     n_parts = 0
-    for msg in messages:
-        if not isinstance(msg, dict):
-            raise GatewayError(400, "each message must be an object")
-        content = msg.get("content")
-        if content is None or isinstance(content, str):
+    for part in _parts(messages):
+        media = _media_kind(part.get("type"), cfg)
+        if media is None:
             continue
-        if not isinstance(content, list):
-            raise GatewayError(400, "message content must be a string or a list of parts")
-        for part in content:
-            if not isinstance(part, dict):
-                raise GatewayError(400, "each content part must be an object")
-            ptype = part.get("type")
-            if ptype in _TEXT_PARTS:
-                continue
-            if ptype not in _MEDIA_PARTS:
-                raise GatewayError(400, f"unsupported content part type {ptype!r}",
-                                   "bad_part")
-            modality, kind = _MEDIA_PARTS[ptype]
-            if modality not in cfg.media.modalities:
-                raise GatewayError(400, f"model {cfg.model!r} does not accept {modality} "
-                                   "input here (media.modalities)", "modality_disabled")
-            n_parts += 1
-            if n_parts > cfg.limits.max_media_items:
-                raise GatewayError(400, f"more than {cfg.limits.max_media_items} media items",
-                                   "too_many_items")
-            mime, data, frames = await _load(part, kind, modality, cfg, fetch)
-            if len(data) > cfg.limits.max_media_bytes:
-                raise GatewayError(413, f"media item is larger than "
-                                   f"{cfg.limits.max_media_bytes} bytes", "media_too_large")
-            if not data:
-                raise GatewayError(400, f"{ptype} is empty", "bad_part")
-            item_id = signer.sign(content_item_id(data, namespace))
-            verdict = f"{hash(cfg.limits)}:{modality}:{item_id}"
-            if verdict not in _validated:
-                _check(modality, data, frames, cfg)
-                _validated.add(verdict)
-            part["uuid"] = item_id
-            if item_id not in items:
-                items[item_id] = MediaPart(item_id, modality, len(data), part, kwargs,
-                                           settings)
+        n_parts += 1
+        if n_parts > cfg.limits.max_media_items:
+            raise GatewayError(400, f"more than {cfg.limits.max_media_items} media items",
+                               "too_many_items")
+        modality, kind = media
+        nbytes = await _tag(part, kind, modality, cfg, fetch, namespace, signer)
+        if part["uuid"] not in items:
+            items[part["uuid"]] = MediaPart(part["uuid"], modality, nbytes, part, kwargs,
+                                            settings)
     return PreparedRequest(body=body, items=list(items.values()),
                            stream=body.get("stream") is True)
 
@@ -247,7 +253,7 @@ def placeholder_metadata(entry: Any) -> dict[str, Any] | None:
         if not isinstance(key, str) or not values or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             return None
-    if len(msgspec.json.encode(meta)) > _MAX_METADATA_BYTES:
+    if len(json_encode(meta)) > _MAX_METADATA_BYTES:
         return None
     return meta
 

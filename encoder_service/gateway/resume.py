@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import msgspec
-
+from encoder_service.gateway.codec import DecodeError, json_decode, json_encode
 from encoder_service.gateway.decoders import DecodePool, Upstream, UpstreamError
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.failover import (
@@ -26,10 +25,12 @@ from encoder_service.gateway.failover import (
 
 logger = logging.getLogger("epd.gateway")
 
-_encode = msgspec.json.encode
 _MAX_RENDER_BYTES = 1 << 24
 
+# the continuation: its upstream, chunk iterator and first bytes
 Resumed = tuple[Upstream, AsyncIterator[bytes], bytes]
+# resume(tracker, failed_url) for one answer (tracker None: a whole answer, asked again)
+ResumeFn = Callable[[StreamTracker | None, str], Awaitable[Resumed | None]]
 
 
 class Resumer:
@@ -37,6 +38,14 @@ class Resumer:
 
     def __init__(self, decoders: DecodePool, model: str, decode_timeout_s: float) -> None:
         self.decoders, self.model, self.timeout = decoders, model, decode_timeout_s
+
+    def bound(self, sent: dict[str, Any], rid: str) -> ResumeFn:
+        """`resume` for the answer to `sent` (the body the decode instance was sent)."""
+
+        def resume(tracker: StreamTracker | None, failed_url: str) -> Awaitable[Resumed | None]:
+            return self.resume(sent, tracker, failed_url, rid)
+
+        return resume
 
     async def resume(self, sent: dict[str, Any], tracker: StreamTracker | None,
                      failed_url: str, rid: str) -> Resumed | None:
@@ -79,8 +88,8 @@ class Resumer:
             return None
         try:
             data = await asyncio.wait_for(up.read(), self.timeout)
-            return msgspec.json.decode(data) if len(data) < _MAX_RENDER_BYTES else None
-        except (UpstreamError, asyncio.TimeoutError, msgspec.DecodeError):
+            return json_decode(data) if len(data) < _MAX_RENDER_BYTES else None
+        except (UpstreamError, asyncio.TimeoutError, DecodeError):
             return None
         finally:
             await up.release()
@@ -90,7 +99,7 @@ class Resumer:
         """`body` to `path` on an instance other than `failed_url`: the answer once it began
         with a 200, else None (released)."""
         try:
-            up = await self.decoders.open("POST", path, _encode(body), f"{rid}-resume",
+            up = await self.decoders.open("POST", path, json_encode(body), f"{rid}-resume",
                                           exclude={failed_url})
         except GatewayError:
             return None

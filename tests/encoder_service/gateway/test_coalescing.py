@@ -9,11 +9,8 @@ import time
 
 import pytest
 
-from encoder_service.gateway.encoder_clients import (
-    CoalescingClient,
-    EncoderFailed,
-    EncoderRouter,
-)
+from encoder_service.gateway.coalescing import CoalescingClient
+from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
 from encoder_service.gateway.parsing import MediaPart, canonical_settings
 
 

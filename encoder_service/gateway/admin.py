@@ -1,0 +1,124 @@
+"""The gateway's control plane: GET /health (is any prefill/decode instance up?), GET
+/instances (each encoder and decode instance: state, load, what it was given, its last
+probe) and POST /admin/instances (instances join and leave at run time; the deployment's
+admin token, or loopback callers only when there is no secret)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Callable
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ec_connectors.protocol.secret import is_loopback
+from encoder_service.gateway.admission import Admission
+from encoder_service.gateway.config import AdminChange, GatewayConfig
+from encoder_service.gateway.decoders import DecodePool
+from encoder_service.gateway.encoder_clients import EncoderClient, EncoderRouter
+from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.probes import Prober
+
+logger = logging.getLogger("epd.gateway")
+
+
+class Admin:
+    """The control-plane handlers over the gateway's pools (made at start-up).
+    `encoder_client(url)` makes the client of an encoder that joins."""
+
+    def __init__(self, cfg: GatewayConfig, client: httpx.AsyncClient, router: EncoderRouter,
+                 decoders: DecodePool, prober: Prober | None, admission: Admission,
+                 token: str | None, encoder_client: Callable[[str], EncoderClient]) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.router = router
+        self.decoders = decoders
+        self.prober = prober
+        self.admission = admission
+        self.token = token  # the admin token (None: no secret, loopback callers only)
+        self.encoder_client = encoder_client
+
+    async def health(self, request: Request) -> JSONResponse:
+        """200 when at least one prefill/decode instance is healthy (encoders are optional:
+        without them requests still succeed, encoded locally)."""
+        timeout = self.cfg.timeouts.health_s
+
+        async def probe(url: str) -> bool:
+            try:
+                r = await self.client.get(url + "/health", timeout=timeout)
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        decoders, encoders = list(self.decoders.urls), list(self.router.clients)
+        urls = [*decoders, *encoders]
+        oks = await asyncio.gather(*(probe(u) for u in urls))
+        state = dict(zip(urls, oks, strict=True))
+        dec = {u: state[u] for u in decoders}
+        enc = {u: state[u] for u in encoders}
+        ok = any(dec.values())
+        return JSONResponse({"status": "ok" if ok else "unavailable", "decoders": dec,
+                             "encoders": enc}, status_code=200 if ok else 503)
+
+    async def instances(self, request: Request) -> JSONResponse:
+        """Each encoder and decode instance: state (up, cooling_down, draining), in flight,
+        and what it was given (decoders: `affinity` = requests that went to their first
+        item's own instance)."""
+        probes = self.prober.results if self.prober is not None else {}
+        out = {"encoders": self.router.describe(), "decoders": self.decoders.describe(),
+               "routing": self.cfg.routing.model_dump()}
+        for entry in (*out["encoders"], *out["decoders"]):
+            if entry["url"] in probes:
+                entry["probe"] = probes[entry["url"]].describe()
+        return JSONResponse(out)
+
+    def _allowed(self, request: Request) -> bool:
+        if self.token is not None:
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            return hmac.compare_digest(given.encode(), self.token.encode())
+        client = request.client
+        return client is not None and is_loopback(client.host)
+
+    async def admin_instances(self, request: Request) -> JSONResponse:
+        """POST {"role": "encoder"|"decoder", "url": BASE_URL, "action": "add"|"remove",
+        "drain_timeout_s": 60}: join or leave at run time. A removed instance gets nothing new
+        and is forgotten once its requests in flight are done (or the timeout passed)."""
+        if not self.cfg.routing.admin:
+            return JSONResponse({"error": "admin endpoints are off (routing.admin)"}, 404)
+        if not self._allowed(request):
+            return JSONResponse({"error": "admin endpoints need the deployment's admin token "
+                                 "(`epd admin-token`) as a Bearer token; without a secret, "
+                                 "loopback callers only"}, 403)
+        try:
+            change = AdminChange.model_validate(await self.admission.read_json(request))
+        except GatewayError as exc:
+            return JSONResponse(exc.body(), exc.status)
+        except ValueError as exc:
+            return JSONResponse({"error": f"bad admin request: {exc}"}, 400)
+        if change.action == "add":
+            if change.role == "encoder":
+                self.router.add(self.encoder_client(change.url))
+            else:
+                self.decoders.add(change.url)
+            logger.info("instance joined role=%s url=%s", change.role, change.url)
+            return JSONResponse({"url": change.url, "role": change.role, "state": "up"})
+        return await self._remove(change)
+
+    async def _remove(self, change: AdminChange) -> JSONResponse:
+        url = change.url
+        known = self.router.clients if change.role == "encoder" else self.decoders.urls
+        if url not in known:
+            return JSONResponse({"error": f"no {change.role} {url}"}, 404)
+        if change.role == "decoder" and len(self.decoders.urls) - len(
+                self.decoders.draining) <= 1 and url not in self.decoders.draining:
+            return JSONResponse({"error": "the last prefill/decode instance cannot leave"},
+                                409)
+        pool = self.router if change.role == "encoder" else self.decoders
+        logger.info("instance leaving role=%s url=%s action=draining", change.role, url)
+        drained = await pool.drain(url, change.drain_timeout_s)
+        logger.info("instance left role=%s url=%s drained=%s", change.role, url, drained)
+        return JSONResponse({"url": url, "role": change.role, "state": "removed",
+                             "drained": drained})
