@@ -1,11 +1,13 @@
 """Wire types: scheduler<->worker control messages (msgspec, never pickle).
 
-The Mooncake TE peer side channel has its own wire: transports/mooncake_te/messages.py."""
+The Mooncake TE peer side channel has its own wire: transports/mooncake_te/messages.py. Both
+are encoded by `channel.encode` (re-exported here); each wire has its own `decode`."""
 
 from __future__ import annotations
 
 import msgspec
 
+from ec_connectors.channel import encode as encode  # the shared encoder, re-exported
 from ec_connectors.protocol.items import ItemInfo
 
 Stats = dict[str, dict[str, float | list[float]]]  # EPDStats.data
@@ -76,14 +78,7 @@ class WorkerStats(msgspec.Struct, tag=True):
 
 ControlMessage = Hello | Prefetch | Renew | Drop | Staged | Saved | WorkerStats
 
-_encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    """msgpack of any tagged message, this wire's or the Mooncake peer channel's: the tag
-    travels with it, so each wire differs only in what its decoder accepts."""
-    return _encoder.encode(msg)
 
 
 def decode(data: bytes) -> ControlMessage:

@@ -1,5 +1,6 @@
 """Consumer side of the Mooncake TE transport: the side channel to one producer with its pulls
-in flight and quarantined buffers, and the checksum computed while chunks land."""
+in flight and quarantined buffers, the checksum computed while chunks land, and the Puller that
+asks producers for an item (retries across them) and verifies what landed."""
 
 from __future__ import annotations
 
@@ -14,20 +15,27 @@ import torch
 import xxhash
 import zmq
 
-from ec_connectors.control import ControlEndpoint
+from ec_connectors.channel import Channel
+from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.secret import CurveKeys
-from ec_connectors.transports.memory import PoolBuffer
+from ec_connectors.transports.base import TransportEvents, checksum, describe
+from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te import messages
 from ec_connectors.transports.mooncake_te.messages import (
     PeerMessage,
     Progress,
     Pull,
+    Pulled,
+    PullFailed,
     Register,
 )
 
 logger = get_logger(__name__)
+
+_UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save may still be queued
 
 
 @dataclass
@@ -62,12 +70,11 @@ class PeerLink:
         self._pending: dict[int, PendingPull] = {}
         self._quarantine: dict[int, tuple[PoolBuffer, float]] = {}
         self.broken = False
-        self.channel = ControlEndpoint(f"tcp://{host}:{port}", bind=False,
-                                       on_message=self._on_message, name=f"epd-peer-{port}",
-                                       decode=messages.decode_peer,
-                                       on_disconnect=self._on_disconnect, context=context,
-                                       curve=curve, on_unreachable=self._on_unreachable,
-                                       greeting=hello)
+        self.channel = Channel(f"tcp://{host}:{port}", bind=False,
+                               on_message=self._on_message, name=f"epd-peer-{port}",
+                               decode=messages.decode_peer, on_disconnect=self._on_disconnect,
+                               context=context, curve=curve,
+                               on_unreachable=self._on_unreachable, greeting=hello)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""
@@ -199,3 +206,206 @@ class StreamVerifier:
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
+
+
+class Puller:
+    """A consumer's pulls: one PeerLink per producer (rebuilt after a failure), each pull into
+    a block of the consumer's own pool with a size-scaled deadline, retries across producers
+    until the caller's deadline, and verification of what landed. `events` and `stats` are
+    the transport's counters."""
+
+    def __init__(self, config: EPDConfig, pool: MemoryPool, session: str, namespace: str,
+                 hello: Register, context: zmq.Context, curve: CurveKeys | None,
+                 events: TransportEvents, stats: dict[str, int]) -> None:
+        self.config, self.pool, self.session, self.namespace = config, pool, session, namespace
+        self._hello, self._zmq, self._curve = hello, context, curve
+        self.events, self.stats = events, stats
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+
+    def _link(self, endpoint: str) -> PeerLink:
+        with self._lock:
+            link = self._links.get(endpoint)
+            if link is not None and link.broken:  # dropped after a failure: rebuild it
+                link.close()
+                link = None
+            if link is None:
+                link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self._curve,
+                                                        hello=self._hello)
+            return link
+
+    def _sources(self, location: str) -> list[str]:
+        if location:
+            return [location]
+        return list(self.config.producers)
+
+    def get(self, item_id: str, deadline: float, location: str = "", nbytes: int = 0,
+            *, wait: bool = True) -> torch.Tensor | None:
+        """The item from `location` (else from each configured producer in turn) by
+        `deadline`, or None (counted as missing)."""
+        key = item_key(item_id)
+        sources = self._sources(location)
+        if not sources:
+            self.events.missing += 1
+            self.events.errors.append(f"{item_id!r}: no producer known (no location, no "
+                                      "producers configured)")
+            return None
+        backoff = _UNKNOWN_RETRY_S[0]
+        i = 0
+        while time.monotonic() < deadline:
+            endpoint = sources[i % len(sources)]
+            outcome, tensor, nbytes = self._pull_once(endpoint, key, deadline, nbytes)
+            if tensor is not None:
+                return tensor
+            if outcome == "too_small":
+                continue  # now we know the size: pull again from the same producer
+            if outcome == "too_big":
+                break
+            if outcome in ("evicted", "corrupt", "timeout", "namespace", "failed",
+                           "unreachable", "unregistered") and len(sources) == 1:
+                break  # a frozen producer would only cost more quarantined buffers
+            i += 1
+            if not wait and outcome == "unknown" and i >= len(sources):
+                break  # asked every producer once: not stored anywhere right now
+            if outcome in ("unknown", "disconnected", "transfer", "busy") \
+                    and i % len(sources) == 0:
+                # Maybe still in the producer's save queue, or it restarts: retry until the
+                # deadline, backing off.
+                time.sleep(min(backoff, max(0.0, deadline - time.monotonic())))
+                backoff = min(backoff * 2, _UNKNOWN_RETRY_S[1])
+        self.events.missing += 1
+        return None
+
+    def _buffer(self, key: str, deadline: float, nbytes: int) -> tuple[str, PoolBuffer | None]:
+        """A pool block for an item of `nbytes` ("ok", None when it comes inline or its size
+        is unknown), or why not ("too_big", "pool")."""
+        if nbytes > self.pool.capacity:
+            self.events.errors.append(f"{key}: {nbytes} bytes exceed the consumer pool")
+            logger.error("EPD: item %s (%d bytes) is larger than the whole consumer pool "
+                         "(%d bytes): raise memory_pool_bytes", key, nbytes, self.pool.capacity)
+            return "too_big", None
+        if nbytes <= self.config.inline_max_bytes:
+            return "ok", None
+        try:
+            return "ok", self.pool.allocate(nbytes, deadline)
+        except PoolExhausted as exc:
+            self.events.errors.append(f"consumer pool: {exc}")
+            logger.warning("EPD: consumer pool exhausted, cannot pull %s: %s", key, exc)
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+            return "pool", None
+
+    def _pull_once(self, endpoint: str, key: str, deadline: float, nbytes: int
+                   ) -> tuple[str, torch.Tensor | None, int]:
+        """One pull: (outcome, tensor or None, item size if learnt)."""
+        outcome, buf = self._buffer(key, deadline, nbytes)
+        if outcome != "ok":
+            return outcome, None, nbytes
+        link = self._link(endpoint)
+        scaled = self.config.transfer_timeout_base_s + nbytes / self.config.min_transfer_bytes_per_s
+        timeout = min(deadline - time.monotonic(), scaled)
+        self.stats["pulls"] += 1
+        verifier = StreamVerifier(buf) if self.config.verify_checksum and buf is not None \
+            else None
+        p = link.pull(key, self.session, buf, timeout,
+                      on_progress=verifier.advance if verifier else None,
+                      namespace=self.namespace)
+        try:
+            reply = p.reply
+            if isinstance(reply, PullFailed) and reply.code == "too_small" \
+                    and reply.info is not None:
+                return "too_small", None, reply.info.nbytes  # now we know its size
+            outcome, tensor = self._outcome(endpoint, key, p, verifier)
+            return outcome, tensor, nbytes
+        finally:
+            if p.buf is not None:  # not quarantined: ours to free
+                p.buf.release()
+
+    def _outcome(self, endpoint: str, key: str, p: PendingPull,
+                 verifier: StreamVerifier | None) -> tuple[str, torch.Tensor | None]:
+        """What a finished pull (other than a size answer) came to."""
+        reply = p.reply
+        if isinstance(reply, Pulled):
+            if reply.info.key != key:  # a peer's word: the item asked for, nothing else
+                self.events.corrupt += 1
+                logger.warning("EPD: %s answered a pull of %s with item %s; ignored",
+                               endpoint, key, reply.info.key)
+                return "corrupt", None
+            tensor = self._receive(reply, p, verifier)
+            # bytes that fail verification (damaged, or written by an outsider into a
+            # registered pool: docs/trust.md) are this producer's corrupt copy: the next
+            # producer is asked, never this one again in a hot loop
+            return ("ok" if tensor is not None else "corrupt"), tensor
+        if isinstance(reply, PullFailed):
+            self.stats[{"unknown": "unknown", "evicted": "evicted"}.get(
+                reply.code, "transfer_errors")] += 1
+            if reply.code not in ("unknown",):
+                logger.warning("EPD: pull of %s from %s failed: %s %s", key, endpoint,
+                               reply.code, reply.error)
+            return reply.code, None
+        if "disconnected" in p.error:
+            self.events.peer_disconnects += 1
+            return "disconnected", None
+        if "unreachable" in p.error:
+            self.events.peer_disconnects += 1
+            return "unreachable", None
+        self.events.pull_timeouts += 1
+        logger.warning("EPD: pull of %s: %s", key, p.error)
+        return "timeout", None
+
+    def _receive(self, reply: Pulled, p: PendingPull, verifier: StreamVerifier | None = None
+                 ) -> torch.Tensor | None:
+        """A verified tensor from the reply: inline bytes, or our pool block itself (CPU
+        pool: handed over without a copy, back to the pool when vLLM drops the tensor;
+        device pool: one device-local copy)."""
+        info = reply.info
+        try:
+            dtype, shape = describe(info)
+        except ValueError as exc:
+            self.events.corrupt += 1
+            logger.warning("EPD: producer sent bad metadata for %s: %s", info.key, exc)
+            return None
+        if reply.inline:
+            if p.payload is None or len(p.payload) != info.nbytes:
+                self.events.corrupt += 1
+                return None
+            self.stats["inline"] += 1
+            raw = torch.frombuffer(bytearray(p.payload), dtype=torch.uint8)
+            data = memoryview(raw.numpy())
+        else:
+            if p.buf is None or p.buf.nbytes < info.nbytes:
+                self.events.corrupt += 1
+                return None
+            raw = p.buf.as_tensor(torch.uint8, (info.nbytes,))
+            data = p.buf.as_bytes()[:info.nbytes] if raw.device.type == "cpu" else None
+        if self.config.verify_checksum:
+            if verifier is not None and not reply.inline:
+                verifier.advance(info.nbytes)  # the chunks that landed are hashed already
+                digest = verifier.hexdigest()
+            else:
+                digest = checksum(data if data is not None else memoryview(raw.cpu().numpy()))
+            if digest != info.checksum:
+                self.events.corrupt += 1
+                logger.warning("EPD: checksum mismatch for %s from %s", info.key, info.location)
+                return None
+        if reply.inline:
+            return raw.view(dtype).view(shape)
+        if raw.device.type != "cpu":
+            return raw.clone().view(dtype).view(shape)
+        buf, p.buf = p.buf, None  # ours no more: the tensor owns it
+        return buf.hand_over(dtype, shape)
+
+    def reap(self, ttl_s: float) -> None:
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            link.reap(ttl_s)
+
+    def quarantined(self) -> int:
+        with self._lock:
+            return sum(link.quarantined for link in self._links.values())
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()

@@ -1,6 +1,7 @@
 """Producer side of the Mooncake TE transport: the items a worker holds in its registered pool
-(leases, pins, LRU, backpressure), the ZMQ PUB that announces them to catalogs, and the
-ranges consumers proved are theirs (the only places pulls are written to)."""
+(leases, pins, LRU, backpressure), the ZMQ PUB that announces them to catalogs, the ranges
+consumers proved are theirs (the only places pulls are written to), and the side channel that
+serves pulls (PullServer)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,35 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
+import torch
 import zmq
 
-from ec_connectors.messages import encode
+from ec_connectors.channel import Channel, encode
+from ec_connectors.config import EPDConfig
 from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
-from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
+from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te.messages import (
+    Announce,
+    Evicted,
+    PeerMessage,
+    Progress,
+    Pull,
+    Pulled,
+    PullFailed,
+    Register,
+    Snapshot,
+)
 
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
+_REGISTER_WAIT_S = 5.0  # a pull waits this long at most for its connection's Register
 
 
 @dataclass
@@ -41,8 +58,8 @@ class ProducerStore:
         self.lease_ttl_s = lease_ttl_s
         self._items: OrderedDict[str, Held] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
-        self.recently_evicted: OrderedDict[str, None] = OrderedDict()
-        self.recently_failed: OrderedDict[str, None] = OrderedDict()  # saves that failed
+        self.recently_evicted: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)
+        self.recently_failed: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)  # saves
 
     def get(self, key: str) -> Held | None:
         with self._lock:
@@ -84,8 +101,6 @@ class ProducerStore:
             if key in self._items:
                 return  # stored before: still served
             self.recently_failed[key] = None
-            while len(self.recently_failed) > _RECENT_EVICTIONS:
-                self.recently_failed.popitem(last=False)
 
     def evict_one(self) -> Held | None:
         """Release the least recently used unleased, unpinned item; None if there is none."""
@@ -95,8 +110,6 @@ class ProducerStore:
                 if held.pins == 0 and held.lease_until <= now:
                     del self._items[key]
                     self.recently_evicted[key] = None
-                    while len(self.recently_evicted) > _RECENT_EVICTIONS:
-                        self.recently_evicted.popitem(last=False)
                     break
             else:
                 return None
@@ -220,7 +233,7 @@ class ConsumerRanges:
         self._slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for off in range(first_slot, len(page) - self.NONCE_BYTES + 1, 64):
             self._slots.put(off)
-        self._claims: OrderedDict[bytes, _Claim] = OrderedDict()
+        self._claims: BoundedLRU[bytes, _Claim] = BoundedLRU(self._MAX_CONNECTIONS)
         self._cond = threading.Condition()
 
     def register(self, peer: bytes, session: str, base: int, length: int) -> _Claim:
@@ -234,9 +247,6 @@ class ConsumerRanges:
             claim.done.set()
         with self._cond:
             self._claims[peer] = claim
-            self._claims.move_to_end(peer)
-            while len(self._claims) > self._MAX_CONNECTIONS:
-                self._claims.popitem(last=False)
             self._cond.notify_all()
         return claim
 
@@ -283,3 +293,140 @@ class ConsumerRanges:
             return (f"{nbytes} bytes at {addr:#x} of {session} are outside the range this "
                     f"connection registered")
         return ""
+
+
+class PullServer:
+    """A producer's side channel (ZMQ ROUTER). A connection's `Register` is proved on threads
+    of its own; a `Pull` is queued (at most `max_queued_pulls`, else answered `busy`) for the
+    serve threads, which answer it inline when the item is small, or write it with the
+    transfer engine into the range that connection proved, chunk by chunk (`Progress`), and
+    stop once the pull's deadline passed. `stats`: the transport's pull counters."""
+
+    def __init__(self, address: str, endpoint: str, store: ProducerStore,
+                 ranges: ConsumerRanges, engine, config: EPDConfig, namespace: str,
+                 stats: dict[str, int], context: zmq.Context,
+                 curve: CurveKeys | None = None) -> None:
+        self.endpoint = endpoint
+        self.store, self.ranges, self.engine = store, ranges, engine
+        self.config, self.namespace, self.stats = config, namespace, stats
+        self._queued = 0  # pulls accepted and not yet served
+        self._lock = threading.Lock()
+        self._serve = ThreadPoolExecutor(config.serve_threads, thread_name_prefix="epd-serve")
+        # Proofs of registrations run apart: pulls on the serve threads may be waiting for them.
+        self._prove = ThreadPoolExecutor(2, thread_name_prefix="epd-register")
+        self.channel: Channel | None = None
+        self.channel = Channel(address, bind=True, on_message=self._on_message,
+                               name="epd-peer-server", decode=messages.decode_peer,
+                               context=context, curve=curve)
+
+    def _on_message(self, msg: PeerMessage, peer: bytes | None, _payload: list[bytes]) -> None:
+        if isinstance(msg, Register) and peer is not None:
+            claim = self.ranges.register(peer, msg.session, msg.base, msg.length)
+            if not claim.done.is_set():
+                self._prove.submit(self.ranges.prove, claim, msg.proof_addr, msg.nonce,
+                                   self.config.transfer_timeout_base_s)
+            return
+        if not isinstance(msg, Pull) or peer is None:
+            return
+        try:
+            parse_endpoint(msg.session)
+        except ValueError as exc:
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="bad_request", error=str(exc)))
+            return
+        with self._lock:
+            if self._queued >= self.config.max_queued_pulls:
+                busy = True
+            else:
+                busy = False
+                self._queued += 1
+        if busy:
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="busy",
+                                         error=f"{self.endpoint} has "
+                                               f"{self.config.max_queued_pulls} pulls queued"))
+            return
+        expires = time.monotonic() + msg.timeout_s if msg.timeout_s > 0 else float("inf")
+        self._serve.submit(self._serve_queued, msg, peer, expires)
+
+    def _serve_queued(self, msg: Pull, peer: bytes, expires: float) -> None:
+        try:
+            self._serve_pull(msg, peer, expires)
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def _expired(self, msg: Pull, peer: bytes, expires: float) -> bool:
+        """Past the pull's deadline: say so (the consumer frees its buffer) and stop."""
+        if time.monotonic() <= expires:
+            return False
+        self.stats["expired"] += 1
+        self._reply(peer, PullFailed(pull_id=msg.pull_id, code="expired",
+                                     error=f"the pull's {msg.timeout_s:.3g} s passed at "
+                                           f"{self.endpoint}; nothing more is written"))
+        return True
+
+    def _reply(self, peer: bytes, msg: msgspec.Struct, payload: bytes | None = None) -> None:
+        if self.channel is not None:
+            self.channel.send(msg, to=peer, payload=payload)
+
+    def _serve_pull(self, msg: Pull, peer: bytes, expires: float = float("inf")) -> None:
+        if self._expired(msg, peer, expires):
+            return
+        if msg.namespace and msg.namespace != self.namespace:
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="namespace",
+                                         error=f"{self.endpoint} serves model namespace "
+                                               f"{self.namespace!r}, not {msg.namespace!r}"))
+            return
+        held = self.store.pin(msg.key)
+        if held is None:
+            code = ("failed" if msg.key in self.store.recently_failed else
+                    "evicted" if msg.key in self.store.recently_evicted else "unknown")
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code=code,
+                                         error=f"item {msg.key} is {code} at {self.endpoint}"))
+            return
+        try:
+            info = held.info
+            if info.nbytes <= self.config.inline_max_bytes:
+                data = bytes(held.buf.as_tensor(torch.uint8, (info.nbytes,)).cpu().numpy())
+                self._reply(peer, Pulled(pull_id=msg.pull_id, info=info, inline=True), data)
+                return
+            if msg.capacity < info.nbytes:
+                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
+                                             error=f"needs {info.nbytes} bytes"))
+                return
+            refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
+                                        min(expires, time.monotonic() + _REGISTER_WAIT_S))
+            if refused:
+                self.stats["unregistered"] += 1
+                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="unregistered",
+                                             error=f"{self.endpoint} writes nothing: {refused}"))
+                return
+            if self._write(msg, peer, held, expires):
+                self._reply(peer, Pulled(pull_id=msg.pull_id, info=info))
+        finally:
+            self.store.unpin(held)
+
+    def _write(self, msg: Pull, peer: bytes, held: Held, expires: float) -> bool:
+        """The item into the puller's buffer, chunk by chunk; False once a reply ended it."""
+        nbytes = held.info.nbytes
+        chunk = self.config.transfer_chunk_bytes or nbytes
+        for start in range(0, nbytes, chunk):
+            if self._expired(msg, peer, expires):
+                return False
+            n = min(chunk, nbytes - start)
+            rc = self.engine.transfer_sync_write(msg.session, held.buf.addr + start,
+                                                 msg.dst_addr + start, n)
+            if rc != 0:
+                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="transfer",
+                                             error=f"transfer_sync_write to {msg.session} "
+                                                   f"returned {rc}"))
+                return False
+            if start + n < nbytes:  # the consumer verifies it while the rest flies
+                self._reply(peer, Progress(pull_id=msg.pull_id, done=start + n))
+        return True
+
+    def close(self) -> None:
+        """Stop answering, then let the serve threads finish (queued pulls are dropped)."""
+        if self.channel is not None:
+            self.channel.close()
+        self._serve.shutdown(wait=True, cancel_futures=True)
+        self._prove.shutdown(wait=True, cancel_futures=True)

@@ -214,7 +214,7 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     for frame in garbage:
         sock.send(frame)
     # A well-formed pull with a forged session must be refused, not attempted.
-    from ec_connectors.messages import encode
+    from ec_connectors.channel import encode
     from ec_connectors.transports.mooncake_te import messages
 
     sock.send(encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
@@ -389,7 +389,7 @@ def test_side_channel_and_announcements_need_the_deployment_secret(peers, tmp_pa
         assert not got["found"]
     # a foreign client speaking the wire format by hand: no handshake, no answer, and the
     # producer never writes anywhere for it
-    from ec_connectors.messages import encode
+    from ec_connectors.channel import encode
     from ec_connectors.protocol.keys import item_key
     from ec_connectors.transports.mooncake_te.messages import Pull
 
@@ -417,7 +417,7 @@ def test_a_producer_writes_only_into_the_range_its_connection_proved(peers, tmp_
     """A peer holding the deployment secret still cannot aim the producer at another
     consumer's memory: a pull is written only into the range its own connection registered
     and proved by a nonce the producer reads back from that memory."""
-    from ec_connectors.messages import encode
+    from ec_connectors.channel import encode
     from ec_connectors.protocol.keys import item_key
     from ec_connectors.protocol.secret import curve_keys, read_secret
     from ec_connectors.transports.mooncake_te.messages import Pull, PullFailed, Register
