@@ -3,11 +3,14 @@ the first byte, membership that changes at run time (drained before an instance 
 
 `DecodePool.open` sends the request and returns once the response headers arrived (the
 first byte): a connect error, a timeout before headers or a 5xx is retried once on another
-instance (when there is one). After that the response belongs to the caller, who must
-`release()` it (closes the upstream connection unless the body was read to the end: an
-unfinished request is aborted upstream). `failed_before_answer()` tells an answer that
-failed before its first token (a 5xx, or a stream whose first event is an error: vLLM
-streams a role chunk before the engine has run) from one that has begun.
+instance (when there is one); a plain 500 from the only eligible instance is asked once more
+on it (vLLM answers 500 when its API server's and EngineCore's processor caches drift, and
+heals them before answering; encoder calls do the same, encoder_clients.py). After that the
+response belongs to the caller, who must `release()` it (closes the upstream connection
+unless the body was read to the end: an unfinished request is aborted upstream).
+`failed_before_answer()` tells an answer that failed before its first token (a 5xx, or a
+stream whose first event is an error: vLLM streams a role chunk before the engine has run)
+from one that has begun.
 
 This hop uses aiohttp (a vLLM dependency) rather than httpx: it sits on every request's
 path and measured about 0.45 ms less per request here (see benchmarks/serve_bench.py).
@@ -179,6 +182,18 @@ class DecodePool(Members):
         self.inflight[url] -= 1
         self.cool_down(url)
 
+    def _again(self, key: str | None, tried: set[str], url: str, status: int) -> bool:
+        """Whether a first attempt's 5xx from `url` is tried once more: on another instance
+        (`url` cools down), or, a plain 500 when there is none, on `url` itself (it is up,
+        and vLLM heals the processor-cache drift behind such a 500 before answering)."""
+        if self.order(key, tried):
+            self.cool_down(url)
+            return True
+        if status == 500:
+            tried.discard(url)
+            return True
+        return False
+
     async def open(self, method: str, path: str, content: bytes | None,
                    request_id: str, key: str | None = None,
                    exclude: Set[str] = frozenset()) -> Upstream:
@@ -224,10 +239,10 @@ class DecodePool(Members):
                 await up.release()
                 self.cool_down(url)
                 continue
-            if resp.status >= 500 and attempt == 0 and len(self.order(key, tried)) > 0:
+            if resp.status >= 500 and attempt == 0 and self._again(key, tried, url,
+                                                                   resp.status):
                 last_error = f"{url}: HTTP {resp.status}"
                 await up.release()
-                self.cool_down(url)
                 continue
             return up
         raise GatewayError(502, f"no prefill/decode instance answered ({last_error})",

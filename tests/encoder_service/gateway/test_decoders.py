@@ -1,0 +1,114 @@
+"""DecodePool.open against real HTTP servers on loopback (aiohttp): which answers before the
+first byte are asked again, where, and how often. A plain 500 from the only eligible
+instance is asked once more on it (vLLM answers 500 when its processor caches drift, and
+heals them first: the e2e test_encoder_killed_mid_run_answers_stay_correct once failed on
+exactly that); a reasoned 503 or a 502 is not; with another instance, the retry goes there."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from encoder_service.gateway.config import GatewayConfig
+from encoder_service.gateway.decoders import DecodePool
+from encoder_service.gateway.metrics import GatewayMetrics
+from tests.helpers import free_port
+
+PORTS = iter(range(19000, 19020))
+
+
+class Scripted:
+    """A decode instance that answers the statuses of `script` in turn, then 200."""
+
+    def __init__(self, *script: int) -> None:
+        self.script = list(script)
+        self.calls: list[str] = []  # the x-request-id of each request
+        self.url = ""
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.calls.append(request.headers.get("x-request-id", ""))
+        status = self.script.pop(0) if self.script else 200
+        if status >= 400:
+            return web.json_response({"error": {"message": "Internal server error",
+                                                "code": status}}, status=status)
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+
+@contextlib.asynccontextmanager
+async def pool_of(*instances: Scripted) -> AsyncIterator[DecodePool]:
+    runners = []
+    try:
+        for inst in instances:
+            app = web.Application()
+            app.router.add_post("/v1/chat/completions", inst.handle)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            runners.append(runner)
+            port = free_port(PORTS)
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            inst.url = f"http://127.0.0.1:{port}"
+        cfg = GatewayConfig.build({"decoders": [i.url for i in instances],
+                                   "routing": {"probe_interval_s": 0}})
+        pool = DecodePool(cfg, GatewayMetrics())
+        await pool.start()
+        try:
+            yield pool
+        finally:
+            await pool.close()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def ask(pool: DecodePool, key: str | None = None) -> tuple[int, int, bytes]:
+    """(status, retries, body) of one request through `request()` (the chat flow's call)."""
+    up = await pool.request("POST", "/v1/chat/completions", b"{}", "r", key=key)
+    try:
+        return up.status_code, up.retries, await up.read()
+    finally:
+        await up.release()
+
+
+@pytest.mark.parametrize(("script", "calls", "status"), [
+    ((500,), 2, 200),  # processor-cache drift: healed, the second answer is the answer
+    ((500, 500), 2, 500),  # once more only: the second 500 is relayed
+    ((503,), 1, 503),  # a reasoned refusal (server guard: embedding_unavailable, ...)
+    ((502,), 1, 502),
+    ((), 1, 200),
+])
+def test_a_lone_instance_is_asked_once_more_only_after_a_plain_500(script, calls, status):
+    async def run() -> None:
+        inst = Scripted(*script)
+        async with pool_of(inst) as pool:
+            got, retries, body = await ask(pool)
+            assert (got, retries, len(inst.calls)) == (status, calls - 1, calls)
+            assert inst.calls == [f"r-dec{i}" for i in range(calls)]
+            if status == 200:
+                assert b"ok" in body
+            retried = pool.metrics.registry.get_sample_value(
+                "epd_gateway_retries_total", {"target": "decode"})
+            assert (retried or 0) == calls - 1  # counted as a decode retry
+            assert pool.inflight[inst.url] == 0  # both answers released
+
+    asyncio.run(run())
+
+
+def test_with_another_instance_a_500_is_asked_there_and_not_again_on_the_first():
+    async def run() -> None:
+        sick, well = Scripted(500), Scripted()
+        async with pool_of(sick, well) as pool:
+            key = next(k for k in (f"item-{n}" for n in range(100))
+                       if pool.order(k)[0] == sick.url)
+            got, retries, _ = await ask(pool, key)
+            assert (got, retries, len(sick.calls), len(well.calls)) == (200, 1, 1, 1)
+            assert pool.down_until[sick.url] > 0  # cooling down, as before
+        both = (Scripted(500), Scripted(500))
+        async with pool_of(*both) as pool:  # the one retry went elsewhere: no third call
+            got, retries, _ = await ask(pool)
+            assert (got, retries, [len(s.calls) for s in both]) == (500, 1, [1, 1])
+
+    asyncio.run(run())
