@@ -2,15 +2,19 @@
 the Kubernetes API schemas (kubernetes-validate, strict: no unknown fields), the compose file
 against the compose specification (the JSON schema check-jsonschema vendors), and both keep
 the trust boundary: clients reach the gateway only, the data plane binds the pod's address,
-EPD processes read the deployment secret."""
+EPD processes read the deployment secret. Both files are rendered from deploy/settings.toml
+(deploy/render.py): the checked-in ones must be current. What the compose stack does when it
+runs is the deploy lane's (tests/deploy, `./run.sh test-deploy`)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
 import subprocess
 import sys
+import time
 
 import kubernetes_validate
 import pytest
@@ -21,6 +25,24 @@ from tests.helpers import ROOT
 K8S = ROOT / "deploy" / "k8s" / "epd.yaml"
 COMPOSE = ROOT / "docker-compose.yml"
 K8S_VERSION = "1.30.0"
+WAIT_FOR = ROOT / "deploy" / "wait_for.py"
+
+
+def _render_module():
+    spec = importlib.util.spec_from_file_location("epd_deploy_render", ROOT / "deploy" /
+                                                  "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def server_argv(argv: list[str]) -> list[str]:
+    """The server's own command: what follows `wait_for.py ... --`, else all of it."""
+    return argv[argv.index("--") + 1:] if "wait_for.py" in " ".join(argv) else argv
+
+
+def k8s_argv(container: dict) -> list[str]:
+    return container["command"] + container.get("args", [])
 
 
 def manifests() -> list[dict]:
@@ -58,7 +80,7 @@ def test_k8s_keeps_the_data_plane_inside():
         if role == "gateway":
             continue
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-        assert "0.0.0.0" not in container["command"]  # binds the pod's own address
+        assert "0.0.0.0" not in k8s_argv(container)  # binds the pod's own address
         if role != "mooncake-master":
             assert env["MC_TCP_BIND_ADDRESS"]["value"] == "$(POD_IP)"
             assert env["EPD_SECRET_FILE"]["value"] == "/var/run/epd/secret"
@@ -70,7 +92,7 @@ def test_compose_validates_and_publishes_only_the_gateway():
     assert run.returncode == 0, run.stdout + run.stderr
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
-    assert published == {"gateway": ["8000:8000"]}
+    assert published == {"gateway": ["${EPD_GATEWAY_PUBLISH:-8000}:8000"]}
     for name in ("encoder", "prefill-decode", "gateway"):
         assert services[name]["environment"]["EPD_SECRET_FILE"] == "/run/secrets/epd_secret"
 
@@ -96,9 +118,10 @@ def vllm_servers() -> list[tuple[str, list[str], dict]]:
     for d in manifests():
         if d["kind"] == "Deployment":
             (c,) = d["spec"]["template"]["spec"]["containers"]
-            if "serve" in c["command"][:3]:
+            argv = server_argv(k8s_argv(c))
+            if "serve" in argv[:3]:
                 env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
-                out.append((f"k8s/{d['metadata']['name']}", c["command"], env))
+                out.append((f"k8s/{d['metadata']['name']}", argv, env))
     return out
 
 
@@ -184,3 +207,90 @@ def test_every_vllm_server_loads_the_server_guard():
     assert len(servers) == 4
     for server, argv, _ in servers:
         assert argv[argv.index("--middleware") + 1] == SERVER_GUARD, server
+
+
+# -- one source: deploy/settings.toml -> docker-compose.yml, deploy/k8s/epd.yaml -------------
+def test_the_checked_in_files_are_rendered_from_the_settings():
+    run = subprocess.run([sys.executable, str(ROOT / "deploy" / "render.py"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_a_setting_reaches_both_files_everywhere_it_is_used():
+    render = _render_module()
+    settings = render.load_settings()
+    settings["ports"]["vllm"] = 9123
+    settings["model"]["models_dir"] = "/srv/models"
+    settings["secret"]["k8s"] = "/etc/epd-test/secret"
+    out = {p.name: t for p, t in render.render(settings).items()}
+    compose = yaml.safe_load(out["docker-compose.yml"])
+    k8s = [d for d in yaml.safe_load_all(out["epd.yaml"]) if d]
+    model = "/srv/models/tiny-qwen-omni"
+    gw = compose["services"]["gateway"]["command"]
+    assert "http://encoder:9123" in gw and "http://prefill-decode:9123" in gw
+    for name in ("encoder", "prefill-decode"):
+        s = compose["services"][name]
+        argv = shlex.split(s["command"])
+        assert argv[argv.index("--port") + 1] == "9123" and argv[3] == model
+        assert "9123" in s["healthcheck"]["test"][-1]
+        assert f"{model}/epd_build.json" in s["entrypoint"]
+    assert compose["services"]["model-init"]["command"][-1] == model
+    for d in k8s:
+        if d["kind"] == "Deployment" and d["metadata"]["labels"]["role"] in ("encoder", "pd"):
+            pod = d["spec"]["template"]["spec"]
+            (c,) = pod["containers"]
+            argv = server_argv(k8s_argv(c))
+            assert argv[3] == model and argv[argv.index("--port") + 1] == "9123"
+            assert c["readinessProbe"]["httpGet"]["port"] == 9123
+            assert {"name": "EPD_SECRET_FILE", "value": "/etc/epd-test/secret"} in c["env"]
+            assert pod["initContainers"][0]["command"][-1] == model
+        if d["kind"] == "Service" and d["metadata"]["name"] in ("epd-encoder",
+                                                               "epd-prefill-decode"):
+            assert d["spec"]["ports"] == [{"port": 9123}]
+
+
+def test_a_template_naming_an_unknown_setting_is_an_error():
+    render = _render_module()
+    with pytest.raises(KeyError, match="no_such_setting"):
+        render.render_text("port: {{no_such_setting}}", {"vllm_port": "8000"})
+
+
+def test_compose_services_stop_at_once_and_the_servers_restart():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert all(s.get("init") is True for s in services.values())
+    for name in ("mooncake-master", "encoder", "prefill-decode", "gateway"):
+        assert services[name]["restart"] == "unless-stopped", name
+    assert "restart" not in services["model-init"]  # runs once
+
+
+# -- wait_for.py: the servers' entry point, so podman-compose starts them in order too -------
+def _wait_for(args: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(WAIT_FOR), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_wait_for_starts_the_command_once_the_file_exists(tmp_path):
+    marker = tmp_path / "model" / "epd_build.json"
+    proc = subprocess.Popen([sys.executable, str(WAIT_FOR), "--file", str(marker), "--",
+                             sys.executable, "-c", "print('started')"],
+                            stdout=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    assert proc.poll() is None  # still waiting
+    marker.parent.mkdir()
+    marker.write_text("{}")
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and "started" in out
+
+
+def test_wait_for_starts_anyway_past_its_deadline_and_says_what_was_missing():
+    t0 = time.monotonic()
+    run = _wait_for(["--tcp", "127.0.0.1:1", "--timeout", "1", "--", sys.executable, "-c",
+                     "print('started')"])
+    assert run.returncode == 0 and "started" in run.stdout
+    assert "still missing after 1 s: tcp 127.0.0.1:1" in run.stdout
+    assert time.monotonic() - t0 < 15
+
+
+def test_wait_for_without_a_command_is_a_usage_error():
+    assert _wait_for(["--file", "/x"]).returncode == 2
+    assert _wait_for(["--file", "/x", "--"]).returncode == 2

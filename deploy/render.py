@@ -1,0 +1,135 @@
+"""Render docker-compose.yml and deploy/k8s/epd.yaml from deploy/settings.toml and the templates
+in deploy/templates/, so both files take their ports, keys and model paths from one place
+(and the port scheme from ec_connectors/protocol/ports.py, the vLLM flags from what `epd up`
+gives its servers). The rendered files are checked in: users apply them as they are.
+
+    python deploy/render.py           write both files
+    python deploy/render.py --check   exit 1 if a checked-in file differs from its rendering
+
+A template names a setting as {{name}}; an unknown name, or one left over, is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from ec_connectors.config import EPDConfig  # noqa: E402
+from ec_connectors.protocol import ports  # noqa: E402
+from encoder_service.local.processes import SERVER_GUARD  # noqa: E402
+from encoder_service.local.testmodel import SPECS  # noqa: E402
+
+SETTINGS = ROOT / "deploy" / "settings.toml"
+TEMPLATES = ROOT / "deploy" / "templates"
+OUTPUTS = {"docker-compose.yml": ROOT / "docker-compose.yml",
+           "epd.yaml": ROOT / "deploy" / "k8s" / "epd.yaml"}
+DECODE_ARGS = ["--enable-scale-out"]  # as encoder_service/local/up.py DECODE_ARGS
+HEADER = ("# Rendered from deploy/settings.toml and deploy/templates/{name} by deploy/render.py:"
+          " edit those,\n# then run `python deploy/render.py` (tests/test_deploy.py checks this"
+          " file is current).\n")
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+def load_settings(path: Path = SETTINGS) -> dict[str, Any]:
+    return tomllib.loads(path.read_text())
+
+
+def vllm_args(s: dict[str, Any]) -> list[str]:
+    """The flags every vLLM server gets: those of `epd up`'s servers (processes.VllmServer)."""
+    v = s["vllm"]
+    return ["--enforce-eager", "--max-model-len", str(v["max_model_len"]), "--max-num-seqs",
+            str(v["max_num_seqs"]), "--runner", "generate", "--middleware", SERVER_GUARD]
+
+
+def ec_config(s: dict[str, Any], role: str, master_host: str, **extra: Any) -> str:
+    """The --ec-transfer-config JSON of one server, validated as the connector will."""
+    c = s["connector"]
+    master = f"{master_host}:{ports.MASTER_RPC_PORT}"
+    producer = role == "ec_producer"
+    conf = {"transport": c["transport"], "storage_path": c["cache_path"], **extra,
+            "store_master": master, "store_metadata": ports.store_metadata_url(master),
+            "store_segment_bytes": c["store_segment_bytes"] if producer else 0,
+            "store_buffer_bytes": c["store_buffer_bytes"]}
+    EPDConfig.from_dict(conf)  # a bad setting fails here, not in a pod
+    return json.dumps({"ec_connector": "EPDConnector", "ec_role": role,
+                       "ec_buffer_device": "cpu", "ec_connector_extra_config": conf},
+                      separators=(",", ":"))
+
+
+def values(s: dict[str, Any]) -> dict[str, str]:
+    """Every {{name}} the templates may use."""
+    spec = SPECS[s["model"]["spec"]]
+    models_dir = s["model"]["models_dir"].rstrip("/")
+    rpc = ports.MASTER_RPC_PORT
+    secret_k8s = s["secret"]["k8s"]
+
+    def k8s_list(args: list[str]) -> str:
+        return ", ".join(json.dumps(a) for a in args)
+
+    return {
+        "image": s["image"], "model_spec": spec.name, "served_name": spec.model_name,
+        "models_dir": models_dir, "model_path": f"{models_dir}/{spec.model_name}",
+        "vllm_port": str(s["ports"]["vllm"]), "gateway_port": str(s["ports"]["gateway"]),
+        "published_port": str(s["ports"]["published"]),
+        "master_rpc": str(rpc), "master_http": str(ports.master_http_port(rpc)),
+        "master_metrics": str(ports.master_metrics_port(rpc)),
+        "secret_compose": s["secret"]["compose"], "secret_k8s": secret_k8s,
+        "secret_k8s_dir": secret_k8s.rsplit("/", 1)[0],
+        "cache_path": s["connector"]["cache_path"],
+        "vllm_args": " ".join(vllm_args(s)), "decode_args": " ".join(DECODE_ARGS),
+        "k8s_vllm_args": k8s_list(vllm_args(s)), "k8s_decode_args": k8s_list(DECODE_ARGS),
+        "producer_config": ec_config(s, "ec_producer", "mooncake-master"),
+        "consumer_config": ec_config(s, "ec_consumer", "mooncake-master"),
+        "k8s_producer_config": ec_config(s, "ec_producer", "epd-mooncake-master",
+                                         max_storage_bytes=s["k8s"]["max_storage_bytes"]),
+        "k8s_consumer_config": ec_config(s, "ec_consumer", "epd-mooncake-master"),
+    }
+
+
+def render_text(template: str, vals: dict[str, str]) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group(1) not in vals:
+            raise KeyError(f"unknown setting {{{{{m.group(1)}}}}} in a template")
+        return vals[m.group(1)]
+
+    return _PLACEHOLDER.sub(sub, template)
+
+
+def render(settings: dict[str, Any] | None = None) -> dict[Path, str]:
+    """{output path: its text} for every template."""
+    vals = values(settings if settings is not None else load_settings())
+    return {out: HEADER.format(name=name) + render_text((TEMPLATES / name).read_text(), vals)
+            for name, out in OUTPUTS.items()}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="compare, write nothing")
+    args = p.parse_args(argv)
+    stale = []
+    for path, text in render().items():
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path.relative_to(ROOT))
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if stale:
+        print(f"stale: {', '.join(map(str, stale))}: run `python deploy/render.py`",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
