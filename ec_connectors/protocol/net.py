@@ -1,5 +1,6 @@
-"""Addresses for the peer-to-peer transports: this node's host and `host:port` endpoints
-(parsed and validated). The port scheme lives in `ec_connectors.protocol.ports`."""
+"""Addresses for the peer-to-peer transports: this node's host, `host:port` endpoints (parsed
+and validated) and whether something listens at one. The port scheme lives in
+`ec_connectors.protocol.ports`."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
         if not _HOST.match(host):
             raise ValueError(f"endpoint {endpoint!r}: bad host") from None
     return host, port
+
+
+def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    """Whether a TCP connection to `host:port` opens within `timeout_s` (closed at once)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def _check_endpoints(value: list[str]) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import httpx
 
 from ec_connectors.protocol import ports
+from ec_connectors.protocol.net import port_open
 from encoder_service.local.processes import ManagedProcess, ServerFailed
 
 if TYPE_CHECKING:
@@ -50,14 +50,6 @@ def master_command(host: str, rpc_port: int, http_port: int, metrics_port: int) 
             "--enable_http_metadata_server=true", f"--http_metadata_server_host={host}",
             f"--http_metadata_server_port={http_port}", f"--metrics_host={host}",
             f"--metrics_port={metrics_port}"]
-
-
-def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
