@@ -1,6 +1,6 @@
 """Gateway plug-ins without vLLM: the Mooncake availability (a MooncakeCatalog fed by a fake
 producer's real ZMQ announcements) and the encoder-pool backend (`PoolEncoderClient` against a
-recording stand-in for `epd encoder`). Real HTTP (uvicorn + httpx) as in test_gateway.py."""
+recording stand-in for `epd encoder`). Real HTTP (uvicorn + httpx) as in stubs.py."""
 
 from __future__ import annotations
 

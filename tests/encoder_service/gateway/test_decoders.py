@@ -1,8 +1,10 @@
-"""DecodePool.open against real HTTP servers on loopback (aiohttp): which answers before the
-first byte are asked again, where, and how often. A plain 500 from the only eligible
-instance is asked once more on it (vLLM answers 500 when its processor caches drift, and
-heals them first: the e2e test_encoder_killed_mid_run_answers_stay_correct once failed on
-exactly that); a reasoned 503 or a 502 is not; with another instance, the retry goes there."""
+"""Prefill/decode instances (decoders.py) against real HTTP servers on loopback: which answers
+before the first byte are asked again, where, and how often (DecodePool.open against aiohttp
+servers; a real gateway in front of a dead instance and a stub, stubs.py). A plain 500 from
+the only eligible instance is asked once more on it (vLLM answers 500 when its processor
+caches drift, and heals them first: the e2e test_encoder_killed_mid_run_answers_stay_correct
+once failed on exactly that); a reasoned 503 or a 502 is not; with another instance, the
+retry goes there."""
 
 from __future__ import annotations
 
@@ -13,12 +15,16 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
+from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.decoders import DecodePool
 from encoder_service.gateway.metrics import GatewayMetrics
-from tests.helpers import free_port
+from encoder_service.gateway.routing import rendezvous
+from encoder_service.local.requests import chat_body, sample_image_png
+from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
 
-PORTS = iter(range(19000, 19020))
+LAB = Lab(range(19000, 19020))
+gateway = LAB.gateway
 
 
 class Scripted:
@@ -48,7 +54,7 @@ async def pool_of(*instances: Scripted) -> AsyncIterator[DecodePool]:
             runner = web.AppRunner(app)
             await runner.setup()
             runners.append(runner)
-            port = free_port(PORTS)
+            port = LAB.port()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             inst.url = f"http://127.0.0.1:{port}"
         cfg = GatewayConfig.build({"decoders": [i.url for i in instances],
@@ -112,3 +118,26 @@ def test_with_another_instance_a_500_is_asked_there_and_not_again_on_the_first()
             assert (got, retries, [len(s.calls) for s in both]) == (500, 1, [1, 1])
 
     asyncio.run(run())
+
+
+def test_decoder_failure_before_first_byte_retries_on_another(stubs):
+    enc, dec = stubs
+    dead = f"http://127.0.0.1:{LAB.port()}"
+    g = gateway([enc.url], [dead, dec.url])
+    try:
+        # the first image's decode instance (by affinity) is the dead one: retried on the
+        # other; the dead one then cools down, so the second is not retried
+        first = next(im for im in (sample_image_png(seed) for seed in range(31, 200))
+                     if rendezvous(content_item_id(im, MODEL), [dead, dec.url])[0] == dead)
+        for img in (first, sample_image_png(300)):
+            assert post(g, chat_body(MODEL, img, "x")).status_code == 200
+        assert metric(g, 'epd_gateway_retries_total{target="decode"}') == 1
+    finally:
+        g.stop()
+    g = gateway([enc.url], [dead])
+    try:
+        r = post(g, chat_body(MODEL, sample_image_png(33), "x"))
+        assert r.status_code == 502 and "no prefill/decode instance" in r.text
+        assert r.json()["error"]["code"] == "decode_unavailable"
+    finally:
+        g.stop()

@@ -5,14 +5,14 @@ it against real vLLM servers)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 
 from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, bounded, rendezvous
-from tests.encoder_service.gateway.test_gateway import FakeEncoder
+from tests.encoder_service.gateway.stubs import MODEL, FakeEncoder, Lab, items
 
+LAB = Lab(range(18770, 18790))  # the stub upstreams and gateways of this module
 NAMES = [f"http://enc{i}:8000" for i in range(4)]
 
 
@@ -40,6 +40,41 @@ def test_bounded_load_spills_a_hot_instance_to_the_next_in_order():
     assert bounded(order, {order[0]: 10}, 1.25) == order[1]
     assert bounded(order, {order[0]: 10, order[1]: 10}, 1.25) == order[2]
     assert bounded(order, {n: 1 for n in order}, 1.25) == order[0]  # balanced: stays
+
+
+def test_router_groups_items_one_call_per_encoder():
+    a, b = FakeEncoder("a"), FakeEncoder("b")
+    out, errors = asyncio.run(EncoderRouter([a, b]).encode(items(5), "r"))
+    assert not errors and not out.failed and out.calls == 2
+    assert sorted(len(c) for c in a.calls + b.calls) == [2, 3]
+    assert set(out.hints) == {f"i{k}" for k in range(5)}
+
+
+def test_router_prefers_the_least_loaded_encoder():
+    a, b = FakeEncoder("a", delay=0.3), FakeEncoder("b", delay=0.3)
+    router = EncoderRouter([a, b])
+
+    async def run():
+        first = asyncio.create_task(router.encode(items(1), "r1"))
+        await asyncio.sleep(0.05)  # one encoder now has a call in flight
+        await router.encode([MediaPart("other", "image", 1, {})], "r2")  # not a shared item
+        await first
+
+    asyncio.run(run())
+    assert len(a.calls) == 1 and len(b.calls) == 1  # the second went to the idle one
+
+
+def test_router_retries_once_then_reports_failed_items_and_cools_down():
+    a, b, c = FakeEncoder("a", fail=True), FakeEncoder("b", fail=True), FakeEncoder("c")
+    router = EncoderRouter([a, b], cooldown_s=60)
+    out, errors = asyncio.run(router.encode(items(1), "r"))
+    assert out.retries == 1 and out.failed == ["i0"] and len(errors) == 2
+    assert len(a.calls) + len(b.calls) == 2  # once each, never a third call
+    router = EncoderRouter([a, c], cooldown_s=60)
+    for _ in range(3):
+        out, _ = asyncio.run(router.encode(items(1), "r"))
+        assert not out.failed
+    assert len(a.calls) <= 2  # after one failure, a cools down and c takes the work
 
 
 class Encoder(FakeEncoder):
@@ -167,71 +202,15 @@ def test_a_draining_encoder_gets_nothing_new_and_leaves_after_its_calls():
     assert [d["url"] for d in router.describe()] == [NAMES[1], NAMES[0]]
 
 
-# -- membership at run time, through the gateway's HTTP endpoints (stand-in upstreams) ------
-def test_instances_join_and_leave_while_load_runs_and_nothing_is_lost(tmp_path):
-    from concurrent.futures import ThreadPoolExecutor
-
-    import httpx
-
-    from ec_connectors.protocol.secret import admin_token
-    from encoder_service.local.requests import chat_body, sample_image_png
-    from tests.encoder_service.gateway.test_gateway import MODEL, Stub, gateway
-
-    enc, first, second = Stub("encoder"), Stub("decoder"), Stub("decoder")
-    for s in (first, second):
-        s.delay = 0.05
-    secret = tmp_path / "secret"
-    secret.write_bytes(b"a-deployment-secret-of-some-length")
-    secret.chmod(0o600)
-    g = gateway([enc.url], [first.url], secret_file=str(secret))
-    token = {"authorization": f"Bearer {admin_token(secret.read_bytes())}"}
-    try:
-        admin = g.url + "/admin/instances"
-        join = {"role": "decoder", "url": second.url, "action": "add"}
-        assert httpx.post(admin, json=join).status_code == 403  # no token, no change
-        assert httpx.post(admin, json=join, headers={"authorization": "Bearer x"}
-                          ).status_code == 403
-        bad = httpx.post(admin, json={**join, "url": "ftp://x"}, headers=token)
-        assert bad.status_code == 400 and "base URL" in bad.text
-
-        def ask(n: int) -> int:
-            return httpx.post(g.url + "/v1/chat/completions", timeout=30, json=chat_body(
-                MODEL, sample_image_png(seed=n % 7), "x")).status_code
-
-        with ThreadPoolExecutor(8) as pool:
-            load = [pool.submit(ask, n) for n in range(60)]
-            time.sleep(0.2)
-            assert httpx.post(admin, json=join, headers=token).json()["state"] == "up"
-            time.sleep(0.2)
-            left = httpx.post(admin, headers=token, timeout=30, json={
-                "role": "decoder", "url": first.url, "action": "remove"}).json()
-            codes = [f.result() for f in load]
-        assert codes == [200] * 60
-        assert left == {"url": first.url, "role": "decoder", "state": "removed",
-                        "drained": True}
-        seen = len(second.calls)
-        assert seen > 0 and ask(99) == 200 and len(second.calls) == seen + 1
-        listed = httpx.get(g.url + "/instances").json()
-        assert [d["url"] for d in listed["decoders"]] == [second.url]
-        assert listed["encoders"][0]["url"] == enc.url and listed["encoders"][0]["items"] > 0
-        last = httpx.post(admin, headers=token, json={"role": "decoder", "url": second.url,
-                                                      "action": "remove"})
-        assert last.status_code == 409  # the last decode instance stays
-    finally:
-        g.stop()
-        for s in (enc, first, second):
-            s.stop()
-
-
+# -- forward probes, through the gateway's HTTP endpoints (stand-in upstreams) -----------
 def test_a_hung_instance_fails_its_forward_probe_and_is_tried_last_until_it_passes():
     import httpx
 
-    from tests.encoder_service.gateway.test_gateway import Stub, gateway
     from tests.helpers import wait_for
 
-    enc, good, hung = Stub("encoder"), Stub("decoder"), Stub("decoder")
+    enc, good, hung = LAB.stub("encoder"), LAB.stub("decoder"), LAB.stub("decoder")
     hung.delay = 3.0  # its HTTP server answers /health, its "engine" does not answer in time
-    g = gateway([enc.url], [good.url, hung.url],
+    g = LAB.gateway([enc.url], [good.url, hung.url],
                 routing={"probe_interval_s": 0.2, "probe_timeout_s": 0.5})
 
     def state() -> dict:
@@ -264,7 +243,6 @@ def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
     from encoder_service.encoder_pool.server import create_app
     from encoder_service.local.requests import chat_body, sample_image_png
     from encoder_service.local.testmodel import SPECS, build
-    from tests.encoder_service.gateway.test_gateway import MODEL, Stub, gateway
     from tests.helpers import WORK, Served
 
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
@@ -272,9 +250,9 @@ def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
                                   "max_wait_ms": 5, "retain": "keep",
                                   "transport": {"storage_path": str(tmp_path / "ec")}})
             for _ in range(2)]
-    dec = Stub("decoder")
+    dec = LAB.stub("decoder")
     with Served(create_app(cfgs[0]), 18440) as p0, Served(create_app(cfgs[1]), 18441) as p1:
-        g = gateway([p0.url, p1.url], [dec.url], encoder_backend="pool")
+        g = LAB.gateway([p0.url, p1.url], [dec.url], encoder_backend="pool")
         try:
             image = sample_image_png(seed=4242)
             for _ in range(3):
