@@ -4,7 +4,6 @@ the item id a vLLM consumer will look up, and the `ec_transfer_params` a gateway
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.params import item_entry, producer_params
 from ec_connectors.transports import make_transport
 
@@ -28,7 +28,7 @@ class Publisher:
         self.namespace = config.namespace or "default"
         self.transport = make_transport(config)
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="epd-publish")
-        self._known: OrderedDict[str, ItemInfo] = OrderedDict()
+        self._known: BoundedLRU[str, ItemInfo] = BoundedLRU(MAX_REMEMBERED)
         self.published = 0
         self.published_bytes = 0
 
@@ -40,9 +40,6 @@ class Publisher:
         self.published += 1
         self.published_bytes += info.nbytes
         self._known[item_id] = info
-        self._known.move_to_end(item_id)
-        while len(self._known) > MAX_REMEMBERED:
-            self._known.popitem(last=False)
         return info
 
     async def publish(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:

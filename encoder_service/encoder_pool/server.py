@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from ec_connectors.config_files import read_config_file
+from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
 from ec_connectors.protocol.secret import server_api_key
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
@@ -114,6 +115,189 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
                        retry_after_s=config.retry_after_s)
 
 
+class _Refused(Exception):
+    """A step of EncodeHandler refused the request with `response` (the whole request)."""
+
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class EncodeHandler:
+    """POST /v1/encode in steps: `door` (limits, ids, signatures, media decoded and prepared
+    by vLLM's processor), `admit` (queue room, all or nothing), `submit` (to the batcher),
+    `publish` (each item once encoded, through the transport) and `answer` (per-item status,
+    `ec_transfer_params`, the failure policy). A step that refuses the whole request raises
+    _Refused; `failures` collects what fails item by item."""
+
+    def __init__(self, config: PoolConfig, pool: EncoderPool, publisher: Publisher,
+                 signer: Any) -> None:
+        self.config, self.pool, self.publisher, self.signer = config, pool, publisher, signer
+        self.encoder = pool.workers[0].encoder  # preprocessing is the same on every device
+        # picks vLLM's video loader
+        self.video_processor = getattr(self.encoder, "video_processor", None)
+
+    async def __call__(self, req: EncodeRequest) -> JSONResponse:
+        policy = req.on_failure or self.config.on_failure
+        timeout = req.timeout_s or self.config.item_timeout_s
+        try:
+            items, bad = await self.door(req, policy)
+            self.admit(items)
+            futures = self.submit(items, timeout, req.keep)
+        except _Refused as refused:
+            return refused.response
+        failures = {k: ("bad_media", e.reason) for k, e in bad.items()}
+        infos = await self.publish(futures, timeout, failures)
+        return self.answer([it.id for it in req.items], items, infos, failures, policy)
+
+    # -- the steps ---------------------------------------------------------------------------
+    async def door(self, req: EncodeRequest, policy: str
+                   ) -> tuple[list[MediaItem], dict[str, BadMedia]]:
+        """The request's items decoded and prepared, and the media refused item by item (under
+        on_failure=fail, any of those refuses the request)."""
+        self._check_ids(req)
+        items, bad = await asyncio.to_thread(self._decode, req)
+        if bad and policy == "fail":
+            raise _Refused(_error(400, "bad_media", "; ".join(str(e) for e in bad.values()),
+                                  items={k: e.reason for k, e in bad.items()}))
+        return items, bad
+
+    def _check_ids(self, req: EncodeRequest) -> None:
+        if len(req.items) > self.config.max_items_per_request:
+            raise _Refused(_error(400, "too_many_items", f"{len(req.items)} items; the limit "
+                                  f"is {self.config.max_items_per_request}"))
+        ids = [it.id for it in req.items]
+        if len(set(ids)) != len(ids):
+            raise _Refused(_error(400, "duplicate_ids",
+                                  "item ids must be unique within a request"))
+        for item_id in ids:
+            try:
+                item_key(item_id)
+            except InvalidItemId as exc:
+                raise _Refused(_error(400, "bad_item_id", f"bad item id: {exc}")) from None
+            if not self.signer.vouched(item_id):  # we publish: never under a client's name
+                raise _Refused(_error(403, "unsigned_id", f"item id {item_id[:80]!r} is not "
+                                      "signed with the deployment secret (the gateway signs "
+                                      "the ids it derives)"))
+
+    def _decode(self, req: EncodeRequest) -> tuple[list[MediaItem], dict[str, BadMedia]]:
+        """Runs in a thread: decoding and vLLM's preprocessing take milliseconds per item."""
+        config, modalities = self.config, self.pool.modalities
+        items, bad = [], {}
+        for it in req.items:
+            try:
+                if it.modality not in modalities:
+                    raise BadMedia(it.id, f"modality {it.modality!r} is not served "
+                                          f"(served: {', '.join(modalities)})")
+                if it.modality == "video":
+                    item = decode_video(it.id, it.data, config.max_media_bytes,
+                                        config.max_image_pixels, self.video_processor)
+                else:
+                    raw = payload_bytes(it.id, it.data, config.max_media_bytes)
+                    item = (decode_audio(it.id, raw) if it.modality == "audio" else
+                            decode_image(it.id, raw, config.max_image_pixels))
+                items.append(self.encoder.prepare(item))  # vLLM's processor: exact token count
+            except BadMedia as exc:
+                bad[it.id] = exc
+        return items, bad
+
+    def admit(self, items: list[MediaItem]) -> None:
+        """All or nothing for the queue: every modality's queue must hold its items."""
+        need: dict[str, int] = {}
+        for it in items:
+            need[it.modality] = need.get(it.modality, 0) + 1
+        for modality, n in need.items():
+            if self.pool.free_slots(modality) < n:
+                rejected = self.pool.stats.rejected
+                rejected["queue_full"] = rejected.get("queue_full", 0) + 1
+                raise _Refused(_error(429, "queue_full", f"{modality} queue is full; retry "
+                                      "later", self.config.retry_after_s))
+
+    def submit(self, items: list[MediaItem], timeout: float, keep: bool
+               ) -> dict[str, asyncio.Future]:
+        """Each item to the batcher; budget refusals stop the rest."""
+        futures = {}
+        try:
+            for it in items:
+                futures[it.item_id] = self.pool.submit(it, timeout, keep=keep)
+        except Overloaded as exc:
+            raise _Refused(_error(429, "overloaded", str(exc), exc.retry_after_s)) from None
+        except BudgetExceeded as exc:
+            raise _Refused(_error(503, "over_budget", f"encoder memory budget is full: {exc}",
+                                  self.config.retry_after_s)) from None
+        return futures
+
+    async def publish(self, futures: dict[str, asyncio.Future], timeout: float,
+                      failures: dict[str, tuple[str, str]]) -> dict[str, ItemInfo]:
+        """Each item through the transport once encoded (pinned meanwhile, so the store
+        cannot drop it); what fails lands in `failures` as (code, reason)."""
+        results = await asyncio.gather(*(self._publish_one(k, f, timeout)
+                                         for k, f in futures.items()), return_exceptions=True)
+        infos = {}
+        for item_id, res in zip(futures, results, strict=True):
+            if isinstance(res, ItemFailed):
+                failures[item_id] = (res.code, res.reason)
+            elif isinstance(res, BaseException):
+                failures[item_id] = ("publish_error", repr(res))
+            else:
+                infos[item_id] = res
+        return infos
+
+    async def _publish_one(self, item_id: str, fut: asyncio.Future, timeout: float
+                           ) -> ItemInfo:
+        try:
+            tensor = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            raise ItemFailed(item_id, "timeout", f"not encoded within {timeout:.3g} s"
+                             ) from None
+        self.pool.store.pin(item_id)
+        try:
+            return await self.publisher.publish(item_id, tensor)
+        finally:
+            self.pool.store.unpin(item_id)
+
+    def answer(self, ids: list[str], items: list[MediaItem], infos: dict[str, ItemInfo],
+               failures: dict[str, tuple[str, str]], policy: str) -> JSONResponse:
+        """200 with every item's status and the `ec_transfer_params` of those published;
+        under on_failure=fail, any failure makes it a 500 (a 504 when all timed out)."""
+        params = self.publisher.params(infos)
+        describe = self.encoder.placeholder_metadata
+        for it in items:  # metadata-only requests to the consumer (Qwen family)
+            meta = describe(it) if it.item_id in infos else None
+            if meta:
+                params["epd"]["items"][it.item_id]["metadata"] = meta
+        out_items: dict[str, Any] = {}
+        for item_id in ids:
+            if item_id in infos:
+                out_items[item_id] = {"status": "ok", **params["epd"]["items"][item_id]}
+            else:
+                code, reason = failures[item_id]
+                out_items[item_id] = {"status": "failed", "code": code, "error": reason}
+        if failures and policy == "fail":
+            status = 504 if all(c == "timeout" for c, _ in failures.values()) else 500
+            return _error(status, "encode_timeout" if status == 504 else "encode_failed",
+                          "; ".join(f"item {k!r}: {r}" for k, (_, r) in failures.items()),
+                          items=out_items)
+        return JSONResponse({"items": out_items, "ec_transfer_params": params,
+                             "fallback": "text_only" if failures else None})
+
+
+def _stats(pool: EncoderPool) -> dict[str, Any]:
+    """GET /v1/stats: the batcher's counters and the feature store's states and bytes."""
+    s, store = pool.stats, pool.store
+    return {"batches": s.batches, "items_encoded": s.items_encoded,
+            "items_failed": s.items_failed, "rejected": s.rejected,
+            "oom_failures": s.oom_failures, "reuse_hits": s.reuse_hits,
+            "mean_batch_size": (sum(s.batch_sizes) / len(s.batch_sizes)
+                                if s.batch_sizes else 0.0),
+            "states": {k.value: v for k, v in store.counts().items()},
+            "bytes": {"cpu": store.used}, "peak_bytes": {"cpu": store.peak},
+            "budget_bytes": {"cpu": store.budget},
+            "evictions": store.evictions,
+            "workers": {w.name: {"batches": w.batches, "items": w.items}
+                        for w in pool.workers}}
+
+
 def create_app(config: PoolConfig, pool: EncoderPool | None = None,
                transport: EPDConfig | None = None) -> FastAPI:
     """`transport`: `config.transport_config()` when the caller made it already (it reads
@@ -121,9 +305,9 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
     pool = pool or build_pool(config)
     transport = transport or config.transport_config()
     publisher = Publisher(transport, config.engine_id)
-    signer = transport.ids
     registry, batch_hist = make_registry(pool, publisher)
     pool.on_batch = lambda size, _s: batch_hist.observe(size)
+    handler = EncodeHandler(config, pool, publisher, transport.ids)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -141,112 +325,9 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
     if key is not None:  # an encoder of the deployment, as its vLLM servers: keyed
         app.add_middleware(RequireKey, keys=[key], prefixes=("/v1",))
 
-    encoder = pool.workers[0].encoder  # preprocessing is the same on every device
-    video_processor = getattr(encoder, "video_processor", None)  # picks vLLM's video loader
-
-    def door(req: EncodeRequest) -> tuple[list[MediaItem], dict[str, BadMedia]]:
-        items, bad = [], {}
-        for it in req.items:
-            try:
-                if it.modality not in pool.modalities:
-                    raise BadMedia(it.id, f"modality {it.modality!r} is not served "
-                                          f"(served: {', '.join(pool.modalities)})")
-                if it.modality == "video":
-                    item = decode_video(it.id, it.data, config.max_media_bytes,
-                                        config.max_image_pixels, video_processor)
-                else:
-                    raw = payload_bytes(it.id, it.data, config.max_media_bytes)
-                    item = (decode_audio(it.id, raw) if it.modality == "audio" else
-                            decode_image(it.id, raw, config.max_image_pixels))
-                items.append(encoder.prepare(item))  # vLLM's processor: exact token count
-            except BadMedia as exc:
-                bad[it.id] = exc
-        return items, bad
-
     @app.post("/v1/encode")
     async def encode(req: EncodeRequest) -> JSONResponse:
-        policy = req.on_failure or config.on_failure
-        timeout = req.timeout_s or config.item_timeout_s
-        if len(req.items) > config.max_items_per_request:
-            return _error(400, "too_many_items", f"{len(req.items)} items; the limit is "
-                               f"{config.max_items_per_request}")
-        ids = [it.id for it in req.items]
-        if len(set(ids)) != len(ids):
-            return _error(400, "duplicate_ids", "item ids must be unique within a request")
-        for item_id in ids:
-            try:
-                item_key(item_id)
-            except InvalidItemId as exc:
-                return _error(400, "bad_item_id", f"bad item id: {exc}")
-            if not signer.vouched(item_id):  # the pool publishes: never under a client's name
-                return _error(403, "unsigned_id", f"item id {item_id[:80]!r} is not signed "
-                              "with the deployment secret (the gateway signs the ids it derives)")
-        items, bad = await asyncio.to_thread(door, req)
-        if bad and policy == "fail":
-            return _error(400, "bad_media", "; ".join(str(e) for e in bad.values()),
-                          items={k: e.reason for k, e in bad.items()})
-        # admission: all or nothing for the queue; budget refusals stop the rest
-        need: dict[str, int] = {}
-        for it in items:
-            need[it.modality] = need.get(it.modality, 0) + 1
-        for modality, n in need.items():
-            if pool.free_slots(modality) < n:
-                pool.stats.rejected["queue_full"] = pool.stats.rejected.get("queue_full", 0) + 1
-                return _error(429, "queue_full", f"{modality} queue is full; retry later",
-                              config.retry_after_s)
-        futures = {}
-        try:
-            for it in items:
-                futures[it.item_id] = pool.submit(it, timeout, keep=req.keep)
-        except Overloaded as exc:
-            return _error(429, "overloaded", str(exc), exc.retry_after_s)
-        except BudgetExceeded as exc:
-            return _error(503, "over_budget", f"encoder memory budget is full: {exc}",
-                          config.retry_after_s)
-        failures: dict[str, tuple[str, str]] = {k: ("bad_media", e.reason) for k, e in bad.items()}
-
-        async def finish(item_id: str, fut: asyncio.Future):
-            try:
-                tensor = await asyncio.wait_for(asyncio.shield(fut), timeout)
-            except TimeoutError:
-                raise ItemFailed(item_id, "timeout", f"not encoded within {timeout:.3g} s"
-                                 ) from None
-            pool.store.pin(item_id)
-            try:
-                return await publisher.publish(item_id, tensor)
-            finally:
-                pool.store.unpin(item_id)
-
-        results = await asyncio.gather(*(finish(k, f) for k, f in futures.items()),
-                                       return_exceptions=True)
-        infos = {}
-        for item_id, res in zip(futures, results, strict=True):
-            if isinstance(res, ItemFailed):
-                failures[item_id] = (res.code, res.reason)
-            elif isinstance(res, BaseException):
-                failures[item_id] = ("publish_error", repr(res))
-            else:
-                infos[item_id] = res
-        out_items: dict[str, Any] = {}
-        params = publisher.params(infos)
-        describe = pool.workers[0].encoder.placeholder_metadata
-        for it in items:  # metadata-only requests to the consumer (Qwen family)
-            meta = describe(it) if it.item_id in infos else None
-            if meta:
-                params["epd"]["items"][it.item_id]["metadata"] = meta
-        for item_id in ids:
-            if item_id in infos:
-                out_items[item_id] = {"status": "ok", **params["epd"]["items"][item_id]}
-            else:
-                code, reason = failures[item_id]
-                out_items[item_id] = {"status": "failed", "code": code, "error": reason}
-        if failures and policy == "fail":
-            status = 504 if all(c == "timeout" for c, _ in failures.values()) else 500
-            return _error(status, "encode_timeout" if status == 504 else "encode_failed",
-                          "; ".join(f"item {k!r}: {r}" for k, (_, r) in failures.items()),
-                          items=out_items)
-        return JSONResponse({"items": out_items, "ec_transfer_params": params,
-                             "fallback": "text_only" if failures else None})
+        return await handler(req)
 
     @app.post("/v1/release")
     async def release(req: ReleaseRequest) -> dict[str, str]:
@@ -263,18 +344,7 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
 
     @app.get("/v1/stats")
     async def stats() -> dict[str, Any]:
-        s, store = pool.stats, pool.store
-        return {"batches": s.batches, "items_encoded": s.items_encoded,
-                "items_failed": s.items_failed, "rejected": s.rejected,
-                "oom_failures": s.oom_failures, "reuse_hits": s.reuse_hits,
-                "mean_batch_size": (sum(s.batch_sizes) / len(s.batch_sizes)
-                                    if s.batch_sizes else 0.0),
-                "states": {k.value: v for k, v in store.counts().items()},
-                "bytes": {"cpu": store.used}, "peak_bytes": {"cpu": store.peak},
-                "budget_bytes": {"cpu": store.budget},
-                "evictions": store.evictions,
-                "workers": {w.name: {"batches": w.batches, "items": w.items}
-                            for w in pool.workers}}
+        return _stats(pool)
 
     return app
 
