@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -39,6 +38,7 @@ from encoder_service.local.requests import (
     sample_wav,
     video_part,
 )
+from encoder_service.local.workdir import work_dir
 
 MODALITIES = ("image", "video", "audio")
 
@@ -312,7 +312,7 @@ def write_json(results: dict[str, BenchResult], path: Path, extra: dict | None =
 def default_output_dir() -> Path:
     """Where a run's JSON and PNG go unless --json/--png say otherwise: the work directory
     (ignored by git), as `epd up` and the test models use it."""
-    return Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")) / "bench"
+    return work_dir() / "bench"
 
 
 def main(argv: list[str]) -> int:

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from ec_connectors.protocol.ports import GATEWAY_PORT
-
-
-def _work_dir() -> Path:
-    return Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
+from encoder_service.local.workdir import work_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                          "servers take no API key")
         print(admin_token(secret) if args.cmd == "admin-token" else api_key(secret))
         return 0
-    work = _work_dir()
+    work = work_dir()
     if args.cmd == "build-model":
         spec = SPECS.get(args.spec)
         if spec is None:

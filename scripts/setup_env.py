@@ -24,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("EPD_VENV", ROOT / ".venv"))
+# The rule of encoder_service/local/workdir.work_dir(ROOT), copied: this script runs before
+# the virtualenv (and the project's dependencies) exist.
 WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
 PY = VENV / "bin" / "python"
 STAMP = VENV / ".epd-setup-stamp"

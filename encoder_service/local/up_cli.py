@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from encoder_service.local.up import (
     load_up_config,
     run_up,
 )
+from encoder_service.local.workdir import work_dir
 
 
 def main(argv: list[str]) -> int:
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     except (UpError, GatewayConfigError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
-    work = Path(os.environ.get("EPD_WORK_DIR", Path.cwd() / ".work")).resolve()
+    work = work_dir()
 
     def demo(dep: Deployment) -> int:
         return demo_requests(dep, args.prompt)
