@@ -158,7 +158,7 @@ class StoreSettings(_Settings):
     """The `mooncake_store` transport: the Mooncake Store, a master plus the memory segments
     its clients contribute."""
 
-    store_master: Endpoint = "127.0.0.1:50051"  # the master's RPC address (host:port)
+    store_master: Endpoint = f"127.0.0.1:{ports.MASTER_RPC_PORT}"  # the master's RPC address
     # The master's HTTP metadata server; default http://<master host>:<its port + 1>/metadata.
     store_metadata: str | None = None
     # Memory this instance contributes to the store (0: contribute none, only use it).
