@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -58,6 +59,17 @@ _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
 class CorruptItem(Exception):
     """The file exists but is not a complete, verified item."""
+
+
+class _Header(NamedTuple):
+    """What a cache file's header says of its tensor (`hlen`: the header's JSON bytes)."""
+
+    hlen: int
+    dtype: torch.dtype
+    shape: list[int]
+    nbytes: int
+    digest: str
+    mac: str
 
 
 class _TooLarge(Exception):
@@ -218,45 +230,14 @@ class SafetensorsTransport(Transport):
         """The verified item; `max_bytes`: refuse a larger one (_TooLarge), and read it into
         private memory (a small read beats a mapping)."""
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CorruptItem("truncated header")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-                raise CorruptItem("bad header length")
-            try:
-                header = json.loads(f.read(hlen))
-                meta = header["__metadata__"]
-                spec = header[TENSOR_NAME]
-                dtype = dtype_from_name(_TORCH_DTYPES[spec["dtype"]])
-                shape = [int(s) for s in spec["shape"]]
-                start, end = (int(x) for x in spec["data_offsets"])
-                nbytes = int(meta["nbytes"])
-                digest = meta["xxh3"]
-                stored_id = meta["item_id"]
-                mac = meta.get("mac", "")
-                model = meta.get("model", "")
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CorruptItem(f"unreadable header: {exc}") from None
-            if stored_id != item_id:
-                raise CorruptItem("file belongs to another item id")
-            if self.model and model != self.model:  # same served name, other weights
-                raise CorruptItem(f"made by another model (fingerprint {model or 'none'}, "
-                                  f"this one is {self.model})")
-            numel = 1
-            for s in shape:
-                numel *= s
-            if start != 0 or end != nbytes or numel * dtype.itemsize != nbytes:
-                raise CorruptItem("header sizes disagree")
-            if size != 8 + hlen + nbytes:
-                raise CorruptItem(f"file is {size} bytes, header promises {8 + hlen + nbytes}")
+            h = self._header(f, item_id)
+            nbytes = h.nbytes
             if max_bytes is not None and nbytes > max_bytes:
                 raise _TooLarge
             if nbytes == 0:
-                return torch.empty(shape, dtype=dtype)
+                return torch.empty(h.shape, dtype=h.dtype)
             if self.copy_reads or max_bytes is not None:
-                f.seek(8 + hlen)
+                f.seek(8 + h.hlen)
                 mm = bytearray(nbytes)
                 if f.readinto(mm) != nbytes:
                     raise CorruptItem("file shrank while read")
@@ -264,25 +245,65 @@ class SafetensorsTransport(Transport):
             else:  # private copy-on-write mapping: zero-copy, writable, immune to unlink
                 mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
                                prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                offset = 8 + hlen
+                offset = 8 + h.hlen
         view = memoryview(mm)[offset: offset + nbytes]
-        if self.seal.active:  # the HMAC covers integrity too: one pass over the bytes
-            ok = self.seal.check(identity(self._scope, item_key(item_id), dtype_name(dtype),
-                                          shape, nbytes), view, mac)
-            problem = "" if ok else "not sealed with this deployment's secret (or damaged)"
-        else:
-            problem = ("checksum mismatch" if self.verify_checksum and checksum(view) != digest
-                       else "")
+        problem = self._payload_problem(view, item_id, h)
+        view.release()
         if problem:
-            view.release()
             if isinstance(mm, mmap.mmap):
                 mm.close()
             raise CorruptItem(problem)
-        view.release()
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=offset)
         with contextlib.suppress(OSError):
             os.utime(path)  # LRU: a hit makes the file young again
-        return flat.view(dtype).reshape(shape)
+        return flat.view(h.dtype).reshape(h.shape)
+
+    def _header(self, f, item_id: str) -> _Header:
+        """The open file's header, checked against the item asked for and the file's size
+        (CorruptItem says what does not fit)."""
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptItem("truncated header")
+        (hlen,) = struct.unpack("<Q", head)
+        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+            raise CorruptItem("bad header length")
+        try:
+            header = json.loads(f.read(hlen))
+            meta = header["__metadata__"]
+            spec = header[TENSOR_NAME]
+            dtype = dtype_from_name(_TORCH_DTYPES[spec["dtype"]])
+            shape = [int(s) for s in spec["shape"]]
+            start, end = (int(x) for x in spec["data_offsets"])
+            nbytes = int(meta["nbytes"])
+            digest = meta["xxh3"]
+            stored_id = meta["item_id"]
+            mac = meta.get("mac", "")
+            model = meta.get("model", "")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptItem(f"unreadable header: {exc}") from None
+        if stored_id != item_id:
+            raise CorruptItem("file belongs to another item id")
+        if self.model and model != self.model:  # same served name, other weights
+            raise CorruptItem(f"made by another model (fingerprint {model or 'none'}, "
+                              f"this one is {self.model})")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if start != 0 or end != nbytes or numel * dtype.itemsize != nbytes:
+            raise CorruptItem("header sizes disagree")
+        if size != 8 + hlen + nbytes:
+            raise CorruptItem(f"file is {size} bytes, header promises {8 + hlen + nbytes}")
+        return _Header(hlen, dtype, shape, nbytes, digest, mac)
+
+    def _payload_problem(self, view: memoryview, item_id: str, h: _Header) -> str:
+        """With the secret the seal is checked (it covers integrity: one pass over the
+        bytes), else the xxh3 checksum when `verify_checksum`; "" when the bytes are good."""
+        if self.seal.active:
+            ok = self.seal.check(identity(self._scope, item_key(item_id), dtype_name(h.dtype),
+                                          h.shape, h.nbytes), view, h.mac)
+            return "" if ok else "not sealed with this deployment's secret (or damaged)"
+        return "checksum mismatch" if self.verify_checksum and checksum(view) != h.digest else ""
 
     def _tombstone(self, key: str) -> Path:
         return self.dir / (key + FAILED_SUFFIX)

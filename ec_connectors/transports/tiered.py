@@ -170,6 +170,7 @@ class TieredTransport(Transport):
         return itertools.chain.from_iterable(t.list_keys() for t in self.tiers)
 
     def delete(self, item_id: str) -> bool:
+        # a list, not a generator: every tier deletes its copy (any() would stop at the first)
         return any([t.delete(item_id) for t in self.tiers])
 
     def locate(self, key: str) -> tuple[str, int] | None:
