@@ -2,7 +2,7 @@
 
 Users write flat keys (`{"transport": "mooncake", "memory_pool_bytes": ...}`) and code reads
 flat attributes (`config.memory_pool_bytes`); the keys are declared in groups by what uses
-them (CommonSettings, SafetensorsSettings, MooncakeSettings, StoreSettings,
+them (CommonSettings, SafetensorsSettings, MooncakeSettings, StoreSettings, ShmSettings,
 ProducerSettings, ConsumerSettings), which EPDConfig combines.
 """
 
@@ -178,6 +178,40 @@ class StoreSettings(_Settings):
     store_probe_ttl_s: float = Field(default=2.0, gt=0, le=600)
 
 
+def default_shm_path() -> str:
+    """/dev/shm/epd-shm-<uid> (one directory per user: its owner alone may use it)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"epd-shm-{os.getuid()}")
+
+
+class ShmSettings(_Settings):
+    """The `shm` transport (transports/shm/): one host. Each producer process writes items
+    into its own pre-faulted shared-memory arena (a tmpfs file), consumers map it read-only
+    and copy each item once into warm memory, verifying it while they copy."""
+
+    shm_path: str = Field(default_factory=default_shm_path)  # a tmpfs directory, made 0700
+    # Producer: the arena, its byte budget (LRU eviction of unleased, unread items, then
+    # backpressure for at most shm_put_timeout_s).
+    shm_arena_bytes: int = Field(default=1 * GiB, ge=1 * MiB, le=1 << 40)
+    shm_lease_ttl_s: float = Field(default=60.0, gt=0)  # stored items are never evicted sooner
+    shm_put_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    # Consumer: pre-faulted memory the items are copied into (a fresh allocation page-faults
+    # on every item); an item that does not fit gets a fresh allocation.
+    shm_consumer_pool_bytes: int = Field(default=512 * MiB, ge=0)
+    # Keyed under the deployment secret when there is one: xxh3 (fast checksum) or blake3
+    # (a MAC).
+    shm_verify: Literal["xxh3", "blake3"] = "xxh3"
+    shm_copy_threads: int = Field(default=2, ge=1, le=64)  # copy + hash in parallel
+    shm_chunk_bytes: int = Field(default=1 * MiB, ge=64 * KiB, le=64 * MiB)
+
+    @field_validator("shm_path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not os.path.isabs(value):
+            raise ValueError("shm_path must be an absolute path")
+        return value
+
+
 class ProducerSettings(_Settings):
     """ec_producer instances (encoders): the queue of saves to the transport."""
 
@@ -205,8 +239,8 @@ class GuardSettings(_Settings):
     guard_max_params_bytes: int = Field(default=256 * KiB, ge=1 * KiB)  # ec_transfer_params
 
 
-class EPDConfig(GuardSettings, ConsumerSettings, ProducerSettings, StoreSettings,
-                MooncakeSettings, SafetensorsSettings, CommonSettings):
+class EPDConfig(GuardSettings, ConsumerSettings, ProducerSettings, ShmSettings,
+                StoreSettings, MooncakeSettings, SafetensorsSettings, CommonSettings):
     """Settings of EPDConnector: the keys of every group, flat, and the connector's own
     wiring. (pydantic orders fields from the last base to the first: CommonSettings' keys
     come first, then each group in turn, then this class's own.)"""

@@ -32,6 +32,10 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
         from ec_connectors.transports.mooncake_store import MooncakeStoreTransport
 
         return MooncakeStoreTransport(config, placement)
+    if name == "shm":
+        from ec_connectors.transports.shm import ShmTransport
+
+        return ShmTransport(config, placement)
     raise ValueError(f"unknown transport {name!r} (known: {', '.join(TRANSPORT_NAMES)})")
 
 

@@ -35,7 +35,7 @@ def test_groups_combine_into_one_flat_frozen_strict_config():
     from ec_connectors import config as c
 
     groups = [c.CommonSettings, c.SafetensorsSettings, c.MooncakeSettings, c.StoreSettings,
-              c.ProducerSettings, c.ConsumerSettings, c.GuardSettings]
+              c.ShmSettings, c.ProducerSettings, c.ConsumerSettings, c.GuardSettings]
     owned = [k for g in groups for k in g.model_fields]
     assert len(owned) == len(set(owned))  # every key in one group only
     assert list(EPDConfig.model_fields) == [*owned, "control_dir"]  # group order, flat
@@ -115,7 +115,7 @@ def test_transport_names_are_one_list():
         assert EPDConfig.from_dict({"transport": name}).tiers == [name]
         assert f'name == "{name}"' in inspect.getsource(_make_one)  # a branch for each
     assert EPDConfig.from_dict({"transport": list(TIERED)}).tiers == list(TIERED)
-    assert sorted(TIERED) == sorted(TRANSPORT_NAMES)
+    assert sorted(TIERED) == sorted(set(TRANSPORT_NAMES) - {"shm"})  # shm: one host only
     kinds = typing.get_args(AvailabilityConfig.model_fields["kind"].annotation)
     assert set(kinds) - {"none"} <= set(TRANSPORT_NAMES)
     with pytest.raises(ValueError, match="unknown transport 'pigeon' .known: safetensors"):

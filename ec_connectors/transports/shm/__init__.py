@@ -1,0 +1,14 @@
+"""Same-host shared memory: producers write each item once into their own pre-faulted
+arena, consumers copy it once into warm memory, verifying while they copy.
+
+- layout.py: the directory, records and the checks that make reading them safe (torch-free);
+- copy.py: the one-pass chunked copy + keyed hash on several threads (torch-free);
+- arena.py: a producer's arena (blocks, leases, eviction, liveness), consumers' mappings;
+- transport.py: ShmTransport, the Transport interface over them.
+"""
+
+from __future__ import annotations
+
+from ec_connectors.transports.shm.transport import ShmTransport
+
+__all__ = ["ShmTransport"]

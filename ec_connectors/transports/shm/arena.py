@@ -1,0 +1,379 @@
+"""Arenas: a producer's pre-faulted shared memory and its blocks (leases, LRU eviction,
+backpressure), and a consumer's read-only mappings of producers' arenas.
+
+Why an arena: a fresh tmpfs page costs a page fault on first write (and another on first
+read in every process that maps it); 125 MiB is 32,000 of them, several times the copy
+itself. An arena is reserved (posix_fallocate: no SIGBUS on a full tmpfs later) and mapped
+with MAP_POPULATE once; blocks are reused, so a put is one memcpy into warm pages.
+
+Blocks: `[header 64 B][payload]` at 4 KiB-aligned offsets. The header holds a generation:
+a consumer checks it against the record under a read lock (an OFD byte-range lock on the
+block: per open file, released if the reader dies), the producer takes a write lock before
+it evicts a block and bumps the generation. So a block being read is never reused (it is
+pinned), and a reader of a block evicted before it got there sees another generation (a
+miss, never someone else's bytes). Liveness: the producer holds flock(LOCK_EX) on its
+arena for its whole life; an arena whose lock anyone can take belongs to a dead process and
+is removed with its records (`sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import mmap
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ec_connectors.log import get_logger
+from ec_connectors.transports.memory import Allocator
+from ec_connectors.transports.shm.layout import (
+    ARENA_RE,
+    FAILED_SUFFIX,
+    RECORD_SUFFIX,
+    TMP_PREFIX,
+    BadRecord,
+    ShmDir,
+    ShmError,
+    arena_name,
+    stale,
+)
+
+logger = get_logger(__name__)
+
+PAGE = 4096
+ARENA_MAGIC = b"EPDSHMA1"
+BLOCK_MAGIC = b"EPDSHMB1"
+BLOCK_HEADER = 64  # magic, generation, payload bytes, key hash (16 B), padding
+_BLOCK = struct.Struct("<8sQQ16s24x")
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86-64 / arm64 (l_pid 0: OFD)
+_MAX_ARENA = 1 << 41
+_STALE_S = 600.0  # temporary files and tombstones older than this are removed
+
+
+class ArenaFull(MemoryError):
+    """No room in the arena before the put's deadline (every block leased or being read)."""
+
+
+def key_hash(key: str) -> bytes:
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+def range_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """An OFD byte-range lock (F_RDLCK / F_WRLCK / F_UNLCK) without waiting: False when
+    another open file holds a conflicting one."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+@dataclass
+class Held:
+    key: str
+    offset: int  # block start in the arena file
+    nbytes: int  # payload
+    gen: int
+    lease_until: float
+    current: bool = True  # False: a newer copy of the key replaced it (evict first)
+
+
+class Arena:
+    """A producer's arena: created, reserved and mapped at start; removed at close."""
+
+    def __init__(self, shm_dir: ShmDir, capacity: int, lease_ttl_s: float) -> None:
+        self.dir = shm_dir
+        self.lease_ttl_s = lease_ttl_s
+        self.name = arena_name()
+        self.size = PAGE + (capacity + PAGE - 1) // PAGE * PAGE
+        tmp = TMP_PREFIX + self.name
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=shm_dir.fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # alive while we hold it
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as exc:
+                raise ShmError(f"cannot reserve {self.size} bytes of shared memory in "
+                               f"{shm_dir.path}: {exc.strerror}; lower shm_arena_bytes or "
+                               "give the tmpfs more room") from None
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                 prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm[:PAGE] = ARENA_MAGIC + struct.pack("<QQ", self.size, os.getpid()) \
+                + bytes(PAGE - 24)
+            os.rename(tmp, self.name, src_dir_fd=shm_dir.fd, dst_dir_fd=shm_dir.fd)
+        except BaseException:
+            os.close(fd)
+            shm_dir.unlink(tmp)
+            raise
+        self.fd = fd
+        self._np = np.frombuffer(self._mm, dtype=np.uint8)
+        self.addr = self._np.ctypes.data
+        self.view = memoryview(self._np)
+        self.allocator = Allocator(self.size - PAGE, PAGE)
+        self._held: OrderedDict[int, Held] = OrderedDict()  # by block offset, LRU first
+        self._by_key: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._gen = int.from_bytes(os.urandom(4), "little") << 20  # unique across restarts
+        self.evictions = 0
+        self.evicted_bytes = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    # -- blocks ------------------------------------------------------------------------------
+    def reserve(self, nbytes: int, deadline: float) -> tuple[int, int]:
+        """(offset, generation) of a new block for `nbytes` of payload: free room, else the
+        least recently used unleased block nobody reads is evicted, else wait (backpressure)
+        until `deadline`. Raises ArenaFull."""
+        need = BLOCK_HEADER + nbytes
+        if need > self.capacity:
+            raise ArenaFull(f"an item of {nbytes} bytes exceeds the whole arena "
+                            f"({self.capacity} bytes); raise shm_arena_bytes")
+        while True:
+            with self._lock:
+                off = self.allocator.alloc(need)
+                if off is not None:
+                    self._gen += 1
+                    return PAGE + off, self._gen
+                victim = self._evict_one_locked()
+                if victim:
+                    continue
+                leased = sum(1 for h in self._held.values() if h.lease_until > time.monotonic())
+                soonest = min((h.lease_until for h in self._held.values()),
+                              default=time.monotonic())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ArenaFull(f"shared-memory arena full: {self.used_bytes} of "
+                                f"{self.capacity} bytes hold {len(self._held)} items, "
+                                f"{leased} still leased (shm_lease_ttl_s={self.lease_ttl_s}) "
+                                "or being read; raise shm_arena_bytes or lower shm_lease_ttl_s")
+            time.sleep(max(0.001, min(left, soonest - time.monotonic(), 0.05)))
+
+    def free(self, offset: int) -> None:
+        """Give back a block that was reserved but never committed (a failed put)."""
+        with self._lock:
+            self.allocator.free(offset - PAGE)
+
+    def commit(self, key: str, offset: int, gen: int, nbytes: int) -> None:
+        """The payload is written: stamp the header and hold the block under a lease. An
+        older copy of the key becomes the first to evict."""
+        _BLOCK.pack_into(self._mm, offset, BLOCK_MAGIC, gen, nbytes, key_hash(key))
+        with self._lock:
+            old = self._by_key.get(key)
+            if old is not None and old in self._held:
+                self._held[old].current = False
+                self._held[old].lease_until = 0.0
+                self._held.move_to_end(old, last=False)
+            self._held[offset] = Held(key, offset, nbytes, gen,
+                                      time.monotonic() + self.lease_ttl_s)
+            self._by_key[key] = offset
+
+    def renew(self, key: str) -> bool:
+        with self._lock:
+            off = self._by_key.get(key)
+            if off is None:
+                return False
+            self._held[off].lease_until = time.monotonic() + self.lease_ttl_s
+            self._held.move_to_end(off)
+            return True
+
+    def holds(self, key: str) -> bool:
+        return key in self._by_key
+
+    def evict_key(self, key: str) -> bool:
+        """Evict `key`'s block now (delete), unless someone is reading it."""
+        with self._lock:
+            off = self._by_key.get(key)
+            return off is not None and self._evict_locked(self._held[off])
+
+    def _evict_one_locked(self) -> bool:
+        now = time.monotonic()
+        for held in list(self._held.values()):
+            if held.lease_until <= now and self._evict_locked(held):
+                return True
+        return False
+
+    def _evict_locked(self, held: Held) -> bool:
+        length = BLOCK_HEADER + held.nbytes
+        if not range_lock(self.fd, fcntl.F_WRLCK, held.offset, length):
+            return False  # a consumer is reading it: pinned
+        try:
+            if held.current:
+                self.dir.unlink_record_if(held.key, self.name, held.gen)
+                del self._by_key[held.key]
+            _BLOCK.pack_into(self._mm, held.offset, bytes(8), 0, 0, bytes(16))
+        finally:
+            range_lock(self.fd, fcntl.F_UNLCK, held.offset, length)
+        del self._held[held.offset]
+        self.allocator.free(held.offset - PAGE)
+        self.evictions += 1
+        self.evicted_bytes += held.nbytes
+        return True
+
+    def close(self) -> None:
+        """Remove this arena and the records that name it (its items go with it)."""
+        with self._lock:
+            for held in self._held.values():
+                if held.current:
+                    self.dir.unlink_record_if(held.key, self.name, held.gen)
+            self._held.clear()
+            self._by_key.clear()
+        self.dir.unlink(self.name)
+        self.view.release()
+        del self._np
+        try:
+            self._mm.close()
+        except BufferError:  # a copy still under way holds a view: the GC unmaps it
+            logger.warning("EPD: shm arena %s closed while in use", self.name)
+        os.close(self.fd)
+
+
+class Mapping:
+    """A consumer's read-only mapping of one arena (shared by its readers)."""
+
+    def __init__(self, shm_dir: ShmDir, name: str, populate: bool) -> None:
+        fd = shm_dir.open_arena(name)
+        try:
+            st = os.fstat(fd)
+            if not PAGE <= st.st_size <= _MAX_ARENA:
+                raise BadRecord(f"arena of {st.st_size} bytes")
+            if os.pread(fd, 8, 0) != ARENA_MAGIC:
+                raise BadRecord("not an arena of this transport")
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self.mm = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.name, self.size, self.ino = name, st.st_size, st.st_ino
+        self._np = np.frombuffer(self.mm, dtype=np.uint8)
+        self.addr = self._np.ctypes.data
+        self.users = 0
+
+    def header(self, offset: int) -> tuple[bytes, int, int, bytes]:
+        return _BLOCK.unpack_from(self.mm, offset)
+
+    def close(self) -> bool:
+        del self._np
+        try:
+            self.mm.close()
+            return True
+        except BufferError:
+            return False
+
+
+class Mappings:
+    """A consumer's mappings of producers' arenas, made on first use, closed once their
+    arena is gone (its memory is freed only when nobody maps it)."""
+
+    def __init__(self, shm_dir: ShmDir, populate: bool) -> None:
+        self.dir = shm_dir
+        self.populate = populate
+        self._maps: dict[str, Mapping] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, name: str) -> Mapping:
+        with self._lock:
+            m = self._maps.get(name)
+            if m is None:
+                m = self._maps[name] = Mapping(self.dir, name, self.populate)
+            m.users += 1
+            return m
+
+    def release(self, m: Mapping) -> None:
+        with self._lock:
+            m.users -= 1
+
+    def reap(self) -> None:
+        """Unmap arenas whose file is gone or replaced and that nobody reads now."""
+        with self._lock:
+            names = [n for n, m in self._maps.items() if m.users == 0]
+        for name in names:
+            try:
+                gone = os.stat(name, dir_fd=self.dir.fd, follow_symlinks=False).st_ino \
+                    != self._maps[name].ino
+            except FileNotFoundError:
+                gone = True
+            if gone:
+                with self._lock:
+                    m = self._maps.get(name)
+                    if m is not None and m.users == 0:
+                        del self._maps[name]
+                        m.close()
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = list(self._maps.values()), {}
+        for m in maps:
+            m.close()
+
+
+def sweep(shm_dir: ShmDir, records: bool = True) -> int:
+    """Remove arenas of dead producers (their flock is free), the records that name an arena
+    that is gone (`records`), and old temporary files and tombstones. Returns how many
+    arenas were removed."""
+    dead = 0
+    live: set[str] = set()
+    for name, mtime in list(shm_dir.names()):
+        if name.startswith(TMP_PREFIX) or name.endswith(FAILED_SUFFIX):
+            if stale(mtime, _STALE_S) and not _locked(shm_dir, name):
+                shm_dir.unlink(name)
+        elif ARENA_RE.fullmatch(name):
+            if _locked(shm_dir, name):
+                live.add(name)
+            else:
+                shm_dir.unlink(name)
+                dead += 1
+                logger.info("EPD: removed shm arena %s of a process that is gone", name)
+    if records or dead:
+        for key in shm_dir.item_keys():
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    arena = shm_dir.read_record(key).arena
+                    # an arena made since the listing above is alive too
+                    if arena in live or (ARENA_RE.fullmatch(arena) and _locked(shm_dir, arena)):
+                        continue
+                except BadRecord:
+                    pass
+                shm_dir.unlink(key + RECORD_SUFFIX)
+    return dead
+
+
+def _locked(shm_dir: ShmDir, name: str) -> bool:
+    """Whether a live process holds `name`'s flock (an arena's owner)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=shm_dir.fd)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # drops the lock we may have taken
+    return False
+
+
+__all__ = ["Arena", "ArenaFull", "Mapping", "Mappings", "key_hash", "range_lock", "sweep"]

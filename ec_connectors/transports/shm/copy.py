@@ -1,0 +1,98 @@
+"""One pass over an item: copy it chunk by chunk and hash each chunk right after copying it,
+while it is still in this core's cache, on several threads at once (torch-free).
+
+Why chunked: a copy then a hash of 125 MiB reads the bytes from memory twice; hashing a
+chunk that was just written reads it from cache, so the hash rides on the copy's memory
+traffic. Why threads: `ctypes.memmove`, xxhash and blake3 all release the GIL, so two
+threads copy and hash two halves at once (one copies while the other hashes).
+
+The digest of an item is a hash over its identity (namespace, key, dtype, shape, size), its
+chunk size, and the ordered digests of its chunks: positions and identity are bound, so bytes
+of one item cannot pass for another's, nor chunks be reordered. Keyed under the deployment
+secret when there is one: blake3's keyed mode (a MAC) or a secret-seeded xxh3 (a checksum
+nobody without the secret can predict; integrity, not a MAC: the directory's 0700 is what
+keeps other users out, docs/transports.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import hmac
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+import blake3
+import xxhash
+
+ALGOS = ("xxh3", "blake3")
+
+
+def derive_key(secret: bytes | None) -> bytes | None:
+    """The shm transport's own key, derived from the deployment secret (as protocol.secret
+    derives its keys: keyed blake2b with a purpose)."""
+    if secret is None:
+        return None
+    return hashlib.blake2b(b"shm", key=secret[:64], digest_size=32,
+                           person=b"epd-shm-v1").digest()
+
+
+class Digest:
+    """Chunk digests and their combination for one algorithm and key."""
+
+    def __init__(self, algo: str, key: bytes | None) -> None:
+        if algo not in ALGOS:
+            raise ValueError(f"unknown digest {algo!r} (known: {', '.join(ALGOS)})")
+        self.algo = algo
+        self.keyed = key is not None
+        self._final: Callable[[bytes], str]
+        if algo == "xxh3":
+            seed = int.from_bytes(key[:8], "little") if key else 0
+            self.chunk: Callable[[memoryview], bytes] = (
+                lambda view: xxhash.xxh3_64_digest(view, seed=seed))
+            self._final = lambda data: xxhash.xxh3_128_hexdigest(data, seed=seed)
+        elif key is not None:
+            self.chunk = lambda view: blake3.blake3(view, key=key).digest()
+            self._final = lambda data: blake3.blake3(data, key=key).hexdigest()
+        else:
+            self.chunk = lambda view: blake3.blake3(view).digest()
+            self._final = lambda data: blake3.blake3(data).hexdigest()
+
+    def final(self, identity: str, chunk: int, parts: list[bytes]) -> str:
+        return self._final(b"%s\0%d\0%s" % (identity.encode(), chunk, b"".join(parts)))
+
+    @staticmethod
+    def same(a: str, b: str) -> bool:
+        return hmac.compare_digest(a, b)
+
+
+def copy_and_hash(dst_addr: int, dst: memoryview, src_addr: int | None, nbytes: int,
+                  chunk: int, digest: Digest, pool: Executor | None = None,
+                  threads: int = 1) -> list[bytes]:
+    """Copy `nbytes` from `src_addr` to `dst_addr` (`dst`: a byte view of the destination)
+    and return the digests of its chunks, hashed from the destination. `src_addr` None:
+    hash `dst` only (the bytes are already there). Contiguous runs of chunks go to
+    `threads` threads (this one and `pool`'s)."""
+    count = -(-nbytes // chunk)
+    parts: list[bytes] = [b""] * count
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            off = i * chunk
+            n = min(chunk, nbytes - off)
+            if src_addr is not None:
+                ctypes.memmove(dst_addr + off, src_addr + off, n)
+            parts[i] = digest.chunk(dst[off:off + n])
+
+    t = max(1, min(threads, count)) if pool is not None else 1
+    bounds = [count * j // t for j in range(t + 1)]
+    futures = [pool.submit(run, bounds[j], bounds[j + 1]) for j in range(1, t)] \
+        if pool is not None else []
+    try:
+        run(bounds[0], bounds[1])
+    finally:
+        for f in futures:  # every thread is done with dst before anyone may free it
+            f.exception()
+    for f in futures:
+        f.result()
+    return parts
