@@ -1,109 +1,199 @@
-"""Save + load of bf16 embeddings: the safetensors transport vs the ECExampleConnector pattern
-(`safetensors.torch.save_file` + `load_file`) vs plain memcpy, in one run.
+"""Producer process -> consumer process through each transport, verified, beside this
+machine's limits measured in the same run: memcpy into a warm, preallocated destination, and
+one raw TCP stream on loopback into a preallocated buffer.
 
-    .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 8 48 125] [--reps 5] [--dir DIR]
+    .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
+        [--paths shm mooncake_te mooncake_store safetensors] [--json FILE]
 
-Prints per size: milliseconds (median), GB/s and ratios. "Critical path" is what the model
-runner waits for: the example connector saves and loads synchronously inside the step; ours
-enqueues the save (the write happens on a background thread) and places a tensor that was
-staged before the request was scheduled.
+Each path runs a producer and a consumer `peer_process` (ec_connectors/testing), built with
+`make_transport` as a vLLM worker would be. One rep: the producer `put`s a bf16 [rows, 4096]
+item, then the consumer `get`s it (every byte verified, the transport's own way); `ms` is
+put + get as each process timed it (median; the first rep of each size is a warm-up).
+Budgets: shm and Mooncake TE evict older items (short leases: the steady state of a busy
+producer); the store and safetensors keep every rep's item (the store refuses puts into a
+full segment, safetensors' eviction scans and frees files inside put).
+
+JSON (`--json`): {"<MiB>": {"memcpy_ms": m, "raw_tcp_ms": t, "paths": {"<name>": {"ms": x,
+"x_memcpy": x/m, "x_raw_tcp": x/t, "put_ms": .., "get_ms": ..}}}}; a path that cannot run
+here has {"error": why} instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
+import sys
 import tempfile
-import time
+import uuid
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from mooncake_bench import memcpy_s, raw_tcp_s
 
-from ec_connectors.transports.safetensors_fs import SafetensorsTransport
+from ec_connectors.protocol.net import port_open
+from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
+from ec_connectors.transports.base import checksum, tensor_bytes
 
 HIDDEN = 4096
+MiB = 1 << 20
+PATHS = ("shm", "mooncake_te", "mooncake_store", "safetensors")
+PRODUCER = {"is_producer": True, "is_consumer": False}
+CONSUMER = {"is_producer": False, "is_consumer": True}
+LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
-def median_ms(fn, reps: int) -> float:
-    fn()  # warm (page cache, allocator)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def free_port(start: int, span: int = 1, step: int = 10) -> int:
+    """The first port from `start` with `span` free ports (and +1000 for announcements)."""
+    for port in range(start, start + 2000, step):
+        if not any(port_open("127.0.0.1", p, timeout_s=0.05)
+                   for q in range(port, port + span) for p in (q, q + 1000)):
+            return port
+    raise RuntimeError(f"no free ports from {start}")
 
 
-def bench_size(mb: float, reps: int, root: Path) -> dict[str, float]:
-    rows = int(mb * (1 << 20)) // (HIDDEN * 2)
-    x = torch.randn(rows, HIDDEN).to(torch.bfloat16)
-    nbytes = x.numel() * 2
-    dst = torch.empty_like(x)
-    ours = SafetensorsTransport(root / "ours", "bench", max_bytes=1 << 40)
-    example_path = root / "example" / "encoder_cache.safetensors"
-    example_path.parent.mkdir(parents=True, exist_ok=True)
+class Path_:
+    """One transport path: its configs, and what it needs started (a store master)."""
 
-    def memcpy():
-        dst.copy_(x)
+    def __init__(self, name: str, max_bytes: int, reps: int, work: Path) -> None:
+        self.name, self.master = name, None
+        self.dirs: list[str] = []
+        if name == "shm":
+            root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
+            self.dirs.append(root)
+            base = {"transport": "shm", "shm_path": root, "shm_lease_ttl_s": 0.05,
+                    "shm_arena_bytes": 3 * max_bytes + 16 * MiB,
+                    "shm_consumer_pool_bytes": 2 * max_bytes + 16 * MiB}
+            self.prod, self.cons = base, base
+        elif name == "mooncake_te":
+            port = free_port(23500)
+            base = {"transport": "mooncake", "protocol": "tcp", "host": "127.0.0.1",
+                    "base_port": port, "lease_ttl_s": 0.05,
+                    "memory_pool_bytes": 3 * max_bytes + 16 * MiB}
+            self.prod, self.cons = base, {**base, "producers": [f"127.0.0.1:{port}"]}
+        elif name == "mooncake_store":
+            from encoder_service.local.mooncake_master import master_server
 
-    def example_save():
-        save_file({"ec_cache": x}, str(example_path))
+            self.master = master_server(work, free_port(23950, span=3)).start()
+            self.master.wait()
+            base = {"transport": "mooncake_store", "host": "127.0.0.1",
+                    "store_master": self.master.address,
+                    "store_metadata": self.master.metadata_url, "embedding_dtype": "bfloat16",
+                    "store_buffer_bytes": 2 * max_bytes + 16 * MiB}
+            # the store refuses a put when its segments are full (-200) rather than evict:
+            # room for every rep
+            self.prod = {**base, "store_segment_bytes": (reps + 2) * (max_bytes + MiB)
+                         + 64 * MiB}
+            self.cons = {**base, "store_segment_bytes": 0}
+        elif name == "safetensors":
+            root = tempfile.mkdtemp(prefix="epd-bench-st-", dir="/dev/shm")  # tmpfs, as shm
+            self.dirs.append(root)
+            base = {"transport": "safetensors", "storage_path": root,
+                    "max_storage_bytes": (reps + 2) * 2 * max_bytes}
+            self.prod, self.cons = base, base
+        else:
+            raise ValueError(f"unknown path {name!r} (known: {', '.join(PATHS)})")
+        for cfg in (self.prod, self.cons):
+            cfg["namespace"] = "bench"
 
-    def example_load():
-        y = load_file(str(example_path))["ec_cache"]
-        assert y.shape == x.shape
-
-    def ours_save():
-        ours.put("item", x)
-
-    def ours_load():
-        y = ours.get("item", time.monotonic() + 1)  # mmap + full checksum verification
-        assert y is not None and y.shape == x.shape
-
-    r = {"mb": nbytes / (1 << 20), "memcpy": median_ms(memcpy, reps)}
-    r["example_save"] = median_ms(example_save, reps)
-    r["example_load"] = median_ms(example_load, reps)
-    r["ours_save"] = median_ms(ours_save, reps)
-    r["ours_load"] = median_ms(ours_load, reps)
-    staged = {"item": x}
-    cache: dict[str, torch.Tensor] = {}
-    r["ours_place"] = median_ms(lambda: cache.__setitem__("item", staged["item"]), reps)
-    r["gbps"] = nbytes / 1e9
-    return r
+    def close(self) -> None:
+        if self.master is not None:
+            self.master.stop()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[8, 48, 125])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--dir", type=Path, default=None, help="storage dir (default: a temp dir)")
-    args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="epd-bench-", dir=args.dir))
-    print(f"storage: {root}  (bf16 [rows, {HIDDEN}], median of {args.reps})")
-    hdr = (f"{'size':>8} | {'memcpy':>8} | {'example save+load':>18} | {'ours save+load':>15} | "
-           f"{'ours/example':>12} | {'ours/memcpy':>11} | {'crit. path example':>18} | "
-           f"{'crit. path ours':>15}")
-    print(hdr)
-    print("-" * len(hdr))
+def run_path(name: str, sizes: list[int], reps: int, work: Path) -> dict[int, dict]:
+    """{nbytes: {"put_ms": .., "get_ms": .., "ms": ..}} (medians) for one path."""
+    path = Path_(name, max(sizes), reps, work)
+    log = str(work / f"transport-bench-{name}.log")
+    peers: list[PeerClient] = []
     try:
-        for mb in args.sizes_mb:
-            r = bench_size(mb, args.reps, root)
-            gb = r["gbps"]
-            ex = r["example_save"] + r["example_load"]
-            ours = r["ours_save"] + r["ours_load"]
-            crit_ex = ex
-            crit_ours = r["ours_place"]
-            size = f"{r['mb']:>6.0f}MB"
-            print(f"{size} | {r['memcpy']:>6.1f}ms | {ex:>8.1f}ms {gb / ex * 1e3:>5.2f}GB/s | "
-                  f"{ours:>7.1f}ms {gb / ours * 1e3:>4.2f}GB/s | {ex / ours:>11.2f}x | "
-                  f"{ours / r['memcpy']:>10.1f}x | {crit_ex:>16.1f}ms | {crit_ours:>13.4f}ms")
-            print(f"{'':>8}   save {r['ours_save']:.1f} ms vs {r['example_save']:.1f} ms, "
-                  f"load {r['ours_load']:.1f} ms (verified) vs {r['example_load']:.1f} ms")
+        prod = PeerClient(env=LOOPBACK, log_path=log)
+        peers.append(prod)
+        cons = PeerClient(env=LOOPBACK, log_path=log)
+        peers.append(cons)
+        prod.call({"op": "init", "config": path.prod, "placement": PRODUCER}, 120)
+        cons.call({"op": "init", "config": path.cons, "placement": CONSUMER}, 120)
+        out: dict[int, dict] = {}
+        for n in sizes:
+            shape = [n // (HIDDEN * 2), HIDDEN]
+            want = checksum(tensor_bytes(seeded_tensor(n, shape, "bfloat16")))
+            puts, gets = [], []
+            for rep in range(reps + 1):
+                item_id = f"{name}-{n}-{rep}"
+                stored = prod.call({"op": "put", "id": item_id, "seed": n, "shape": shape,
+                                    "dtype": "bfloat16"}, 120)
+                got = cons.call({"op": "get", "id": item_id, "timeout_s": 30,
+                                 "location": stored.get("location", ""),
+                                 "nbytes": stored["nbytes"]}, 120)
+                if not got.get("found") or got["checksum"] != want:
+                    raise RuntimeError(f"{name}: rep {rep} of {n} bytes came back "
+                                       f"{'different' if got.get('found') else 'missing'}")
+                if rep:  # the first is a warm-up (mappings, pools, connections)
+                    puts.append(stored["put_s"] * 1e3)
+                    gets.append(got["get_s"] * 1e3)
+            put_ms, get_ms = statistics.median(puts), statistics.median(gets)
+            totals = [p + g for p, g in zip(puts, gets, strict=True)]
+            out[n] = {"ms": statistics.median(totals), "put_ms": put_ms, "get_ms": get_ms}
+        return out
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        for peer in peers:
+            peer.close()
+        path.close()
+
+
+def label(mb: float) -> str:
+    return str(int(mb)) if float(mb).is_integer() else str(mb)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[30, 125])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ.update(LOOPBACK)
+    work = Path(os.environ.get("EPD_WORK_DIR", Path(__file__).resolve().parent.parent / ".work"))
+    work.mkdir(parents=True, exist_ok=True)
+    sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
+    result: dict[str, dict] = {}
+    for mb, n in zip(args.sizes_mb, sizes, strict=True):
+        result[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
+                             "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3, "paths": {}}
+    for name in args.paths:
+        try:
+            timings = run_path(name, sizes, args.reps, work)
+        except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported
+            print(f"{name}: not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
+            for mb in args.sizes_mb:
+                result[label(mb)]["paths"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        for mb, n in zip(args.sizes_mb, sizes, strict=True):
+            row = result[label(mb)]
+            t = timings[n]
+            row["paths"][name] = {"ms": t["ms"], "x_memcpy": t["ms"] / row["memcpy_ms"],
+                                  "x_raw_tcp": t["ms"] / row["raw_tcp_ms"],
+                                  "put_ms": t["put_ms"], "get_ms": t["get_ms"]}
+    print(f"producer process -> consumer process, verified; bf16 [rows, {HIDDEN}]; median "
+          f"of {args.reps}; load {os.getloadavg()[0]:.2f}")
+    print(f"{'MiB':>5} {'path':<15} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
+          f"{'put ms':>8} {'get ms':>8}")
+    for mb, row in result.items():
+        print(f"{mb:>5} {'memcpy':<15} {row['memcpy_ms']:>8.1f}")
+        print(f"{mb:>5} {'raw TCP':<15} {row['raw_tcp_ms']:>8.1f}")
+        for name, p in row["paths"].items():
+            if "error" in p:
+                print(f"{mb:>5} {name:<15} not measured ({p['error'][:60]})")
+                continue
+            print(f"{mb:>5} {name:<15} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
+                  f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
