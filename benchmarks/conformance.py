@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from ec_connectors import child_process  # noqa: E402
 from encoder_service.local.conformance import CuttingProxy, ask, cases  # noqa: E402
 from encoder_service.local.processes import VllmServer, metric_value  # noqa: E402
-from encoder_service.local.testmodel import SPECS, build  # noqa: E402
+from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 
 WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
 STACKS = {  # name: (encoder backend, transport, decoders)

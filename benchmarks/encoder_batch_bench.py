@@ -4,7 +4,7 @@ device, without HTTP: what cross-request batching can buy at most.
     .venv/bin/python benchmarks/encoder_batch_bench.py [--spec large] [--device cuda]
         [--batch-sizes 1 2 4 8 16] [--seconds 3]
 
-Builds the random LLaVA of `--spec` locally (encoder_service/local/testmodel.py) once; prints
+Builds the random LLaVA of `--spec` locally (encoder_service/local/testmodels) once; prints
 images/s per batch size and the ratio to batch 1 (the GPU reference point: about 3.8x at
 batch 8 for a SigLIP-L on an A100).
 """
@@ -22,7 +22,7 @@ from PIL import Image
 from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import load_encoder
 from encoder_service.local.requests import sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 
 
 def images_per_s(encoder, items: list[MediaItem], seconds: float, sync) -> float:

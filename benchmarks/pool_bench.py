@@ -27,7 +27,7 @@ import httpx
 
 from ec_connectors.child_process import popen
 from encoder_service.local.requests import sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 18430

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.serve_bench import GatewayProcess  # noqa: E402
 from encoder_service.bench import BenchSpec, run_bench  # noqa: E402
 from encoder_service.local.processes import PoolServer, VllmServer, start_all  # noqa: E402
-from encoder_service.local.testmodel import SPECS, build  # noqa: E402
+from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
 
 PORT = 18640  # gateway 18640; pools 18641-18644; decode 18645-18646

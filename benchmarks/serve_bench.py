@@ -66,7 +66,7 @@ from encoder_service.local.processes import (  # noqa: E402
     start_all,
 )
 from encoder_service.local.requests import chat_body, parts_body, sample_image_png  # noqa: E402
-from encoder_service.local.testmodel import SPECS, build  # noqa: E402
+from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
 
 MODEL = "tiny-llava"  # the served name of --spec (set in main)

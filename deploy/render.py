@@ -27,7 +27,7 @@ if str(ROOT) not in sys.path:
 from ec_connectors.config import EPDConfig  # noqa: E402
 from ec_connectors.protocol import ports  # noqa: E402
 from encoder_service.local.processes import SERVER_GUARD  # noqa: E402
-from encoder_service.local.testmodel import SPECS  # noqa: E402
+from encoder_service.local.testmodels import SPECS  # noqa: E402
 
 SETTINGS = ROOT / "deploy" / "settings.toml"
 TEMPLATES = ROOT / "deploy" / "templates"

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from encoder_service.local.testmodel import SPECS
-    from encoder_service.local.testmodel import build as build_model
+    from encoder_service.local.testmodels import SPECS
+    from encoder_service.local.testmodels import build as build_model
 
     if args.cmd in ("admin-token", "api-key"):
         from ec_connectors.protocol.secret import SecretError, admin_token, api_key, read_secret

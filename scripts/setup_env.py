@@ -157,7 +157,7 @@ def ensure_model() -> None:
     """The test models (about 10 s each to build, once): tiny LLaVA (images, raw media),
     tiny Qwen2.5-VL (image, video), Qwen2.5-Omni thinker (image, video, audio) and Qwen3-VL
     (DeepStack: encoder output wider than the LM)."""
-    run([str(PY), "-m", "encoder_service.local.testmodel", "--models-dir", str(WORK / "models"),
+    run([str(PY), "-m", "encoder_service.local.testmodels", "--models-dir", str(WORK / "models"),
          "--spec", "tiny", "--spec", "qwen-vl", "--spec", "qwen-omni", "--spec", "qwen3-vl"])
 
 

@@ -67,7 +67,7 @@ from encoder_service.local.processes import (
     VllmServer,
     start_all,
 )
-from encoder_service.local.testmodel import SPECS, ModelSpec
+from encoder_service.local.testmodels import SPECS, ModelSpec
 
 # The port scheme: ec_connectors/protocol/ports.py
 DEFAULT_BASE_PORT = ports.GATEWAY_PORT  # the gateway; the servers take the next ports
@@ -88,7 +88,7 @@ class UpConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field("tiny", description="a locally built test model (tiny = LLaVA, "
-                       "qwen-vl, qwen-omni, ...: testmodel.SPECS) or a model directory")
+                       "qwen-vl, qwen-omni, ...: testmodels.SPECS) or a model directory")
     served_name: str | None = Field(None, description="default: the test model's name "
                                     "(tiny-llava, tiny-qwen-omni, ...) or the directory's")
     encoders: int = Field(1, ge=0, le=16)
@@ -432,7 +432,7 @@ def run_up(cfg: UpConfig, work_dir: Path,
            demo: Callable[[Deployment], int] | None = None) -> int:
     """Start everything, then serve until a signal (or run `demo(deployment)` and stop).
     Call it from the main thread: the servers die with the thread that started them."""
-    from encoder_service.local.testmodel import build
+    from encoder_service.local.testmodels import build
 
     def say(msg: str) -> None:
         print(f"[up] {msg}", flush=True)

@@ -11,7 +11,7 @@ import pytest
 
 from encoder_service.local.processes import VllmServer, start_all
 from encoder_service.local.requests import chat_body
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import (
     MODEL_NAME,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from encoder_service.local.processes import VllmServer, metric_value, start_all
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import (
     MODEL_NAME,

@@ -14,7 +14,7 @@ from ec_connectors.protocol.keys import content_item_id
 from encoder_service.local.mooncake_master import master_server
 from encoder_service.local.processes import VllmServer, metric_value, start_all
 from encoder_service.local.requests import sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import MODEL_NAME, ask, tokens
 from tests.helpers import LOOPBACK, WORK, Peers, wait_for

@@ -25,7 +25,7 @@ from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
 from encoder_service.local.processes import VllmServer, metric_value, start_all
 from encoder_service.local.requests import chat_body, data_url, sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import MODEL_NAME
 from tests.helpers import WORK, Served, wait_for

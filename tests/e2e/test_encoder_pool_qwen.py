@@ -39,7 +39,7 @@ from encoder_service.local.requests import (
     sample_wav,
     video_part,
 )
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.helpers import WORK, Served, wait_for
 

@@ -22,7 +22,7 @@ import pytest
 from ec_connectors import child_process
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from tests.e2e.client import MODEL_NAME
 from tests.helpers import ROOT, WORK, alive, descendants, wait_for
 

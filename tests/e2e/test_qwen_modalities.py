@@ -34,7 +34,7 @@ from encoder_service.local.requests import (
     sample_wav,
     video_part,
 )
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from tests.helpers import ROOT, WORK, wait_for
 from tests.hostile import HUGE_GRID, grid_part, hostile_request
 

@@ -33,7 +33,7 @@ from ec_connectors import child_process
 from ec_connectors.protocol.secret import api_key, read_secret
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from tests.e2e.client import MODEL_NAME
 from tests.helpers import ROOT, WORK, alive, descendants, wait_for
 

@@ -28,7 +28,7 @@ from ec_connectors.refusals import (
 )
 from ec_connectors.request_checks import ModelBounds
 from ec_connectors.server_guard import ServerGuard
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from tests.helpers import WORK
 from tests.hostile import HUGE_GRID, body, grid_part, hostile_request, meta_part
 

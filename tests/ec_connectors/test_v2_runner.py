@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.helpers import WORK, wait_for
 

@@ -24,7 +24,7 @@ from encoder_service.encoder_pool.models import load_encoder
 from encoder_service.encoder_pool.server import build_pool, create_app, main, parse_config
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import sample_image_png
-from encoder_service.local.testmodel import SPECS, build
+from encoder_service.local.testmodels import SPECS, build
 from tests.helpers import WORK, Served
 
 NS = "tiny-llava"

@@ -242,7 +242,7 @@ def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
     from encoder_service.encoder_pool.config import PoolConfig
     from encoder_service.encoder_pool.server import create_app
     from encoder_service.local.requests import chat_body, sample_image_png
-    from encoder_service.local.testmodel import SPECS, build
+    from encoder_service.local.testmodels import SPECS, build
     from tests.helpers import WORK, Served
 
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
