@@ -141,6 +141,8 @@ class ChatFlow:
             self._release(held[0] if held else None)  # once: no-op when released
 
         wants_ids = prepared.body.get("return_token_ids") is True  # before routing adds it
+        options = prepared.body.get("stream_options")
+        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
 
         async def answer() -> None:
             up, info, sent = await self._route(prepared, rid, held)
@@ -148,7 +150,7 @@ class ChatFlow:
             resume = self.resumer.bound(sent, rid) if self.cfg.routing.failover else None
             await self.relay.relay(up, ex, prepared.stream, info,
                                    RelayPlan(on_first=release, resume=resume,
-                                             wants_ids=wants_ids))
+                                             wants_ids=wants_ids, wants_usage=wants_usage))
 
         try:
             await self.relay.guarded(answer, ex)

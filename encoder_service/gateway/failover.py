@@ -64,12 +64,15 @@ class StreamTracker:
     again is checked and dropped (`skip`), its role chunk is dropped (the client had one) and
     its chunks carry the first stream's id."""
 
-    def __init__(self, client_wants_ids: bool) -> None:
+    def __init__(self, client_wants_ids: bool, wants_usage: bool = False) -> None:
         self.client_wants_ids = client_wants_ids
         self.text: list[str] = []
         self.text_len = 0
         self.token_ids: list[int] = []
         self.finished = False  # a finish_reason or [DONE] passed
+        self.done_sent = False  # [DONE] passed
+        self.wants_usage = wants_usage  # a usage chunk is due after the finish
+        self.usage_sent = False
         self.continuable = True  # one plain-text choice so far
         self.stream_id: str | None = None
         self.prompt_ids: list[int] | None = None  # the first stream's prompt
@@ -82,6 +85,16 @@ class StreamTracker:
         self._resumed = True
         self._skip = skip
         self._pending = b""
+
+    def tail(self) -> bytes | None:
+        """What ends the stream for the client when it broke after the answer finished:
+        `data: [DONE]` (b"" when that passed too); None when something else is missing (the
+        answer, or a usage chunk only the model's server can count)."""
+        if self.done_sent:
+            return b""
+        if self.finished and self.continuable and (self.usage_sent or not self.wants_usage):
+            return b"data: [DONE]\n\n"
+        return None
 
     @property
     def sent_text(self) -> str:
@@ -101,7 +114,7 @@ class StreamTracker:
         if event.startswith(b"data: [DONE]"):
             if self._skip is not None and not self._skip.done:
                 raise ResumeMismatch("the continuation ended before the point the client saw")
-            self.finished = True
+            self.finished = self.done_sent = True
             return event
         try:
             body = json_decode(event[6:])
@@ -110,6 +123,8 @@ class StreamTracker:
             return event
         if not isinstance(body, dict):
             return event
+        if body.get("usage") is not None:
+            self.usage_sent = True
         changed = False
         choices = body.get("choices") or []
         if len(choices) > 1:

@@ -84,11 +84,13 @@ class Exchange:
 class RelayPlan:
     """`on_first()`: runs once the first answer bytes are in (the decode has prefilled);
     `resume`: continues an answer that broke off on another instance (None: no failover);
-    `wants_ids`: the client asked for token ids itself (else they are removed)."""
+    `wants_ids`: the client asked for token ids itself (else they are removed);
+    `wants_usage`: a usage chunk ends the stream (`stream_options.include_usage`)."""
 
     on_first: Callable[[], None] | None = None
     resume: ResumeFn | None = None
     wants_ids: bool = False
+    wants_usage: bool = False
 
 
 _NO_PLAN = RelayPlan()
@@ -101,6 +103,10 @@ class _Leg:
 
     up: Upstream
     first: float | None = None
+    sent_at: float = 0.0  # when the first leg was sent: first-token time counts from it
+
+    def __post_init__(self) -> None:
+        self.sent_at = self.up.sent_at
 
 
 def _broke(up: Upstream, exc: Exception) -> GatewayError:
@@ -218,7 +224,8 @@ class Relay:
                       plan: RelayPlan) -> int:
         """Relay a stream; returns the status to count (502 when it broke off for good)."""
         await ex.send({"type": "http.response.start", "status": status, "headers": headers})
-        tracker = StreamTracker(plan.wants_ids) if plan.resume is not None else None
+        tracker = (StreamTracker(plan.wants_ids, plan.wants_usage)
+                   if plan.resume is not None else None)
         chunks: AsyncIterator[bytes] = leg.up.chunks().__aiter__()
         while True:
             try:
@@ -228,6 +235,9 @@ class Relay:
                 return status
             except (UpstreamError, ResumeMismatch) as exc:
                 self.metrics.upstream_errors.labels("decode").inc()
+                if tracker is not None and (tail := tracker.tail()) is not None:
+                    await self._complete(leg, ex, exc, tail)  # only the end was lost
+                    return status
                 again = (await plan.resume(tracker, leg.up.url)
                          if plan.resume is not None and tracker is not None
                          and "failover" not in info else None)
@@ -267,6 +277,16 @@ class Relay:
             await ex.send({"type": "http.response.body", "body": data, "more_body": True})
         return chunks
 
+    async def _complete(self, leg: _Leg, ex: Exchange, exc: Exception, tail: bytes) -> None:
+        """The answer was whole when the stream broke: send what the client still lacks
+        (`data: [DONE]`, or nothing when that passed too) and end it cleanly."""
+        logger.warning("decode stream broke rid=%s decoder=%s error=%s action=completed "
+                       "(the answer had finished)", ex.rid, leg.up.url, exc)
+        ex.watch.finish()
+        if tail:
+            await ex.send({"type": "http.response.body", "body": tail, "more_body": True})
+        await ex.send({"type": "http.response.body", "body": b""})
+
     async def _broke_off(self, leg: _Leg, ex: Exchange, exc: Exception,
                          tracked: bool) -> None:
         """End a stream that cannot go on with an error event: tell, not a silent cut."""
@@ -286,7 +306,7 @@ class Relay:
         m, up = self.metrics, leg.up
         total = time.perf_counter() - ex.t0
         if leg.first is not None:
-            m.stage_first_token.observe(leg.first - up.sent_at)
+            m.stage_first_token.observe(leg.first - leg.sent_at)
         m.stage_total.observe(total)
         m.requests.labels(ex.endpoint, str(status)).inc()
         if logger.isEnabledFor(logging.INFO):
@@ -294,4 +314,4 @@ class Relay:
                         "dec_retries=%d %s first_token_ms=%s total_ms=%s", ex.rid,
                         ex.endpoint, status, stream, up.url, up.retries,
                         " ".join(f"{k}={v}" for k, v in info.items()),
-                        ms(None if leg.first is None else leg.first - up.sent_at), ms(total))
+                        ms(None if leg.first is None else leg.first - leg.sent_at), ms(total))

@@ -47,14 +47,18 @@ async def _failed_stream() -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def _stream(ids: bool) -> AsyncIterator[str]:
-    """Three chunks a, b, c; vLLM's token ids when asked (the prompt's in the first)."""
+async def _stream(ids: bool, break_at_end: bool = False) -> AsyncIterator[str]:
+    """Three chunks a, b, c (c finishes); vLLM's token ids when asked (the prompt's in the
+    first). `break_at_end`: the connection breaks off where [DONE] would come."""
     for i, t in enumerate(("a", "b", "c")):
         event: dict[str, Any] = {"t": t, **({"prompt_token_ids": [1, 2]} if ids and not i
                                             else {})}
         if ids:
-            event["choices"] = [{"delta": {"content": t}, "token_ids": [i]}]
+            event["choices"] = [{"delta": {"content": t}, "token_ids": [i],
+                                 "finish_reason": "stop" if t == "c" else None}]
         yield f"data: {json.dumps(event)}\n\n"
+    if break_at_end:
+        raise ConnectionAbortedError("the stub breaks the stream off")  # no last chunk
     yield "data: [DONE]\n\n"
 
 
@@ -70,6 +74,7 @@ class Stub:
         self.fail_metadata_only = False  # decoder: fail requests with *_embeds parts
         self.refusal: tuple[int, dict] | None = None  # decoder: answer this (status, body)
         self.delay = 0.0  # seconds before answering
+        self.break_at_end = False  # decoder: streams break off after the finishing chunk
         self.url = f"http://127.0.0.1:{port}"
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
                                 Route("/v1/completions", self._completions, methods=["POST"]),
@@ -106,7 +111,8 @@ class Stub:
                                     status_code=500)
             return StreamingResponse(_failed_stream(), media_type="text/event-stream")
         if body.get("stream"):
-            return StreamingResponse(_stream(body.get("return_token_ids") is True),
+            return StreamingResponse(_stream(body.get("return_token_ids") is True,
+                                             self.break_at_end),
                                      media_type="text/event-stream")
         return JSONResponse({"choices": [{"message": {"content": "ok"}}],
                              "seen": _uuids(body)})

@@ -59,6 +59,21 @@ def test_what_cannot_be_continued_is_not():
         assert plan(greedy, {"temperature": 0.0, "max_tokens": 10}, t)[0] is None
 
 
+def test_the_tail_a_finished_answer_lacks_is_done_unless_usage_is_due():
+    t = StreamTracker(False)
+    t.feed(ROLE + chunk("a", [1]))
+    assert t.tail() is None  # not finished: a continuation is needed
+    t.feed(chunk("b", [2], finish="stop"))
+    assert t.tail() == b"data: [DONE]\n\n"
+    t.feed(b"data: [DONE]\n\n")
+    assert t.tail() == b""  # nothing is missing
+    usage = StreamTracker(False, wants_usage=True)
+    usage.feed(ROLE + chunk("a", [1], finish="length"))
+    assert usage.tail() is None  # the usage chunk only the server can count
+    usage.feed(sse({"id": "chatcmpl-a", "choices": [], "usage": {"total_tokens": 4}}))
+    assert usage.tail() == b"data: [DONE]\n\n"
+
+
 def tracked(*chunks: bytes) -> StreamTracker:
     t = StreamTracker(False)
     t.feed(ROLE + b"".join(chunks))

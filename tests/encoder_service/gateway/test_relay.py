@@ -43,3 +43,26 @@ def test_token_ids_reach_a_streaming_client_only_when_it_asked(gw, stubs):
         assert [e["t"] for e in events] == ["a", "b", "c"]
         assert ("prompt_token_ids" in events[0]) is asked
         assert all(("token_ids" in e["choices"][0]) is asked for e in events)
+
+
+def test_a_stream_broken_after_its_last_token_ends_cleanly_unless_usage_is_missing(gw, stubs):
+    """Only `data: [DONE]` was lost: the gateway sends it (the client got the whole answer).
+    A usage chunk the client asked for cannot be made up: that stream ends with an error."""
+    _, dec = stubs
+    dec.break_at_end = True
+    try:
+        for usage in (False, True):
+            body = {**chat_body(MODEL, sample_image_png(15), "x"), "stream": True}
+            if usage:
+                body["stream_options"] = {"include_usage": True}
+            with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body,
+                              timeout=10) as r:
+                text = r.read().decode()
+            events = [e for e in text.split("\n\n") if e]
+            assert [json.loads(e[6:])["t"] for e in events if '"t"' in e] == ["a", "b", "c"]
+            if usage:
+                assert "decode_broke" in events[-1]
+            else:
+                assert events[-1] == "data: [DONE]" and "error" not in text
+    finally:
+        dec.break_at_end = False
