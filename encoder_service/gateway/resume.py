@@ -101,10 +101,18 @@ class Resumer:
         try:
             up = await self.decoders.open("POST", path, json_encode(body), f"{rid}-resume",
                                           exclude={failed_url})
-        except GatewayError:
+        except GatewayError as exc:  # no other instance, or none answered
+            logger.warning("failover rid=%s %s not possible: %s", rid, path, exc.message)
             return None
         if up.status_code != 200:
-            await up.release()
+            try:
+                why = (await asyncio.wait_for(up.read(), 5.0))[:300]
+            except (UpstreamError, asyncio.TimeoutError):
+                why = b""
+            finally:
+                await up.release()
+            logger.warning("failover rid=%s %s on %s answered %d: %r", rid, path, up.url,
+                           up.status_code, why)
             return None
         return up
 
