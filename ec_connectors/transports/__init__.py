@@ -33,7 +33,7 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
 
         return MooncakeStoreTransport(config, placement)
     if name == "shm":
-        from ec_connectors.transports.shm import ShmTransport
+        from ec_connectors.transports.shm.transport import ShmTransport
 
         return ShmTransport(config, placement)
     raise ValueError(f"unknown transport {name!r} (known: {', '.join(TRANSPORT_NAMES)})")

@@ -3,7 +3,14 @@
 Starts the encoder(s) (vLLM ec_producer, or `epd encoder` batching pools with
 `encoder_backend = "pool"`) and prefill/decode instance(s) (vLLM ec_consumer) with
 EPDConnector over one of these transports (`transport`):
-- `safetensors` (default): a shared directory (`storage_path`);
+- `auto` (default): `shm`, since every server runs on this host, where the host has a tmpfs
+  at /dev/shm (else `safetensors`); `epd up` says which it picked and why. Opt out with
+  `transport = "safetensors"` (or `--transport safetensors`);
+- `shm`: same-host shared memory; each encoder writes into its own arena under
+  `<shm_path>/up-<base_port>` (`shm_path` default /dev/shm/epd-shm-<uid>), each decode
+  instance copies from it; the gateway has no catalog of it (availability "none": a repeated
+  item goes to its encoder, which skips the encode of an item stored there);
+- `safetensors`: a shared directory (`storage_path`);
 - `mooncake`: the Mooncake Transfer Engine, P2P, no master; each encoder serves its items on
   its own side channel `127.0.0.1:mooncake_base_port + 10 * i`, every decode instance pulls
   from all of them, the gateway's availability follows their announcements;
@@ -47,7 +54,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ec_connectors.config import ConfigError, EPDConfig
+from ec_connectors.config import ConfigError, EPDConfig, default_shm_path
 from ec_connectors.config_files import read_config_file, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
@@ -77,6 +84,8 @@ DECODE_ARGS = ["--enable-scale-out"]  # vLLM flags every decode instance gets
 MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)
 STORE_SEGMENT_BYTES = 256 << 20  # what each encoder contributes to the store
 STORE_BUFFER_BYTES = 512 << 20  # registered buffer per process for puts/gets
+SHM_ARENA_BYTES = 512 << 20  # each encoder's shared-memory arena (connector_extra overrides)
+SHM_POOL_BYTES = 256 << 20  # each decode instance's warm memory for the items it copies
 # `transport` -> EPDConnector's transport tiers, in load order
 TIERS: dict[str, list[str]] = {**{name: [name] for name in TRANSPORT_NAMES},
                                "tiered": list(TIERED)}
@@ -96,7 +105,9 @@ class UpConfig(BaseModel):
     base_port: int = Field(DEFAULT_BASE_PORT, ge=1024, le=65000)
     host: str = "127.0.0.1"
     transport: UpTransport = Field(
-        "safetensors", description="tiered = mooncake, then mooncake_store, then safetensors")
+        "auto", description="auto = shm (same-host shared memory: every server runs on this "
+        "host) where /dev/shm is a tmpfs, else safetensors; tiered = mooncake, then "
+        "mooncake_store, then safetensors")
     storage_path: str | None = Field(None, description="default: <work dir>/up/ec-cache")
     mooncake_base_port: int = Field(DEFAULT_MOONCAKE_BASE_PORT, ge=1024, le=60000,
                                     description="encoder i's side channel: this + 10 * i; "
@@ -156,8 +167,27 @@ class UpConfig(BaseModel):
         return self.spec.model_name if self.spec else Path(self.model).name
 
     @property
+    def transport_choice(self) -> tuple[str, str]:
+        """(the transport `transport` stands for, why)."""
+        if self.transport != "auto":
+            return self.transport, "as configured"
+        arena = int(self.connector_extra.get("shm_arena_bytes", SHM_ARENA_BYTES))
+        why_not = shm_unusable(max(1, self.encoders) * arena)
+        if not why_not:
+            return "shm", ("every server runs on this host (transport = \"safetensors\" "
+                           "opts out)")
+        return "safetensors", why_not
+
+    @property
     def tiers(self) -> list[str]:
-        return TIERS[self.transport]
+        return TIERS[self.transport_choice[0]]
+
+    @property
+    def shm_path(self) -> str:
+        """This deployment's shared-memory directory (connector_extra's shm_path, else one
+        per deployment under the user's default)."""
+        return self.connector_extra.get("shm_path") or os.path.join(
+            default_shm_path(), f"up-{self.base_port}")
 
     @property
     def uses_te(self) -> bool:
@@ -201,6 +231,25 @@ def store_metadata_url(cfg: UpConfig) -> str:
     return ports.store_metadata_url(store_master_address(cfg))
 
 
+def shm_unusable(need_bytes: int) -> str:
+    """Why the shm transport cannot hold `need_bytes` of arenas here ("" when it can): it
+    needs a writable tmpfs at /dev/shm with that much room (a container's is often 64 MiB)."""
+    try:
+        mounts = Path("/proc/mounts").read_text().split("\n")
+    except OSError:
+        mounts = []
+    if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts if line) \
+            or not os.access("/dev/shm", os.W_OK):
+        return "no writable tmpfs at /dev/shm for the shared-memory transport"
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes + (64 << 20):
+        return (f"/dev/shm has {free >> 20} MiB free, the shared-memory arenas need "
+                f"{need_bytes >> 20} MiB (grow it, e.g. docker --shm-size, or lower "
+                "connector_extra.shm_arena_bytes)")
+    return ""
+
+
 def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
     """ec_connector_extra_config keys for encoder i (role ec_producer) or a decode instance.
     Mooncake on one node: 127.0.0.1 (with MC_TCP_BIND_ADDRESS); Transfer Engine: a base port
@@ -208,9 +257,9 @@ def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
     starts, a segment contributed by each encoder (none by decode instances).
     `connector_extra` may override the rest (protocol, memory_pool_bytes,
     store_segment_bytes, store_buffer_bytes, ...), not the wiring."""
-    if cfg.transport == "safetensors":
-        return dict(cfg.connector_extra)
     tiers = cfg.tiers
+    if tiers == ["safetensors"]:
+        return dict(cfg.connector_extra)
     defaults: dict[str, Any] = {}
     wiring: dict[str, Any] = {"transport": tiers[0] if len(tiers) == 1 else list(tiers),
                               "host": "127.0.0.1"}
@@ -221,6 +270,10 @@ def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
             wiring["base_port"] = ports.encoder_base_port(cfg.mooncake_base_port, i)
         else:
             wiring["producers"] = [mooncake_endpoint(cfg, j) for j in range(cfg.encoders)]
+    if "shm" in tiers:  # one directory per deployment; sizes by role
+        defaults["shm_path"] = cfg.shm_path
+        defaults["shm_arena_bytes" if producer else "shm_consumer_pool_bytes"] = (
+            SHM_ARENA_BYTES if producer else SHM_POOL_BYTES)
     if cfg.uses_store:
         defaults.update(store_segment_bytes=STORE_SEGMENT_BYTES if producer else 0,
                         store_buffer_bytes=STORE_BUFFER_BYTES)
@@ -446,7 +499,10 @@ def run_up(cfg: UpConfig, work_dir: Path,
         dep.plan(model)
         dep.check_ports()
         kind = "epd encoder pool" if cfg.encoder_backend == "pool" else "vLLM"
-        over = (cfg.transport if len(cfg.tiers) == 1 else
+        chosen, why = cfg.transport_choice
+        if cfg.transport == "auto":
+            say(f"transport auto -> {chosen}: {why}")
+        over = (chosen if len(cfg.tiers) == 1 else
                 f"tiers {', '.join(cfg.tiers)}")
         say(f"starting {cfg.encoders} encoder(s) ({kind}) and {cfg.decoders} prefill/decode "
             f"instance(s) of {cfg.served_model_name} (EPDConnector over {over})")

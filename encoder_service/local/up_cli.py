@@ -32,9 +32,11 @@ def main(argv: list[str]) -> int:
                    "qwen-omni, ...) or a model directory (default tiny; qwen-omni with --demo)")
     p.add_argument("--encoders", type=int)
     p.add_argument("--decoders", type=int)
-    p.add_argument("--transport", choices=list(TIERS),
-                   help="tiered = mooncake, then mooncake_store, then safetensors; with "
-                   "mooncake_store or tiered, `epd up` starts a Mooncake Store master")
+    p.add_argument("--transport", choices=["auto", *TIERS],
+                   help="auto (default) = shm, same-host shared memory, where /dev/shm is a "
+                   "tmpfs, else safetensors; tiered = mooncake, then mooncake_store, then "
+                   "safetensors; with mooncake_store or tiered, `epd up` starts a Mooncake "
+                   "Store master")
     p.add_argument("--master-port", type=int, help=f"Mooncake Store master RPC port "
                    f"(default {DEFAULT_MASTER_PORT}; metadata +1, metrics +2)")
     p.add_argument("--encoder-backend", choices=["vllm", "pool"])

@@ -1,10 +1,14 @@
 """End to end with real `vllm serve` processes on the locally built tiny LLaVA: an aggregated
 server (the reference), an encoder-only producer and a prefill/decode consumer, EPDConnector
-over the safetensors transport. Counts come from the consumer's Prometheus /metrics."""
+over the safetensors transport. The producer also writes each item into same-host shared
+memory (tiers ["shm", "safetensors"]), which the tight-cache consumer reads first: the shm
+transport between real vLLM processes, with no servers of its own. Counts come from the
+consumers' Prometheus /metrics."""
 
 from __future__ import annotations
 
 import random
+import shutil
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,15 +38,19 @@ BASE_PORT = 18300
 def cluster(tmp_path_factory):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     storage = tmp_path_factory.mktemp("ec-store")
+    shm = f"/dev/shm/epd-e2e-{uuid.uuid4().hex[:8]}"
+    tiers = {"transport": ["shm", "safetensors"], "shm_path": shm}
     logs = WORK / "test-e2e"
     agg = VllmServer("aggregated", model, BASE_PORT, logs, None, cpu_core=0)
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
-                      epd_config("ec_producer", storage), cpu_core=0)
+                      epd_config("ec_producer", storage,
+                                 {**tiers, "shm_arena_bytes": 64 << 20}), cpu_core=0)
     cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
                       epd_config("ec_consumer", storage), cpu_core=1)
     # vLLM's encoder cache holds max_num_batched_tokens: 256 = four 64-token images
     tight = VllmServer("consumer-tight-cache", model, BASE_PORT + 3, logs,
-                       epd_config("ec_consumer", storage), cpu_core=1,
+                       epd_config("ec_consumer", storage,
+                                  {**tiers, "shm_consumer_pool_bytes": 32 << 20}), cpu_core=1,
                        extra_args=["--max-num-batched-tokens", "256"])
     servers = [agg, prod, cons, tight]
     start_all(servers, progress=lambda m: print(f"[e2e] {m}", flush=True))
@@ -52,6 +60,7 @@ def cluster(tmp_path_factory):
     client.close()
     for s in servers:
         s.stop()
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 def stored_file(c, item_id) -> Path:
@@ -60,14 +69,17 @@ def stored_file(c, item_id) -> Path:
     return c["storage"] / namespace_key(MODEL_NAME) / (item_key(item_id) + ".safetensors")
 
 
-def test_consumer_output_equals_aggregated_and_uses_producer_embedding(cluster):
-    c = cluster
+@pytest.mark.parametrize("consumer", ["cons", "tight"], ids=["safetensors", "shm"])
+def test_consumer_output_equals_aggregated_and_uses_producer_embedding(cluster, consumer):
+    c = {**cluster, "cons": cluster[consumer]}  # metric() reads this consumer's counters
     image, item_id, reference = case(c, seed=101)
     params = encode(c, image, item_id)
-    loads = metric(c, "loads_total")
+    loads, shm_hits = metric(c, "loads_total"), metric(c, "tier_shm_hits_total")
     answer = ask(c, c["cons"], image, item_id, params)
     assert tokens(answer) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1  # really loaded, once
+    if consumer == "tight":  # from the producer's shared-memory arena, not the directory
+        assert wait_metric(c, "tier_shm_hits_total", shm_hits + 1) == shm_hits + 1
 
 
 def test_single_deferred_request_with_no_other_traffic(cluster):

@@ -40,7 +40,7 @@ def cluster(tmp_path_factory):
     storage = tmp_path_factory.mktemp("ec-store")
     conf.write_text(json.dumps({
         "model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
-        "storage_path": str(storage),
+        "storage_path": str(storage), "transport": "safetensors",  # tests read its files
         # no probes: the tests count the encoder's finished requests
         "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}))
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0).start()

@@ -60,7 +60,8 @@ def cluster(tmp_path_factory):
     storage = tmp_path_factory.mktemp("ec-store")
     conf.write_text(json.dumps({
         "model": "qwen-omni", "base_port": UP_PORT, "cpu_cores": [0, 1],
-        "storage_path": str(storage), "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
+        "storage_path": str(storage), "transport": "safetensors",  # tests read its files
+        "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
         "vllm_args": TRUST_KWARGS, "gateway": {"timeouts": {"encoder_s": 30}}}))
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0,
                      served_name=MODEL, extra_args=TRUST_KWARGS).start()

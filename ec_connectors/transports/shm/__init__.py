@@ -5,10 +5,5 @@ arena, consumers copy it once into warm memory, verifying while they copy.
 - copy.py: the one-pass chunked copy + keyed hash on several threads (torch-free);
 - arena.py: a producer's arena (blocks, leases, eviction, liveness), consumers' mappings;
 - transport.py: ShmTransport, the Transport interface over them.
+Nothing is imported here, so the torch-free parts stay importable without torch.
 """
-
-from __future__ import annotations
-
-from ec_connectors.transports.shm.transport import ShmTransport
-
-__all__ = ["ShmTransport"]

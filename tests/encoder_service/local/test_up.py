@@ -21,7 +21,7 @@ NO_SECRET_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_API_KEY": ""}
 def test_defaults_and_clear_errors(tmp_path):
     cfg = load_up_config(None)
     assert (cfg.encoders, cfg.decoders, cfg.base_port, cfg.transport) == (1, 1, 18100,
-                                                                          "safetensors")
+                                                                          "auto")
     bad = tmp_path / "up.json"
     bad.write_text(json.dumps({"encoder": 2}))
     with pytest.raises(UpError, match="encoder: Extra inputs.*Known keys: .*encoders"):
@@ -42,7 +42,7 @@ def test_defaults_and_clear_errors(tmp_path):
 
 def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
     dep = Deployment(UpConfig(encoders=2, decoders=1, base_port=18510, cpu_cores=[0, 1, 1],
-                              storage_path=str(tmp_path / "ec"),
+                              storage_path=str(tmp_path / "ec"), transport="safetensors",
                               gateway={"limits": {"max_media_items": 4}}), tmp_path)
     dep.plan(tmp_path / "model")
     assert [s.port for s in dep.servers] == [18511, 18512, 18513]
@@ -89,8 +89,8 @@ def test_plan_mooncake_wires_a_side_channel_per_encoder_and_all_to_every_decoder
     g = dep.gateway_cfg
     assert g.availability.kind == "mooncake" and g.availability.producers == producers
     assert g.encoder_backend == "vllm"
-    # safetensors (the default) sets no mooncake env or keys
-    dep = Deployment(UpConfig(base_port=18630), tmp_path)
+    # safetensors sets no mooncake env or keys
+    dep = Deployment(UpConfig(base_port=18630, transport="safetensors"), tmp_path)
     dep.plan(tmp_path / "model")
     assert all(s.env == {"VLLM_API_KEY": ""} for s in dep.servers)  # no secret: no key
     assert dep.servers[1].ec_config["ec_connector_extra_config"]["transport"] == "safetensors"
@@ -294,3 +294,26 @@ def test_with_a_secret_every_server_requires_the_derived_key_from_its_environmen
     open_secret.chmod(0o644)
     with pytest.raises(UpError, match="chmod 600"):
         load_up_config(None, {"secret_file": str(open_secret)})
+
+
+def test_auto_picks_shared_memory_on_one_host_and_says_why(tmp_path, monkeypatch):
+    from ec_connectors.config import EPDConfig
+    from encoder_service.local import up
+
+    dep = Deployment(UpConfig(encoders=2, decoders=1, base_port=18630,
+                              connector_extra={"shm_consumer_pool_bytes": 64 << 20}), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert dep.cfg.transport_choice == ("shm", "every server runs on this host "
+                                        '(transport = "safetensors" opts out)')
+    extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
+    assert [e["transport"] for e in extra] == ["shm"] * 3
+    assert {e["shm_path"] for e in extra} == {dep.cfg.shm_path}  # one directory per deployment
+    assert dep.cfg.shm_path.endswith("/up-18630")
+    assert [e.get("shm_arena_bytes") for e in extra] == [up.SHM_ARENA_BYTES] * 2 + [None]
+    assert extra[2]["shm_consumer_pool_bytes"] == 64 << 20  # sizes are the user's
+    assert all(EPDConfig.from_dict(e).tiers == ["shm"] for e in extra)
+    assert dep.gateway_cfg.availability.kind == "none"  # no catalog of shared memory
+    # no room for the arenas (a container's 64 MiB /dev/shm): the shared directory, and why
+    monkeypatch.setattr(up, "shm_unusable", lambda need: f"{need >> 20} MiB do not fit")
+    assert UpConfig(encoders=2).transport_choice == ("safetensors", "1024 MiB do not fit")
+    assert UpConfig(transport="shm").transport_choice == ("shm", "as configured")
