@@ -3,12 +3,15 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
-        [--paths shm mooncake_te mooncake_store safetensors] [--json FILE]
+        [--paths shm shm_blake3 mooncake_te mooncake_store safetensors] [--secret]
+        [--json FILE]
 
 Each path runs a producer and a consumer `peer_process` (ec_connectors/testing), built with
-`make_transport` as a vLLM worker would be. One rep: the producer `put`s a bf16 [rows, 4096]
-item, then the consumer `get`s it (every byte verified, the transport's own way); `ms` is
-put + get as each process timed it (median; the first rep of each size is a warm-up).
+`make_transport` as a vLLM worker would be (`shm_blake3`: shm verified with blake3 instead
+of xxh3; `--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
+One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
+byte verified, the transport's own way); `ms` is put + get as each process timed it
+(median; the first rep of each size is a warm-up).
 Budgets: shm and Mooncake TE evict older items (short leases: the steady state of a busy
 producer); the store and safetensors keep every rep's item (the store refuses puts into a
 full segment, safetensors' eviction scans and frees files inside put).
@@ -38,7 +41,7 @@ from ec_connectors.transports.base import checksum, tensor_bytes
 
 HIDDEN = 4096
 MiB = 1 << 20
-PATHS = ("shm", "mooncake_te", "mooncake_store", "safetensors")
+PATHS = ("shm", "shm_blake3", "mooncake_te", "mooncake_store", "safetensors")
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -56,13 +59,15 @@ def free_port(start: int, span: int = 1, step: int = 10) -> int:
 class Path_:
     """One transport path: its configs, and what it needs started (a store master)."""
 
-    def __init__(self, name: str, max_bytes: int, reps: int, work: Path) -> None:
+    def __init__(self, name: str, max_bytes: int, reps: int, work: Path,
+                 secret: str | None) -> None:
         self.name, self.master = name, None
         self.dirs: list[str] = []
-        if name == "shm":
+        if name in ("shm", "shm_blake3"):
             root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
             self.dirs.append(root)
             base = {"transport": "shm", "shm_path": root, "shm_lease_ttl_s": 0.05,
+                    "shm_verify": "blake3" if name == "shm_blake3" else "xxh3",
                     "shm_arena_bytes": 3 * max_bytes + 16 * MiB,
                     "shm_consumer_pool_bytes": 2 * max_bytes + 16 * MiB}
             self.prod, self.cons = base, base
@@ -95,7 +100,7 @@ class Path_:
         else:
             raise ValueError(f"unknown path {name!r} (known: {', '.join(PATHS)})")
         for cfg in (self.prod, self.cons):
-            cfg["namespace"] = "bench"
+            cfg.update(namespace="bench", secret_file=secret)
 
     def close(self) -> None:
         if self.master is not None:
@@ -104,9 +109,10 @@ class Path_:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def run_path(name: str, sizes: list[int], reps: int, work: Path) -> dict[int, dict]:
+def run_path(name: str, sizes: list[int], reps: int, work: Path,
+             secret: str | None) -> dict[int, dict]:
     """{nbytes: {"put_ms": .., "get_ms": .., "ms": ..}} (medians) for one path."""
-    path = Path_(name, max(sizes), reps, work)
+    path = Path_(name, max(sizes), reps, work, secret)
     log = str(work / f"transport-bench-{name}.log")
     peers: list[PeerClient] = []
     try:
@@ -153,19 +159,25 @@ def main() -> int:
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[30, 125])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
+    ap.add_argument("--secret", action="store_true", help="a deployment secret for every path")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     os.environ.update(LOOPBACK)
     work = Path(os.environ.get("EPD_WORK_DIR", Path(__file__).resolve().parent.parent / ".work"))
     work.mkdir(parents=True, exist_ok=True)
     sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
+    secret = None
+    if args.secret:
+        secret = str(work / "transport-bench.secret")
+        Path(secret).write_bytes(os.urandom(32).hex().encode())
+        os.chmod(secret, 0o600)
     result: dict[str, dict] = {}
     for mb, n in zip(args.sizes_mb, sizes, strict=True):
         result[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
                              "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3, "paths": {}}
     for name in args.paths:
         try:
-            timings = run_path(name, sizes, args.reps, work)
+            timings = run_path(name, sizes, args.reps, work, secret)
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported
             print(f"{name}: not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
             for mb in args.sizes_mb:
@@ -178,7 +190,8 @@ def main() -> int:
                                   "x_raw_tcp": t["ms"] / row["raw_tcp_ms"],
                                   "put_ms": t["put_ms"], "get_ms": t["get_ms"]}
     print(f"producer process -> consumer process, verified; bf16 [rows, {HIDDEN}]; median "
-          f"of {args.reps}; load {os.getloadavg()[0]:.2f}")
+          f"of {args.reps}; {'with' if secret else 'no'} deployment secret; load "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"{'MiB':>5} {'path':<15} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
           f"{'put ms':>8} {'get ms':>8}")
     for mb, row in result.items():
