@@ -50,13 +50,7 @@ from ec_connectors.messages import (
 from ec_connectors.metadata import EPDConnectorMetadata, InlineItem
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import safe_key
-from ec_connectors.protocol.params import (
-    BadParams,
-    Source,
-    item_entry,
-    item_sources,
-    producer_params,
-)
+from ec_connectors.protocol.params import BadParams, ItemEntry, Source, TransferParams
 from ec_connectors.refusals import ReasonBoard, board_dir, classify
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport, dtype_name, tensor_bytes
@@ -294,7 +288,8 @@ class EPDSchedulerSide:
         hints = self._req_hints.get(req_id)
         if hints is None:
             try:
-                hints = item_sources(getattr(request, "ec_transfer_params", None))
+                hints = TransferParams.parse(getattr(request, "ec_transfer_params",
+                                                     None)).sources()
             except BadParams as exc:
                 logger.warning("EPD: request %s: ignoring malformed ec_transfer_params (%s); "
                                "its media will be encoded locally", req_id, exc)
@@ -571,23 +566,26 @@ class EPDSchedulerSide:
                     if self.placeholders is not None and request.mm_features else {})
         if not items and not metadata:
             return None
-        described: dict[str, dict[str, Any]] = {}
+        described: dict[str, ItemEntry] = {}
         endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
         for item_id, num_embeds in items.items():
             if self.ids.vouched(item_id):  # a client-chosen id was not saved: not offered
-                described[item_id] = item_entry(item_id, num_embeds, self._saved.get(item_id),
-                                                with_location=bool(endpoint))
+                described[item_id] = ItemEntry.describe(item_id, num_embeds,
+                                                        self._saved.get(item_id),
+                                                        with_location=bool(endpoint))
         for i, feature in enumerate(request.mm_features):
             item_id = feature.identifier
             if item_id not in metadata or not self.ids.vouched(item_id):
                 continue
-            if item_id not in described:  # stored before (deduplicated): described too
-                described[item_id] = item_entry(item_id, request.get_num_encoder_embeds(i),
-                                                self._saved.get(item_id),
-                                                with_location=bool(endpoint))
-            described[item_id]["metadata"] = metadata[item_id]
-        return producer_params(self.transport.name, self.config.namespace or "",
-                               self.engine_id, described, endpoint=endpoint)
+            entry = described.get(item_id)
+            if entry is None:  # stored before (deduplicated): described too
+                entry = ItemEntry.describe(item_id, request.get_num_encoder_embeds(i),
+                                           self._saved.get(item_id),
+                                           with_location=bool(endpoint))
+            described[item_id] = entry.with_metadata(metadata[item_id])
+        return TransferParams(transport=self.transport.name,
+                              namespace=self.config.namespace or "", producer=self.engine_id,
+                              items=described, endpoint=endpoint).to_dict()
 
     @property
     def num_workers(self) -> int:

@@ -1,19 +1,68 @@
-"""`ec_transfer_params`: what a producer returns, and what a consumer accepts (untrusted)."""
+"""`ec_transfer_params`: the one wire object that crosses every process (producer -> gateway
+-> consumer), typed. Every writer builds it with these types and every reader parses it with
+`TransferParams.parse`, so the producer, the encoder pool, the gateway and the consumer agree
+through one definition instead of hand-written dict edits.
+
+On the wire (JSON, or a plain dict inside a vLLM request: vLLM passes `ec_transfer_params`
+through as a dict)::
+
+    {"epd": {"transport": "mooncake", "namespace": "<model>", "producer": "<engine id>",
+             "items": {"<item id>": {"num_embeds": 64, "key": "...", "shape": [64, 896],
+                                     "dtype": "bfloat16", "nbytes": 114688,
+                                     "checksum": "<xxh3 hex>", "location": "host:port",
+                                     "pending": true, "metadata": {"image_grid_thw": [1, 8, 8]}}},
+             "endpoint": "host:port"}}
+
+Every field is optional and left out when empty (`omit_defaults`), so the bytes are those the
+dict writers made before: a producer's entry, a gateway's `{"pending": true}` promise, an
+availability hint `{"location", "nbytes"}`. `items` may also be a list of ids (`{"epd":
+{"items": ["a", "b"]}}`: "look them up").
+
+Use:
+  - write:   ``TransferParams(transport=..., namespace=..., producer=..., endpoint=...,
+    items={item_id: ItemEntry.describe(item_id, num_embeds, info)}).to_dict()`` (or
+    ``.to_json()``); a promise is ``ItemEntry(pending=True)``; add metadata with
+    ``entry.with_metadata(meta)`` and drop it with ``entry.with_metadata(None)`` (entries are
+    frozen: share them freely).
+  - read:    ``TransferParams.parse(value)`` (a dict, or None) / ``TransferParams.from_json(b)``
+    -> ``TransferParams`` or `BadParams` with a message fit for a 400 answer;
+    ``.sources()`` -> ``{item_id: Source}`` (where each item lives, the consumer's view).
+
+Trust: nothing parsed here is trusted (a client writes `ec_transfer_params` of its own; an
+encoder's answer is a peer's). `parse` bounds what it keeps: at most MAX_ITEMS items, ids
+non-empty strings of at most MAX_ID_BYTES, every field of its JSON type (no coercion: `true`
+is no integer), numbers and strings within the bounds below, locations and the endpoint
+`host:port`. Unknown keys are ignored and not kept (a re-encoded object carries only these
+fields: a gateway forwards what it understood, never a peer's extras). Placeholder
+`metadata` that is not a small object of numbers or flat lists of numbers (at most
+MAX_METADATA_BYTES as JSON) is dropped, not refused: it only lets a request go metadata-only,
+and without it the item goes with its raw media. What the values mean (is this location a
+configured producer, does nbytes fit this model) is the reader's to check
+(`scheduler_hooks.decisions.pull_location`, `ec_connectors.request_checks`).
+"""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
+
+import msgspec
 
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, item_key
 from ec_connectors.protocol.net import parse_endpoint
 
-PARAMS_KEY = "epd"
+PARAMS_KEY = "epd"  # our object inside `ec_transfer_params` (other connectors' keys untouched)
 MAX_ITEMS = 1024
+MAX_METADATA_BYTES = 1024
+_MAX_NBYTES = 1 << 40
+_MAX_NAME = 1024  # transport, namespace (a model name or path), producer (an engine id)
+
+_Count = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+_Name = Annotated[str, msgspec.Meta(max_length=_MAX_NAME)]
 
 
 class BadParams(ValueError):
-    pass
+    """Malformed `ec_transfer_params`; the message names what and where (a 400's reason)."""
 
 
 class Source(NamedTuple):
@@ -26,29 +75,131 @@ class Source(NamedTuple):
     pending: bool = False
 
 
-def producer_params(
-    transport: str, namespace: str, engine_id: str, items: dict[str, dict[str, Any]],
-    endpoint: str = "",
-) -> dict[str, Any]:
-    """What `request_finished` returns on a producer; a gateway forwards it unchanged.
-    `endpoint`: where a peer transport serves the items (peers pull from there)."""
-    body: dict[str, Any] = {"transport": transport, "namespace": namespace,
-                            "producer": engine_id, "items": items}
-    if endpoint:
-        body["endpoint"] = endpoint
-    return {PARAMS_KEY: body}
+class ItemEntry(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One item of `TransferParams.items`: what a consumer needs to find and check it.
+    A producer fills what it knows (`describe`); a gateway's promise is `pending` alone, an
+    availability hint `location` and `nbytes`; `metadata` is the item's placeholder metadata
+    (`image_grid_thw`, ...: a metadata-only request needs it, a consumer never reads it)."""
+
+    num_embeds: _Count = 0
+    key: Annotated[str, msgspec.Meta(max_length=256)] = ""  # the producer's storage key
+    shape: Annotated[list[_Count], msgspec.Meta(max_length=8)] = []
+    dtype: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    nbytes: Annotated[int, msgspec.Meta(ge=0, lt=_MAX_NBYTES)] = 0
+    checksum: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    location: str = ""  # peer transports: who serves it ("" = the params' endpoint, or ask)
+    pending: bool = False  # still being encoded: wait for it to land
+    metadata: dict[str, Any] | None = None
+
+    @classmethod
+    def describe(cls, item_id: str, num_embeds: int, info: ItemInfo | None,
+                 with_location: bool = False) -> ItemEntry:
+        """A producer's entry: the item's key, and what its save reported (`info`; None for
+        an item stored before, whose save this producer did not see)."""
+        if info is None:
+            return cls(num_embeds=num_embeds, key=item_key(item_id))
+        return cls(num_embeds=num_embeds, key=item_key(item_id), shape=list(info.shape),
+                   dtype=info.dtype, nbytes=info.nbytes, checksum=info.checksum,
+                   location=info.location if with_location else "")
+
+    def with_metadata(self, metadata: dict[str, Any] | None) -> ItemEntry:
+        return msgspec.structs.replace(self, metadata=metadata)
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
 
 
-def item_entry(item_id: str, num_embeds: int, info: ItemInfo | None,
-               with_location: bool = False) -> dict[str, Any]:
-    """One item of `producer_params`: what a consumer needs to find and check it."""
-    entry: dict[str, Any] = {"num_embeds": num_embeds, "key": item_key(item_id)}
-    if info is not None:
-        entry.update(shape=list(info.shape), dtype=info.dtype, nbytes=info.nbytes,
-                     checksum=info.checksum)
-        if with_location and info.location:  # peer transports: who serves it
-            entry["location"] = info.location
-    return entry
+class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The `{"epd": {...}}` object of `ec_transfer_params`: who made the items (`transport`,
+    `namespace`, `producer`: informational, no reader acts on them), where a peer transport
+    serves them (`endpoint`: the default of every entry's `location`), and the items (always
+    written, `{}` included, as the dict writers did)."""
+
+    transport: _Name = ""
+    namespace: _Name = ""
+    producer: _Name = ""
+    items: dict[str, ItemEntry]
+    endpoint: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The value of a request's or an answer's `ec_transfer_params` (plain dicts)."""
+        return {PARAMS_KEY: msgspec.to_builtins(self)}
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode({PARAMS_KEY: self})
+
+    def sources(self) -> dict[str, Source]:
+        """Item id -> where the params say it lives (the consumer's view)."""
+        return {item_id: Source(e.location or self.endpoint, e.nbytes, e.pending)
+                for item_id, e in self.items.items()}
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> TransferParams:
+        try:
+            value = msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise BadParams(f"ec_transfer_params is not JSON: {exc}") from None
+        return cls.parse(value)
+
+    @classmethod
+    def parse(cls, params: Any) -> TransferParams:
+        """Untrusted `ec_transfer_params` (a dict, or None) -> TransferParams; absent or
+        another connector's params -> no items. Raises BadParams on anything malformed."""
+        if params is None:
+            return cls(items={})
+        if not isinstance(params, dict):
+            raise BadParams("ec_transfer_params must be an object")
+        body = params.get(PARAMS_KEY)
+        if body is None:
+            return cls(items={})
+        if not isinstance(body, dict):
+            raise BadParams(f"ec_transfer_params.{PARAMS_KEY} must be an object")
+        items = body.get("items", [])
+        if isinstance(items, dict):
+            ids = list(items.keys())
+        elif isinstance(items, list):
+            ids = items
+        else:
+            raise BadParams(f"ec_transfer_params.{PARAMS_KEY}.items must be an object or a list")
+        if len(ids) > MAX_ITEMS:
+            raise BadParams(f"too many items ({len(ids)} > {MAX_ITEMS})")
+        head = {k: body[k] for k in ("transport", "namespace", "producer") if k in body}
+        head["items"] = {}
+        try:
+            out = msgspec.convert(head, cls)
+        except msgspec.ValidationError as exc:
+            raise BadParams(f"ec_transfer_params.{PARAMS_KEY}: {exc}") from None
+        out.endpoint = _location(body.get("endpoint"))
+        entries: dict[str, ItemEntry] = {}
+        for item_id in ids:
+            _check_id(item_id)
+            entry = items.get(item_id) if isinstance(items, dict) else None
+            entries[item_id] = _entry(item_id, entry)
+        out.items = entries
+        return out
+
+
+def valid_metadata(meta: Any) -> dict[str, Any] | None:
+    """Placeholder metadata when it is well-formed: a non-empty object of at most
+    MAX_METADATA_BYTES (as JSON) mapping names to numbers or non-empty flat lists of
+    numbers; else None."""
+    if not isinstance(meta, dict) or not meta:
+        return None
+    for key, value in meta.items():
+        values = value if isinstance(value, list) else [value]
+        if not isinstance(key, str) or not values or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return None
+    if len(msgspec.json.encode(meta)) > MAX_METADATA_BYTES:
+        return None
+    return meta
+
+
+def _check_id(item_id: Any) -> None:
+    if not isinstance(item_id, str) or not item_id:
+        raise BadParams("item ids must be non-empty strings")
+    if len(item_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        raise BadParams("an item id is too long")
 
 
 def _location(value: Any) -> str:
@@ -61,46 +212,48 @@ def _location(value: Any) -> str:
     return value
 
 
+_EMPTY = ItemEntry()
+
+
+def _entry(item_id: str, raw: Any) -> ItemEntry:
+    if raw is None:
+        return _EMPTY
+    if not isinstance(raw, dict):
+        raise BadParams(f"item {item_id[:64]!r} must map to an object")
+    fields = dict(raw)
+    meta = valid_metadata(fields.pop("metadata", None))
+    location = _location(fields.pop("location", None))
+    try:
+        entry = msgspec.convert(fields, ItemEntry)
+    except msgspec.ValidationError as exc:
+        raise BadParams(f"item {item_id[:64]!r}: {exc}") from None
+    if meta is None and not location:
+        return entry
+    return msgspec.structs.replace(entry, metadata=meta, location=location)
+
+
 def item_sources(params: Any) -> dict[str, Source]:
     """Item ids a consumer request says a producer made (or is making: `pending`), with where
-    each lives when the params say. Accepts the producer's own params (`{"epd": {"items":
-    {id: {...}}}}`) or `{"epd": {"items": [id, ...]}}`. Raises BadParams with a clear message
-    on anything else."""
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
-        raise BadParams("ec_transfer_params must be an object")
-    body = params.get(PARAMS_KEY)
-    if body is None:
-        return {}
-    if not isinstance(body, dict):
-        raise BadParams(f"ec_transfer_params.{PARAMS_KEY} must be an object")
-    items = body.get("items", [])
-    if isinstance(items, dict):
-        ids = list(items.keys())
-    elif isinstance(items, list):
-        ids = items
-    else:
-        raise BadParams(f"ec_transfer_params.{PARAMS_KEY}.items must be an object or a list")
-    if len(ids) > MAX_ITEMS:
-        raise BadParams(f"too many items ({len(ids)} > {MAX_ITEMS})")
-    default_location = _location(body.get("endpoint"))
-    out: dict[str, Source] = {}
-    for item_id in ids:
-        if not isinstance(item_id, str) or not item_id:
-            raise BadParams("item ids must be non-empty strings")
-        if len(item_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
-            raise BadParams("an item id is too long")
-        entry = items.get(item_id) if isinstance(items, dict) else None
-        if entry is not None and not isinstance(entry, dict):
-            raise BadParams(f"item {item_id[:64]!r} must map to an object")
-        entry = entry or {}
-        nbytes = entry.get("nbytes", 0)
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes < 1 << 40:
-            raise BadParams(f"item {item_id[:64]!r}: nbytes must be a non-negative integer")
-        pending = entry.get("pending", False)
-        if not isinstance(pending, bool):
-            raise BadParams(f"item {item_id[:64]!r}: pending must be true or false")
-        out[item_id] = Source(_location(entry.get("location")) or default_location, nbytes,
-                              pending)
-    return out
+    each lives: `TransferParams.parse(params).sources()`. Raises BadParams."""
+    return TransferParams.parse(params).sources()
+
+
+# Dict-returning forms of the writers above, for callers not yet converted
+# (encoder_service/encoder_pool/publish.py); new code uses the types.
+def producer_params(
+    transport: str, namespace: str, engine_id: str, items: dict[str, dict[str, Any]],
+    endpoint: str = "",
+) -> dict[str, Any]:
+    """A producer's `ec_transfer_params` as a dict (what `TransferParams(...).to_dict()`
+    makes, but for entries that are dicts)."""
+    body: dict[str, Any] = {"transport": transport, "namespace": namespace,
+                            "producer": engine_id, "items": items}
+    if endpoint:
+        body["endpoint"] = endpoint
+    return {PARAMS_KEY: body}
+
+
+def item_entry(item_id: str, num_embeds: int, info: ItemInfo | None,
+               with_location: bool = False) -> dict[str, Any]:
+    """One item of `producer_params` as a dict (`ItemEntry.describe(...).to_dict()`)."""
+    return ItemEntry.describe(item_id, num_embeds, info, with_location).to_dict()
