@@ -40,6 +40,7 @@ STACKS = {  # name: (encoder backend, transport, decoders)
     "pool+safetensors": ("pool", "safetensors", 1),
     "vllm+mooncake": ("vllm", "mooncake", 1),
     "pool+mooncake": ("pool", "mooncake", 1),
+    "vllm+shm": ("vllm", "shm", 1),  # what `epd up` picks on one host (transport auto)
 }
 AGG_PORT, BASE_PORT = 18880, 18840
 
