@@ -24,7 +24,8 @@ from encoder_service.local.requests import (
     sample_wav,
     video_part,
 )
-from encoder_service.local.up import Deployment, UpConfig, run_up
+from encoder_service.local.up import Deployment, run_up
+from encoder_service.local.up_config import UpConfig
 
 DEMO_MODEL = "qwen-omni"  # `epd up --demo` without --model / a config's model
 

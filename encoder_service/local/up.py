@@ -1,42 +1,19 @@
-"""`epd up`: a whole local EPD deployment from one config file with embedded defaults.
-
-Starts the encoder(s) (vLLM ec_producer, or `epd encoder` batching pools with
-`encoder_backend = "pool"`) and prefill/decode instance(s) (vLLM ec_consumer) with
-EPDConnector over one of these transports (`transport`):
-- `auto` (default): `shm`, since every server runs on this host, where the host has a tmpfs
-  at /dev/shm (else `safetensors`); `epd up` says which it picked and why. Opt out with
-  `transport = "safetensors"` (or `--transport safetensors`);
-- `shm`: same-host shared memory; each encoder writes into its own arena under
-  `<shm_path>/up-<base_port>` (`shm_path` default /dev/shm/epd-shm-<uid>), each decode
-  instance copies from it; the gateway has no catalog of it (availability "none": a repeated
-  item goes to its encoder, which skips the encode of an item stored there);
-- `safetensors`: a shared directory (`storage_path`);
-- `mooncake`: the Mooncake Transfer Engine, P2P, no master; each encoder serves its items on
-  its own side channel `127.0.0.1:mooncake_base_port + 10 * i`, every decode instance pulls
-  from all of them, the gateway's availability follows their announcements;
-- `mooncake_store`: the Mooncake Store; `epd up` starts its master first (`mooncake_master`:
-  RPC on `master_port`, HTTP metadata on +1, metrics on +2), encoders contribute a memory
-  segment to it, decode instances only use it (segment 0), so any instance loads what any
-  encoder made; the gateway has no catalog of the store (availability "none": every item goes
-  to an encoder, which skips the encode when the store already holds it);
-- `tiered`: tiers ["mooncake", "mooncake_store", "safetensors"] (loads try them in that
-  order, saves write all): the Transfer Engine wiring, the master and the shared directory
-  together; the gateway's availability follows the Mooncake announcements.
-All Mooncake processes bind to 127.0.0.1 (MC_TCP_BIND_ADDRESS; the Transfer Engine's own two
-listeners cannot be told an address: docs/trust.md). Keys: with a deployment secret
-(`secret_file`, else $EPD_SECRET_FILE) every vLLM server and encoder pool requires the API key
-derived from it (passed in $VLLM_API_KEY, never on a command line) and the gateway presents
-it; without one they take no key and listen on 127.0.0.1 only, as the data plane does (said at
-start). Gateway clients need a key when `gateway` sets api_keys / api_keys_file or
-$EPD_GATEWAY_API_KEY is set (said at start too). `connector_extra` adds
-ec_connector_extra_config keys and may change sizes (memory_pool_bytes, store_segment_bytes,
-store_buffer_bytes, ...), never the wiring (transport, host, ports, producers, store_master,
-store_metadata). Waits for health with progress output, then serves the gateway in-process and
-prints the endpoint. Ctrl-C or SIGTERM stops everything: the gateway, then every vLLM server's
-whole process group (SIGTERM, then SIGKILL after a grace period), the store master last, so no
-process is left behind. A SIGKILL of `epd up` itself cannot be handled; its servers then get
-their parent-death signal and go too (`ec_connectors.child_process`: they are started from
-the main thread, which lives as long as `epd up`). The command line: up_cli.py.
+"""`epd up`: a whole local EPD deployment, its processes. `Deployment` turns an `UpConfig`
+(up_config.py: the transports and the connector keys they imply) into servers: the encoder(s)
+(vLLM ec_producer, or `epd encoder` batching pools with `encoder_backend = "pool"`), the
+prefill/decode instance(s) (vLLM ec_consumer), the Mooncake Store master where a store tier is
+used, and the gateway. Keys: with a deployment secret (`secret_file`, else $EPD_SECRET_FILE)
+every vLLM server and encoder pool requires the API key derived from it (passed in
+$VLLM_API_KEY, never on a command line) and the gateway presents it; without one they take no
+key and listen on 127.0.0.1 only, as the data plane does (said at start). Gateway clients need
+a key when `gateway` sets api_keys / api_keys_file or $EPD_GATEWAY_API_KEY is set (said at
+start too). `run_up` waits for health with progress output, then serves the gateway
+in-process and prints the endpoint. Ctrl-C or SIGTERM stops everything: the gateway, then
+every vLLM server's whole process group (SIGTERM, then SIGKILL after a grace period), the
+store master last, so no process is left behind. A SIGKILL of `epd up` itself cannot be
+handled; its servers then get their parent-death signal and go too
+(`ec_connectors.child_process`: they are started from the main thread, which lives as long as
+`epd up`). The command line: up_cli.py.
 """
 
 from __future__ import annotations
@@ -50,14 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from ec_connectors.config import ConfigError, EPDConfig, default_shm_path
-from ec_connectors.config_files import read_config_file, validate
+from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
 from ec_connectors.protocol.secret import (
     API_KEY_ENV,
     SECRET_ENV,
@@ -74,212 +47,22 @@ from encoder_service.local.processes import (
     VllmServer,
     start_all,
 )
-from encoder_service.local.testmodels import SPECS, ModelSpec
+from encoder_service.local.up_config import (
+    UpConfig,
+    UpError,
+    connector_extra,
+    mooncake_endpoint,
+)
 
-# The port scheme: ec_connectors/protocol/ports.py
-DEFAULT_BASE_PORT = ports.GATEWAY_PORT  # the gateway; the servers take the next ports
-DEFAULT_MOONCAKE_BASE_PORT = ports.MOONCAKE_BASE_PORT  # encoder i: + MOONCAKE_ENCODER_STRIDE*i
-DEFAULT_MASTER_PORT = ports.MASTER_RPC_PORT  # Mooncake Store master: RPC; metadata +1, metrics +2
 DECODE_ARGS = ["--enable-scale-out"]  # vLLM flags every decode instance gets
-MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)
-STORE_SEGMENT_BYTES = 256 << 20  # what each encoder contributes to the store
-STORE_BUFFER_BYTES = 512 << 20  # registered buffer per process for puts/gets
-SHM_ARENA_BYTES = 512 << 20  # each encoder's shared-memory arena (connector_extra overrides)
-SHM_POOL_BYTES = 256 << 20  # each decode instance's warm memory for the items it copies
-# `transport` -> EPDConnector's transport tiers, in load order
-TIERS: dict[str, list[str]] = {**{name: [name] for name in TRANSPORT_NAMES},
-                               "tiered": list(TIERED)}
-
-
-class UpConfig(BaseModel):
-    """Everything `epd up` starts. Ports: gateway = base_port, encoders next, then decoders."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str = Field("tiny", description="a locally built test model (tiny = LLaVA, "
-                       "qwen-vl, qwen-omni, ...: testmodels.SPECS) or a model directory")
-    served_name: str | None = Field(None, description="default: the test model's name "
-                                    "(tiny-llava, tiny-qwen-omni, ...) or the directory's")
-    encoders: int = Field(1, ge=0, le=16)
-    decoders: int = Field(1, ge=1, le=16)
-    base_port: int = Field(DEFAULT_BASE_PORT, ge=1024, le=65000)
-    host: str = "127.0.0.1"
-    transport: UpTransport = Field(
-        "auto", description="auto = shm (same-host shared memory: every server runs on this "
-        "host) where /dev/shm is a tmpfs, else safetensors; tiered = mooncake, then "
-        "mooncake_store, then safetensors")
-    storage_path: str | None = Field(None, description="default: <work dir>/up/ec-cache")
-    mooncake_base_port: int = Field(DEFAULT_MOONCAKE_BASE_PORT, ge=1024, le=60000,
-                                    description="encoder i's side channel: this + 10 * i; "
-                                    "its announcements: that + 1000")
-    master_port: int = Field(DEFAULT_MASTER_PORT, ge=1024, le=65000,
-                             description="Mooncake Store master (mooncake_store, tiered): "
-                             "RPC here, HTTP metadata on +1, metrics on +2")
-    encoder_backend: Literal["vllm", "pool"] = Field(
-        "vllm", description="encoders are vLLM ec_producers, or `epd encoder` pools")
-    pool: dict[str, Any] = Field(default_factory=dict,
-                                 description="more PoolConfig keys for each `epd encoder`")
-    connector_extra: dict[str, Any] = Field(default_factory=dict,
-                                            description="more ec_connector_extra_config keys")
-    cpu_cores: list[int] | None = Field(None, description="one core per server, in order "
-                                        "(encoders, then decoders); each server, all its "
-                                        "processes, runs on its core; default: spread over "
-                                        "this machine's cores")
-    vllm_args: list[str] = Field(default_factory=list)
-    startup_timeout_s: float = Field(420.0, gt=0)
-    clear_cache: bool = Field(True, description="empty the storage directory at start")
-    gateway: dict[str, Any] = Field(default_factory=dict,
-                                    description="GatewayConfig keys (limits, media, client "
-                                    "api_keys / api_keys_file, ...)")
-    secret_file: str | None = Field(None, description="the deployment secret (default "
-                                    "$EPD_SECRET_FILE): CURVE on the data plane, signed item "
-                                    "ids, sealed objects, and the API key of every server")
-
-    @field_validator("secret_file")
-    @classmethod
-    def _secret(cls, v: str | None) -> str | None:
-        read_secret(v)  # a bad file is a config error now, not after minutes of start-up
-        return v
-
-    @property
-    def secret_path(self) -> str | None:
-        """The secret file every process of the deployment reads, None without one."""
-        path = self.secret_file or os.environ.get(SECRET_ENV) or None
-        return None if path is None else str(Path(path).resolve())
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: str) -> str:
-        if v not in SPECS and not Path(v).is_dir():
-            raise ValueError(f"{v!r} is neither a test model ({', '.join(sorted(SPECS))}) nor "
-                             "a model directory")
-        return v
-
-    @property
-    def spec(self) -> ModelSpec | None:
-        """The test model `model` names (built locally), None for a model directory."""
-        return SPECS.get(self.model)
-
-    @property
-    def served_model_name(self) -> str:
-        if self.served_name:
-            return self.served_name
-        return self.spec.model_name if self.spec else Path(self.model).name
-
-    @property
-    def transport_choice(self) -> tuple[str, str]:
-        """(the transport `transport` stands for, why)."""
-        if self.transport != "auto":
-            return self.transport, "as configured"
-        arena = int(self.connector_extra.get("shm_arena_bytes", SHM_ARENA_BYTES))
-        why_not = shm_unusable(max(1, self.encoders) * arena)
-        if not why_not:
-            return "shm", ("every server runs on this host (transport = \"safetensors\" "
-                           "opts out)")
-        return "safetensors", why_not
-
-    @property
-    def tiers(self) -> list[str]:
-        return TIERS[self.transport_choice[0]]
-
-    @property
-    def shm_path(self) -> str:
-        """This deployment's shared-memory directory (connector_extra's shm_path, else one
-        per deployment under the user's default)."""
-        return self.connector_extra.get("shm_path") or os.path.join(
-            default_shm_path(), f"up-{self.base_port}")
-
-    @property
-    def uses_te(self) -> bool:
-        """Whether the Mooncake Transfer Engine tier (side channels per encoder) is used."""
-        return "mooncake" in self.tiers
-
-    @property
-    def uses_store(self) -> bool:
-        """Whether the Mooncake Store tier (and so a master) is used."""
-        return "mooncake_store" in self.tiers
-
-
-class UpError(RuntimeError):
-    pass
-
-
-def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -> UpConfig:
-    data = read_config_file(path, error=UpError) if path else {}
-    data.update(overrides or {})
-    return validate(UpConfig, data, "invalid epd up configuration", UpError)
 
 
 def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) -> dict:
+    """One vLLM server's --ec-transfer-config: EPDConnector as `role`, over the shared
+    directory `storage` unless `extra` (connector_extra's keys) says otherwise."""
     return {"ec_connector": "EPDConnector", "ec_role": role, "ec_buffer_device": "cpu",
             "ec_connector_extra_config": {"transport": "safetensors",
                                           "storage_path": str(storage), **(extra or {})}}
-
-
-def mooncake_endpoint(cfg: UpConfig, i: int) -> str:
-    """Encoder i's side channel (`host:port`): its rank 0 serves items there."""
-    return f"127.0.0.1:{ports.encoder_base_port(cfg.mooncake_base_port, i)}"
-
-
-def store_master_address(cfg: UpConfig) -> str:
-    """The master `epd up` starts: `store_master` of every client."""
-    return f"127.0.0.1:{cfg.master_port}"
-
-
-def store_metadata_url(cfg: UpConfig) -> str:
-    """The master's HTTP metadata server: `store_metadata` of every client."""
-    return ports.store_metadata_url(store_master_address(cfg))
-
-
-def shm_unusable(need_bytes: int) -> str:
-    """Why the shm transport cannot hold `need_bytes` of arenas here ("" when it can): it
-    needs a writable tmpfs at /dev/shm with that much room (a container's is often 64 MiB)."""
-    try:
-        mounts = Path("/proc/mounts").read_text().split("\n")
-    except OSError:
-        mounts = []
-    if not any(line.split()[1:3] == ["/dev/shm", "tmpfs"] for line in mounts if line) \
-            or not os.access("/dev/shm", os.W_OK):
-        return "no writable tmpfs at /dev/shm for the shared-memory transport"
-    st = os.statvfs("/dev/shm")
-    free = st.f_bavail * st.f_frsize
-    if free < need_bytes + (64 << 20):
-        return (f"/dev/shm has {free >> 20} MiB free, the shared-memory arenas need "
-                f"{need_bytes >> 20} MiB (grow it, e.g. docker --shm-size, or lower "
-                "connector_extra.shm_arena_bytes)")
-    return ""
-
-
-def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
-    """ec_connector_extra_config keys for encoder i (role ec_producer) or a decode instance.
-    Mooncake on one node: 127.0.0.1 (with MC_TCP_BIND_ADDRESS); Transfer Engine: a base port
-    per encoder, every decode instance subscribed to every encoder; Store: the master `epd up`
-    starts, a segment contributed by each encoder (none by decode instances).
-    `connector_extra` may override the rest (protocol, memory_pool_bytes,
-    store_segment_bytes, store_buffer_bytes, ...), not the wiring."""
-    tiers = cfg.tiers
-    if tiers == ["safetensors"]:
-        return dict(cfg.connector_extra)
-    defaults: dict[str, Any] = {}
-    wiring: dict[str, Any] = {"transport": tiers[0] if len(tiers) == 1 else list(tiers),
-                              "host": "127.0.0.1"}
-    producer = role == "ec_producer"
-    if cfg.uses_te:
-        defaults.update(protocol="tcp", memory_pool_bytes=MOONCAKE_POOL_BYTES)
-        if producer:
-            wiring["base_port"] = ports.encoder_base_port(cfg.mooncake_base_port, i)
-        else:
-            wiring["producers"] = [mooncake_endpoint(cfg, j) for j in range(cfg.encoders)]
-    if "shm" in tiers:  # one directory per deployment; sizes by role
-        defaults["shm_path"] = cfg.shm_path
-        defaults["shm_arena_bytes" if producer else "shm_consumer_pool_bytes"] = (
-            SHM_ARENA_BYTES if producer else SHM_POOL_BYTES)
-    if cfg.uses_store:
-        defaults.update(store_segment_bytes=STORE_SEGMENT_BYTES if producer else 0,
-                        store_buffer_bytes=STORE_BUFFER_BYTES)
-        wiring.update(store_master=store_master_address(cfg),
-                      store_metadata=store_metadata_url(cfg))
-    return {**defaults, **cfg.connector_extra, **wiring}
 
 
 @dataclass
@@ -537,4 +320,3 @@ def run_up(cfg: UpConfig, work_dir: Path,
         for s, h in old.items():
             signal.signal(s, h)
         say("stopped")
-

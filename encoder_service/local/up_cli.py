@@ -1,5 +1,6 @@
-"""`epd up` command line: flags over the config file (up.py), and `--demo`: the demo's requests
-(demo.py) once the deployment is ready, then stop. It imports both; up.py imports neither."""
+"""`epd up` command line: flags over the config file (up_config.py), and `--demo`: the demo's
+requests (demo.py) once the deployment is ready, then stop. It imports both; up.py imports
+neither."""
 
 from __future__ import annotations
 
@@ -7,17 +8,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from ec_connectors.protocol import ports
 from encoder_service.gateway.config import GatewayConfigError
 from encoder_service.local.demo import DEMO_MODEL, demo_requests
-from encoder_service.local.up import (
-    DEFAULT_BASE_PORT,
-    DEFAULT_MASTER_PORT,
-    TIERS,
-    Deployment,
-    UpError,
-    load_up_config,
-    run_up,
-)
+from encoder_service.local.up import Deployment, run_up
+from encoder_service.local.up_config import TIERS, UpError, load_up_config
 from encoder_service.local.workdir import work_dir
 
 
@@ -26,7 +21,7 @@ def main(argv: list[str]) -> int:
                                 "encoder(s) + vLLM prefill/decode instance(s) + gateway")
     p.add_argument("--config", type=Path, help="deployment config (.json or .toml); "
                    "every key has a default")
-    p.add_argument("--base-port", type=int, help=f"gateway port (default {DEFAULT_BASE_PORT});"
+    p.add_argument("--base-port", type=int, help=f"gateway port (default {ports.GATEWAY_PORT});"
                    " vLLM servers take the next ports")
     p.add_argument("--model", help="a test model built locally (tiny = LLaVA, qwen-vl, "
                    "qwen-omni, ...) or a model directory (default tiny; qwen-omni with --demo)")
@@ -38,7 +33,7 @@ def main(argv: list[str]) -> int:
                    "safetensors; with mooncake_store or tiered, `epd up` starts a Mooncake "
                    "Store master")
     p.add_argument("--master-port", type=int, help=f"Mooncake Store master RPC port "
-                   f"(default {DEFAULT_MASTER_PORT}; metadata +1, metrics +2)")
+                   f"(default {ports.MASTER_RPC_PORT}; metadata +1, metrics +2)")
     p.add_argument("--encoder-backend", choices=["vllm", "pool"])
     p.add_argument("--demo", action="store_true",
                    help="send real image, video and audio requests through the gateway, "

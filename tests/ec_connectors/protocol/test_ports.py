@@ -9,7 +9,7 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.protocol import ports
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.local.mooncake_master import master_server
-from encoder_service.local.up import UpConfig, connector_extra, mooncake_endpoint
+from encoder_service.local.up_config import UpConfig, connector_extra, mooncake_endpoint
 from tests.helpers import ROOT
 
 

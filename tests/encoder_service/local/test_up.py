@@ -1,5 +1,6 @@
-"""`epd up` without vLLM: config validation and the checks that fail fast before minutes of
-vLLM start-up. (Starting and stopping a real deployment: tests/test_gateway_e2e.py.)"""
+"""`epd up` without vLLM (up.py): what a deployment plans to start, and the checks that fail
+fast before minutes of vLLM start-up. (The config alone: test_up_config.py. Starting and
+stopping a real deployment: tests/e2e/test_up.py and tests/e2e/test_gateway.py.)"""
 
 from __future__ import annotations
 
@@ -11,33 +12,13 @@ import sys
 import pytest
 
 from ec_connectors.child_process import die_with_parent
-from encoder_service.local.up import Deployment, UpConfig, UpError, load_up_config
+from encoder_service.local import up_config
+from encoder_service.local.up import Deployment
+from encoder_service.local.up_config import UpConfig, UpError, load_up_config
 from tests.helpers import ROOT
 
 # a Mooncake server's environment without a deployment secret: loopback, no API key
 NO_SECRET_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_API_KEY": ""}
-
-
-def test_defaults_and_clear_errors(tmp_path):
-    cfg = load_up_config(None)
-    assert (cfg.encoders, cfg.decoders, cfg.base_port, cfg.transport) == (1, 1, 18100,
-                                                                          "auto")
-    bad = tmp_path / "up.json"
-    bad.write_text(json.dumps({"encoder": 2}))
-    with pytest.raises(UpError, match="encoder: Extra inputs.*Known keys: .*encoders"):
-        load_up_config(bad)
-    with pytest.raises(UpError, match="config file .*missing.toml does not exist"):
-        load_up_config(tmp_path / "missing.toml")
-    (tmp_path / "broken.toml").write_text("encoders = [")
-    with pytest.raises(UpError, match="cannot parse config file .*broken.toml as TOML"):
-        load_up_config(tmp_path / "broken.toml")
-    bad.write_text(json.dumps({"decoders": 0}))
-    with pytest.raises(UpError, match="decoders"):
-        load_up_config(bad)
-    toml = tmp_path / "up.toml"
-    toml.write_text('encoders = 2\n[gateway.limits]\nmax_media_items = 4\n')
-    cfg = load_up_config(toml)
-    assert cfg.encoders == 2 and cfg.gateway == {"limits": {"max_media_items": 4}}
 
 
 def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
@@ -296,24 +277,17 @@ def test_with_a_secret_every_server_requires_the_derived_key_from_its_environmen
         load_up_config(None, {"secret_file": str(open_secret)})
 
 
-def test_auto_picks_shared_memory_on_one_host_and_says_why(tmp_path, monkeypatch):
+def test_auto_wires_shared_memory_one_directory_per_deployment(tmp_path):
     from ec_connectors.config import EPDConfig
-    from encoder_service.local import up
 
     dep = Deployment(UpConfig(encoders=2, decoders=1, base_port=18630,
                               connector_extra={"shm_consumer_pool_bytes": 64 << 20}), tmp_path)
     dep.plan(tmp_path / "model")
-    assert dep.cfg.transport_choice == ("shm", "every server runs on this host "
-                                        '(transport = "safetensors" opts out)')
+    assert dep.cfg.transport_choice[0] == "shm"
     extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
     assert [e["transport"] for e in extra] == ["shm"] * 3
     assert {e["shm_path"] for e in extra} == {dep.cfg.shm_path}  # one directory per deployment
-    assert dep.cfg.shm_path.endswith("/up-18630")
-    assert [e.get("shm_arena_bytes") for e in extra] == [up.SHM_ARENA_BYTES] * 2 + [None]
+    assert [e.get("shm_arena_bytes") for e in extra] == [up_config.SHM_ARENA_BYTES] * 2 + [None]
     assert extra[2]["shm_consumer_pool_bytes"] == 64 << 20  # sizes are the user's
     assert all(EPDConfig.from_dict(e).tiers == ["shm"] for e in extra)
     assert dep.gateway_cfg.availability.kind == "none"  # no catalog of shared memory
-    # no room for the arenas (a container's 64 MiB /dev/shm): the shared directory, and why
-    monkeypatch.setattr(up, "shm_unusable", lambda need: f"{need >> 20} MiB do not fit")
-    assert UpConfig(encoders=2).transport_choice == ("safetensors", "1024 MiB do not fit")
-    assert UpConfig(transport="shm").transport_choice == ("shm", "as configured")
