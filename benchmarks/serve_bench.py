@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from ec_connectors.child_process import popen  # noqa: E402
 from ec_connectors.protocol.keys import content_item_id  # noqa: E402
+from ec_connectors.protocol.params import ItemEntry, TransferParams  # noqa: E402
 from encoder_service.bench import (  # noqa: E402
     BenchSpec,
     format_table,
@@ -227,7 +228,7 @@ def gateway_overhead(gw_url: str, dec_url: str, samples: int) -> dict:
     item = content_item_id(image, MODEL)
     via_gw = chat_body(MODEL, image, "describe", max_tokens=4)
     direct = chat_body(MODEL, image, "describe", item_id=item, max_tokens=4,
-                       ec_transfer_params={"epd": {"items": {item: {}}}})
+                       ec_transfer_params=TransferParams(items={item: ItemEntry()}).to_dict())
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
     with httpx.Client(timeout=60) as c:
         c.post(gw_url + "/v1/chat/completions", json=via_gw).raise_for_status()  # encode once

@@ -8,8 +8,8 @@ item's token count is computed from its metadata and bounded by `max_model_len` 
 and the request's sum), grids must be three positive integers, embedding tensors sent in the
 request must be dense float tensors of the model's hidden size, and the request may hold at
 most `max_items` items; `ec_transfer_params` are checked by the connector's own validation
-(`protocol/params.item_sources`), plus their size and the hosts they name. A violation raises
-`Refusal` (400/413 with a machine-readable code) and vLLM never sees the request.
+(`protocol/params.TransferParams.parse`), plus their size and the hosts they name. A violation
+raises `Refusal` (400/413 with a machine-readable code) and vLLM never sees the request.
 
 Parts are found the way vLLM finds them (`_parse_chat_message_content_mm_part`: with a `uuid`
 or without a `type`, the key present decides the kind), anywhere in the body but in the
@@ -29,7 +29,7 @@ import msgspec
 import pybase64
 
 from ec_connectors.protocol.keys import InvalidItemId, item_key
-from ec_connectors.protocol.params import BadParams, item_sources
+from ec_connectors.protocol.params import BadParams, TransferParams
 from ec_connectors.refusals import Refusal
 
 KiB = 1 << 10
@@ -363,7 +363,7 @@ def _check_params(params: Any, bounds: ModelBounds, out: Checked) -> None:
         raise _bad(f"ec_transfer_params is {size} bytes; the limit is "
                    f"{bounds.max_params_bytes}", "bad_ec_transfer_params", 413)
     try:
-        sources = item_sources(params)
+        sources = TransferParams.parse(params).sources()
     except BadParams as exc:
         raise _bad(f"ec_transfer_params: {exc}", "bad_ec_transfer_params") from None
     if len(sources) > bounds.max_items:

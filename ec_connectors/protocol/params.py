@@ -142,9 +142,11 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return cls.parse(value)
 
     @classmethod
-    def parse(cls, params: Any) -> TransferParams:
+    def parse(cls, params: Any, *, bad_items: list[str] | None = None) -> TransferParams:
         """Untrusted `ec_transfer_params` (a dict, or None) -> TransferParams; absent or
-        another connector's params -> no items. Raises BadParams on anything malformed."""
+        another connector's params -> no items. Raises BadParams on anything malformed;
+        with `bad_items` (a peer's answer, where one bad entry fails that item alone), a
+        malformed entry is left out and its id appended there instead."""
         if params is None:
             return cls(items={})
         if not isinstance(params, dict):
@@ -174,7 +176,12 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for item_id in ids:
             _check_id(item_id)
             entry = items.get(item_id) if isinstance(items, dict) else None
-            entries[item_id] = _entry(item_id, entry)
+            try:
+                entries[item_id] = _entry(item_id, entry)
+            except BadParams:
+                if bad_items is None:
+                    raise
+                bad_items.append(item_id)
         out.items = entries
         return out
 
@@ -230,30 +237,3 @@ def _entry(item_id: str, raw: Any) -> ItemEntry:
     if meta is None and not location:
         return entry
     return msgspec.structs.replace(entry, metadata=meta, location=location)
-
-
-def item_sources(params: Any) -> dict[str, Source]:
-    """Item ids a consumer request says a producer made (or is making: `pending`), with where
-    each lives: `TransferParams.parse(params).sources()`. Raises BadParams."""
-    return TransferParams.parse(params).sources()
-
-
-# Dict-returning forms of the writers above, for callers not yet converted
-# (encoder_service/encoder_pool/publish.py); new code uses the types.
-def producer_params(
-    transport: str, namespace: str, engine_id: str, items: dict[str, dict[str, Any]],
-    endpoint: str = "",
-) -> dict[str, Any]:
-    """A producer's `ec_transfer_params` as a dict (what `TransferParams(...).to_dict()`
-    makes, but for entries that are dicts)."""
-    body: dict[str, Any] = {"transport": transport, "namespace": namespace,
-                            "producer": engine_id, "items": items}
-    if endpoint:
-        body["endpoint"] = endpoint
-    return {PARAMS_KEY: body}
-
-
-def item_entry(item_id: str, num_embeds: int, info: ItemInfo | None,
-               with_location: bool = False) -> dict[str, Any]:
-    """One item of `producer_params` as a dict (`ItemEntry.describe(...).to_dict()`)."""
-    return ItemEntry.describe(item_id, num_embeds, info, with_location).to_dict()

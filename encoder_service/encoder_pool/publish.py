@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.lru import BoundedLRU
-from ec_connectors.protocol.params import item_entry, producer_params
+from ec_connectors.protocol.params import ItemEntry, TransferParams
 from ec_connectors.transports import make_transport
 
 MAX_REMEMBERED = 65536
@@ -46,14 +45,15 @@ class Publisher:
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._put, item_id, tensor)
 
-    def params(self, infos: dict[str, ItemInfo]) -> dict[str, Any]:
-        """`ec_transfer_params` for a request whose items are `infos` (same shape a vLLM
-        producer with EPDConnector returns)."""
+    def params(self, infos: dict[str, ItemInfo]) -> TransferParams:
+        """`ec_transfer_params` for a request whose items are `infos` (what a vLLM producer
+        with EPDConnector returns)."""
         endpoint = self.transport.endpoint  # peer transports: consumers pull from here
-        items = {item_id: item_entry(item_id, info.shape[0], info, with_location=bool(endpoint))
+        items = {item_id: ItemEntry.describe(item_id, info.shape[0], info,
+                                             with_location=bool(endpoint))
                  for item_id, info in infos.items()}
-        return producer_params(self.transport.name, self.namespace, self.engine_id, items,
-                               endpoint=endpoint)
+        return TransferParams(transport=self.transport.name, namespace=self.namespace,
+                              producer=self.engine_id, items=items, endpoint=endpoint)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

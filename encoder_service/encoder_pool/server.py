@@ -265,11 +265,11 @@ class EncodeHandler:
         for it in items:  # metadata-only requests to the consumer (Qwen family)
             meta = describe(it) if it.item_id in infos else None
             if meta:
-                params["epd"]["items"][it.item_id]["metadata"] = meta
+                params.items[it.item_id] = params.items[it.item_id].with_metadata(meta)
         out_items: dict[str, Any] = {}
         for item_id in ids:
             if item_id in infos:
-                out_items[item_id] = {"status": "ok", **params["epd"]["items"][item_id]}
+                out_items[item_id] = {"status": "ok", **params.items[item_id].to_dict()}
             else:
                 code, reason = failures[item_id]
                 out_items[item_id] = {"status": "failed", "code": code, "error": reason}
@@ -278,7 +278,7 @@ class EncodeHandler:
             return _error(status, "encode_timeout" if status == 504 else "encode_failed",
                           "; ".join(f"item {k!r}: {r}" for k, (_, r) in failures.items()),
                           items=out_items)
-        return JSONResponse({"items": out_items, "ec_transfer_params": params,
+        return JSONResponse({"items": out_items, "ec_transfer_params": params.to_dict(),
                              "fallback": "text_only" if failures else None})
 
 

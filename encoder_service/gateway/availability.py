@@ -1,8 +1,8 @@
 """Which items are already encoded somewhere, so the gateway can skip encoding them.
 
 Interface: `available(item_ids) -> set of ids that a decode instance can load now`, and
-`hint(item_id) -> dict` (the item's entry in the forwarded `ec_transfer_params`, e.g. where
-it lives). Both must be cheap (called per request on the event loop); `close()` at shutdown.
+`hint(item_id) -> ItemEntry` (the item's entry in the forwarded `ec_transfer_params`, e.g.
+where it lives). Both must be cheap (called per request on the event loop); `close()` at shutdown.
 Implementations:
 - `SafetensorsAvailability`: the shared directory of the safetensors transport (one stat
   per item, paths built only through `ec_connectors.protocol.keys.item_key`);
@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ec_connectors.protocol.keys import item_key, namespace_key, safe_key
+from ec_connectors.protocol.params import ItemEntry
 from encoder_service.gateway.config import GatewayConfig
 
 SUFFIX = ".safetensors"  # ec_connectors.transports.safetensors_fs.SUFFIX (that module needs torch)
+_ASK = ItemEntry()  # no hint: the decode instance's transport finds the item
 
 
 class Availability(Protocol):
@@ -31,7 +33,7 @@ class Availability(Protocol):
 
     def available(self, item_ids: Iterable[str]) -> set[str]: ...
 
-    def hint(self, item_id: str) -> dict[str, Any]: ...
+    def hint(self, item_id: str) -> ItemEntry: ...
 
     def close(self) -> None: ...
 
@@ -42,8 +44,8 @@ class NoAvailability:
     def available(self, item_ids: Iterable[str]) -> set[str]:
         return set()
 
-    def hint(self, item_id: str) -> dict[str, Any]:
-        return {}
+    def hint(self, item_id: str) -> ItemEntry:
+        return _ASK
 
     def close(self) -> None:
         pass
@@ -89,9 +91,9 @@ class MooncakeAvailability(NoAvailability):
     def available(self, item_ids: Iterable[str]) -> set[str]:
         return {i for i in item_ids if self._find(i) is not None}
 
-    def hint(self, item_id: str) -> dict[str, Any]:
+    def hint(self, item_id: str) -> ItemEntry:
         found = self._find(item_id)
-        return {} if found is None else {"location": found[0], "nbytes": found[1]}
+        return _ASK if found is None else ItemEntry(location=found[0], nbytes=found[1])
 
     def close(self) -> None:
         self.catalog.close()

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from ec_connectors.protocol.lru import BoundedLRU
-from ec_connectors.protocol.params import PARAMS_KEY
+from ec_connectors.protocol.params import ItemEntry, TransferParams
 from ec_connectors.protocol.secret import IdSigner
 from encoder_service.gateway.admission import Admission, request_id
 from encoder_service.gateway.availability import Availability
@@ -41,7 +41,6 @@ from encoder_service.gateway.parsing import (
     MediaPart,
     PreparedRequest,
     metadata_only_body,
-    placeholder_metadata,
     prepare_chat,
 )
 from encoder_service.gateway.relay import Exchange, Relay, RelayPlan, Watch, ms
@@ -51,6 +50,7 @@ from encoder_service.gateway.urls import fetch_media
 logger = logging.getLogger("epd.gateway")
 
 _MAX_REMEMBERED = 65536  # placeholder metadata of this many items (about 150 B each)
+_PROMISED = ItemEntry(pending=True)  # sent before its encode: the decode instance waits
 
 # the decode request, its log fields and the body it was sent
 Routed = tuple[Upstream, dict[str, Any], dict[str, Any]]
@@ -166,7 +166,7 @@ class ChatFlow:
         ids = [it.item_id for it in prepared.items]
         hits = self.availability.available(ids) if ids else set()
         todo = [it for it in prepared.items if it.item_id not in hits]
-        hints: dict[str, Any] = {i: self.availability.hint(i) for i in hits}
+        hints: dict[str, ItemEntry] = {i: self.availability.hint(i) for i in hits}
         info: dict[str, Any] = {"items": len(ids), "hits": len(hits), "encoded": 0,
                                 "fallback": 0, "enc_retries": 0, "overlap": 0}
         key = ids[0] if ids else None  # its decode instance: where its first item went before
@@ -179,7 +179,7 @@ class ChatFlow:
         if self._overlaps(todo):
             # The decode instance gets the request now, its new items marked pending: it
             # renders and preprocesses while they are encoded, then waits for them to land.
-            pending = {**hints, **{it.item_id: {"pending": True} for it in todo}}
+            pending = {**hints, **{it.item_id: _PROMISED for it in todo}}
             early = asyncio.ensure_future(self._open_decode(prepared, pending, rid, key, info))
         try:
             outcome, errors = await self.router.encode(todo, rid)
@@ -192,7 +192,7 @@ class ChatFlow:
         for it in todo:  # what the encoders publish, learned from each answer (failed: none)
             hint = outcome.hints.get(it.item_id)
             if hint is not None:
-                self._publishes_metadata[it.modality] = placeholder_metadata(hint) is not None
+                self._publishes_metadata[it.modality] = hint.metadata is not None
         hints.update(outcome.hints)
         if early is not None:
             if not outcome.failed:
@@ -243,8 +243,8 @@ class ChatFlow:
             logger.warning("encoder retry rid=%s errors=%s action=retried on another "
                            "encoder, succeeded", rid, errors)
 
-    async def _open_decode(self, prepared: PreparedRequest, hints: dict[str, Any], rid: str,
-                           key: str | None, info: dict[str, Any]) -> Routed:
+    async def _open_decode(self, prepared: PreparedRequest, hints: dict[str, ItemEntry],
+                           rid: str, key: str | None, info: dict[str, Any]) -> Routed:
         """Open the decode request: `prepared.body` with `hints` as its ec_transfer_params,
         metadata-only parts where the items' metadata is known (once again with the raw media
         if that fails before the answer). `prepared.body` itself is left as it is."""
@@ -252,7 +252,7 @@ class ChatFlow:
         raw.pop("ec_transfer_params", None)
         metadata = self._placeholders(hints)
         if hints:
-            raw["ec_transfer_params"] = {PARAMS_KEY: {"items": hints}}
+            raw["ec_transfer_params"] = TransferParams(items=hints).to_dict()
         body, n_meta = (metadata_only_body(raw, metadata)
                         if metadata and self.cfg.media.metadata_only else (raw, 0))
         info["metadata_only"] = n_meta
@@ -275,14 +275,14 @@ class ChatFlow:
             self.metrics.items_metadata_only.inc(n_meta)
         return up, info, body
 
-    def _placeholders(self, hints: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def _placeholders(self, hints: dict[str, ItemEntry]) -> dict[str, dict[str, Any]]:
         """Placeholder metadata of the hinted items (from this request's encoders, else
         remembered from an earlier encode); `hints` keep only what decode instances read."""
         out: dict[str, dict[str, Any]] = {}
         for item_id, entry in hints.items():
-            meta = placeholder_metadata(entry)
+            meta = entry.metadata  # well-formed: TransferParams.parse keeps no other
             if meta is not None:
-                hints[item_id] = {k: v for k, v in entry.items() if k != "metadata"}
+                hints[item_id] = entry.with_metadata(None)
                 self._metadata[item_id] = meta
             else:
                 meta = self._metadata.get(item_id)

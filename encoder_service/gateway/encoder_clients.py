@@ -1,7 +1,7 @@
 """Encoders behind one small interface, and the router that spreads items over them.
 
 `EncoderClient.encode(items, request_id)` makes the items' embeddings available to decode
-instances and returns `{item_id: info}` to forward as `ec_transfer_params`; it raises
+instances and returns `{item_id: ItemEntry}` to forward as `ec_transfer_params`; it raises
 EncoderFailed on any error or deadline; items it leaves out of the answer failed alone (bad
 media for that encoder) and go raw. A client may also be `Releasing` (have
 `release(item_ids)`): called once the decode instance is done with the items (first token,
@@ -29,11 +29,12 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 
 from ec_connectors.protocol.lru import BoundedLRU
-from ec_connectors.protocol.params import PARAMS_KEY
+from ec_connectors.protocol.params import ItemEntry, TransferParams
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, Members
 
 _MAX_HOLDERS = 65536  # items whose encoder the router remembers
+_UNLISTED = ItemEntry()  # an item an encoder had stored before: the consumer looks it up
 
 
 class EncoderFailed(Exception):
@@ -48,7 +49,8 @@ class EncoderFailed(Exception):
 class EncoderClient(Protocol):
     name: str
 
-    async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]: ...
+    async def encode(self, items: Sequence[MediaPart], request_id: str
+                     ) -> dict[str, ItemEntry]: ...
 
 
 @runtime_checkable
@@ -85,20 +87,22 @@ class VllmEncoderClient:
         self.client = client
         self.timeout_s = timeout_s
 
-    async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
+    async def encode(self, items: Sequence[MediaPart], request_id: str
+                     ) -> dict[str, ItemEntry]:
         content = [*(it.part for it in items), {"type": "text", "text": "."}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": 1, "temperature": 0.0}
         body.update(items[0].kwargs)  # one request's items: the same processor settings
         r = await _post(self.name, self.client, self.url, body, request_id, self.timeout_s,
                         self.timeout_s)
+        bad: list[str] = []  # malformed entries: those items failed (they go raw)
         try:
-            params = r.json().get("ec_transfer_params") or {}
-            made = dict((params.get(PARAMS_KEY) or {}).get("items") or {})
-        except (ValueError, AttributeError, TypeError):
+            made = TransferParams.parse(r.json().get("ec_transfer_params"), bad_items=bad)
+        except (ValueError, AttributeError, TypeError):  # not JSON, not an object, BadParams
             raise EncoderFailed(f"{self.name}: unreadable answer") from None
         # Items the producer did not list were already stored (its dedupe): still hinted.
-        return {it.item_id: made.get(it.item_id, {}) for it in items}
+        return {it.item_id: made.items.get(it.item_id, _UNLISTED) for it in items
+                if it.item_id not in bad}
 
 
 def _payload(item: MediaPart) -> str:
@@ -129,7 +133,8 @@ class PoolEncoderClient:
         item with others (or a modality it does not serve) goes raw."""
         return item.modality in cls.modalities and not item.kwargs
 
-    async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
+    async def encode(self, items: Sequence[MediaPart], request_id: str
+                     ) -> dict[str, ItemEntry]:
         todo = [it for it in items if self.takes(it)]
         if not todo:
             return {}
@@ -141,12 +146,13 @@ class PoolEncoderClient:
                         self.timeout_s, self.timeout_s + 1.0)
         try:
             answer = r.json()
-            made = dict((answer["ec_transfer_params"][PARAMS_KEY] or {}).get("items") or {})
+            made = TransferParams.parse(answer["ec_transfer_params"], bad_items=[]).items
             status = {k: v.get("status") for k, v in answer["items"].items()}
-        except (ValueError, KeyError, AttributeError, TypeError):
+        except (ValueError, KeyError, AttributeError, TypeError):  # BadParams: ValueError
             raise EncoderFailed(f"{self.name}: unreadable answer") from None
+        # an item not "ok", or whose entry is missing or malformed, failed (it goes raw)
         return {it.item_id: made[it.item_id] for it in todo
-                if status.get(it.item_id) == "ok" and isinstance(made.get(it.item_id), dict)}
+                if status.get(it.item_id) == "ok" and it.item_id in made}
 
     async def release(self, item_ids: Sequence[str]) -> None:
         """Best effort: a lost release only leaves the feature to the pool's LRU eviction."""
@@ -158,7 +164,7 @@ class PoolEncoderClient:
 
 @dataclass
 class EncodeOutcome:
-    hints: dict[str, Any] = field(default_factory=dict)
+    hints: dict[str, ItemEntry] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
     retries: int = 0
     calls: int = 0
@@ -179,7 +185,7 @@ class EncodeOutcome:
 
 
 # (hint, holding client or None); hint None: the item failed (it goes raw)
-_Result = tuple[dict[str, Any] | None, Releasing | None]
+_Result = tuple[ItemEntry | None, Releasing | None]
 
 
 class EncoderRouter(Members):
@@ -224,7 +230,7 @@ class EncoderRouter(Members):
         return [self.clients[n] for n in self.chooser.order(key, up, load or self.inflight)]
 
     async def _call(self, client: EncoderClient, items: Sequence[MediaPart],
-                    request_id: str, reserved: bool = False) -> dict[str, Any]:
+                    request_id: str, reserved: bool = False) -> dict[str, ItemEntry]:
         """One encode call; `reserved`: its in-flight count was taken when it was chosen."""
         name = client.name
         if not reserved:

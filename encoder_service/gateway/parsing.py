@@ -239,25 +239,6 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,
                            stream=body.get("stream") is True)
 
 
-_MAX_METADATA_BYTES = 1024
-
-
-def placeholder_metadata(entry: Any) -> dict[str, Any] | None:
-    """The placeholder metadata an encoder published for an item (`image_grid_thw`, ...),
-    when it is well-formed: a small object of numbers or lists of numbers."""
-    meta = entry.get("metadata") if isinstance(entry, dict) else None
-    if not isinstance(meta, dict) or not meta:
-        return None
-    for key, value in meta.items():
-        values = value if isinstance(value, list) else [value]
-        if not isinstance(key, str) or not values or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            return None
-    if len(json_encode(meta)) > _MAX_METADATA_BYTES:
-        return None
-    return meta
-
-
 def metadata_only_body(body: dict[str, Any], metadata: dict[str, dict[str, Any]]
                        ) -> tuple[dict[str, Any], int]:
     """A copy of a prepared `body` whose media parts with known placeholder metadata are

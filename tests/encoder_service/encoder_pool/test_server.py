@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from ec_connectors.protocol.keys import item_key, namespace_key
-from ec_connectors.protocol.params import item_sources
+from ec_connectors.protocol.params import TransferParams
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
 from encoder_service.encoder_pool.media import decode_image
@@ -66,7 +66,7 @@ def test_encode_publishes_what_the_encoder_computes(pool_server, model):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["fallback"] is None
-    assert set(item_sources(body["ec_transfer_params"])) == set(imgs)
+    assert set(TransferParams.parse(body["ec_transfer_params"]).items) == set(imgs)
     assert body["ec_transfer_params"]["epd"]["namespace"] == NS
     reader = SafetensorsTransport(s.storage, NS, 1 << 30)
     ref = load_encoder(model)
@@ -124,7 +124,7 @@ def test_bad_media_rejected_at_the_door_or_text_only_fallback(pool_server):
     assert body["fallback"] == "text_only"
     assert body["items"]["ok-2"]["status"] == "ok"
     assert body["items"]["truncated"]["code"] == "bad_media"
-    assert set(item_sources(body["ec_transfer_params"])) == {"ok-2"}
+    assert set(TransferParams.parse(body["ec_transfer_params"]).items) == {"ok-2"}
     too_big = "A" * 600_000
     r = s.client.post("/v1/encode", json={"on_failure": "fail",
                                           "items": [{"id": "huge", "data": too_big}]})

@@ -75,7 +75,8 @@ class Stub:
         self.refusal: tuple[int, dict] | None = None  # decoder: answer this (status, body)
         self.delay = 0.0  # seconds before answering
         self.break_at_end = False  # decoder: streams break off after the finishing chunk
-        self.url = f"http://127.0.0.1:{port}"
+        self.netloc = f"127.0.0.1:{port}"  # an encoder names itself as its items' location
+        self.url = f"http://{self.netloc}"
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
                                 Route("/v1/completions", self._completions, methods=["POST"]),
                                 Route("/health", self._health)])
@@ -98,7 +99,8 @@ class Stub:
         if self.role == "encoder":
             extra = {"metadata": self.metadata} if self.metadata else {}
             return JSONResponse({"choices": [], "ec_transfer_params": {
-                "epd": {"items": {i: {"by": self.url, **extra} for i in _uuids(body)}}}})
+                "epd": {"items": {i: {"location": self.netloc, **extra}
+                                  for i in _uuids(body)}}}})
         return self._decode(body)
 
     def _decode(self, body: dict[str, Any]) -> Response:

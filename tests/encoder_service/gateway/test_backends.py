@@ -21,6 +21,7 @@ from starlette.routing import Route
 from ec_connectors.messages import encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import content_item_id, item_key
+from ec_connectors.protocol.params import ItemEntry
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
 from encoder_service.gateway.availability import MooncakeAvailability, make_availability
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
@@ -158,10 +159,10 @@ def producer():
 def test_mooncake_availability_follows_announcements(producer):
     avail = MooncakeAvailability([PRODUCER], announce_interval_s=0.5)
     try:
-        assert avail.available(["a", "b"]) == set() and avail.hint("a") == {}
+        assert avail.available(["a", "b"]) == set() and avail.hint("a") == ItemEntry()
         _until_seen(avail, producer, "a")
         assert avail.available(["a", "b"]) == {"a"}
-        assert avail.hint("a") == {"location": PRODUCER, "nbytes": 4096}
+        assert avail.hint("a") == ItemEntry(location=PRODUCER, nbytes=4096)
         producer.send(Evicted(endpoint=PRODUCER, keys=[item_key("a")]))
         assert wait_for(lambda: not avail.available(["a"]), timeout=5)
         producer.send(Snapshot(endpoint=PRODUCER, keys=[item_key("b")], nbytes=[8],

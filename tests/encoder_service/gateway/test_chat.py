@@ -34,7 +34,7 @@ def test_items_get_content_ids_and_params_reach_the_decoder(gw, stubs):
     assert r.json()["seen"] == [ida, idb]  # client uuid replaced by the content id
     sent = dec.calls[-1]
     assert set(sent["ec_transfer_params"]["epd"]["items"]) == {ida, idb}  # forged one dropped
-    assert sent["ec_transfer_params"]["epd"]["items"][ida] == {"by": enc.url}
+    assert sent["ec_transfer_params"]["epd"]["items"][ida] == {"location": enc.netloc}
     assert r.headers["x-request-id"]
 
 
