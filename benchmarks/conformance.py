@@ -33,8 +33,9 @@ from ec_connectors import child_process  # noqa: E402
 from encoder_service.local.conformance import CuttingProxy, ask, cases  # noqa: E402
 from encoder_service.local.processes import VllmServer, metric_value  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
+from encoder_service.local.workdir import work_dir  # noqa: E402
 
-WORK = Path(os.environ.get("EPD_WORK_DIR", ROOT / ".work"))
+WORK = work_dir(ROOT)
 STACKS = {  # name: (encoder backend, transport, decoders)
     "vllm+safetensors": ("vllm", "safetensors", 2),
     "pool+safetensors": ("pool", "safetensors", 1),

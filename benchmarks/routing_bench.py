@@ -34,6 +34,7 @@ from encoder_service.bench import BenchSpec, run_bench  # noqa: E402
 from encoder_service.local.processes import PoolServer, VllmServer, start_all  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
+from encoder_service.local.workdir import work_dir  # noqa: E402
 
 PORT = 18640  # gateway 18640; pools 18641-18644; decode 18645-18646
 POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -84,9 +85,9 @@ def main() -> int:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--work", type=Path, default=ROOT / ".work" / "routing-bench")
+    p.add_argument("--work", type=Path, default=work_dir(ROOT) / "routing-bench")
     a = p.parse_args()
-    model = build(ROOT / ".work" / "models" / "tiny-llava", SPECS["tiny"])
+    model = build(work_dir(ROOT) / "models" / "tiny-llava", SPECS["tiny"])
     shutil.rmtree(a.work, ignore_errors=True)
     storage = a.work / "ec"
     pools = [PoolServer(f"pool-{i}", model, PORT + 1 + i, a.work, cpu_core=i % 2,

@@ -38,6 +38,7 @@ from mooncake_bench import memcpy_s, raw_tcp_s
 from ec_connectors.protocol.net import port_open
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
+from encoder_service.local.workdir import work_dir
 
 HIDDEN = 4096
 MiB = 1 << 20
@@ -163,7 +164,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     os.environ.update(LOOPBACK)
-    work = Path(os.environ.get("EPD_WORK_DIR", Path(__file__).resolve().parent.parent / ".work"))
+    work = work_dir(Path(__file__).resolve().parent.parent)
     work.mkdir(parents=True, exist_ok=True)
     sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
     secret = None

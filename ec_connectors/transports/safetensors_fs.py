@@ -37,6 +37,7 @@ from ec_connectors.transports.base import (
     dtype_name,
     tensor_bytes,
 )
+from ec_connectors.transports.dir_watch import DirWatch
 
 logger = get_logger(__name__)
 
@@ -324,14 +325,14 @@ class SafetensorsTransport(Transport):
     def exists(self, item_id: str) -> bool:
         return self.path_for(item_id).is_file()
 
-    def watch_keys(self) -> _DirWatch | None:
+    def watch_keys(self) -> DirWatch | None:
         """inotify on the directory: a file renamed into place (a finished put) is added, a
         deleted one removed. None off Linux, and on network filesystems (inotify does not
         see other hosts' writes there: the index scans)."""
         if self.copy_reads:
             return None
         try:
-            return _DirWatch(self._dir)
+            return DirWatch(self._dir, _key_of, close_write=True)
         except (ImportError, OSError) as exc:
             logger.info("EPD: no inotify on %s (%s); the availability index scans it", self.dir,
                         exc)
@@ -403,30 +404,3 @@ class SafetensorsTransport(Transport):
 def _key_of(name: str) -> str | None:
     """The item key a directory entry holds (as list_keys), or None (temp files, tombstones)."""
     return name[: -len(SUFFIX)] if name.endswith(SUFFIX) and not name.startswith(".") else None
-
-
-class _DirWatch:
-    def __init__(self, path: str) -> None:
-        from inotify_simple import INotify, flags
-
-        self._flags = flags
-        self._inotify = INotify(nonblocking=True)
-        self._inotify.add_watch(path, flags.MOVED_TO | flags.CLOSE_WRITE | flags.DELETE
-                                | flags.MOVED_FROM | flags.DELETE_SELF)
-
-    def read(self, timeout_s: float) -> tuple[list[str], list[str], bool]:
-        f = self._flags
-        added: list[str] = []
-        removed: list[str] = []
-        lost = False
-        for event in self._inotify.read(timeout=int(timeout_s * 1000)):
-            if event.mask & (f.Q_OVERFLOW | f.DELETE_SELF | f.IGNORED):
-                lost = True
-                continue
-            key = _key_of(event.name)
-            if key is not None:
-                (added if event.mask & (f.MOVED_TO | f.CLOSE_WRITE) else removed).append(key)
-        return added, removed, lost
-
-    def close(self) -> None:
-        self._inotify.close()

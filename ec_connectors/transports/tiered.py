@@ -170,7 +170,8 @@ class TieredTransport(Transport):
         return itertools.chain.from_iterable(t.list_keys() for t in self.tiers)
 
     def delete(self, item_id: str) -> bool:
-        # a list, not a generator: every tier deletes its copy (any() would stop at the first)
+        # True when any tier removed a copy. The list is built whole first, so every tier
+        # deletes its copy: any() over a generator would stop at the first tier that did.
         return any([t.delete(item_id) for t in self.tiers])
 
     def locate(self, key: str) -> tuple[str, int] | None:

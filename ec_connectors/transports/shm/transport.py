@@ -12,7 +12,6 @@ evicted, foreign or damaged item is a miss (the caller encodes locally), never w
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import fcntl
 import os
@@ -27,6 +26,7 @@ from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.secret import identity, read_secret
 from ec_connectors.transports.base import Placement, Transport, dtype_from_name, dtype_name
+from ec_connectors.transports.dir_watch import DirWatch
 from ec_connectors.transports.shm.arena import (
     BLOCK_HEADER,
     BLOCK_MAGIC,
@@ -293,9 +293,9 @@ class ShmTransport(Transport):
     def list_keys(self) -> Iterable[str]:
         return self.dir.item_keys()
 
-    def watch_keys(self) -> _DirWatch | None:
+    def watch_keys(self) -> DirWatch | None:
         try:
-            return _DirWatch(self.dir.path)
+            return DirWatch(self.dir.path, key_of)
         except (ImportError, OSError) as exc:
             logger.info("EPD: no inotify on %s (%s); the availability index scans it",
                         self.dir.path, exc)
@@ -356,33 +356,3 @@ def _prefault(storage: torch.Tensor) -> None:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     if length <= 0 or libc.madvise(aligned, length, _MADV_POPULATE_WRITE) != 0:
         storage.zero_()
-
-
-class _DirWatch:
-    """inotify on the directory: a record renamed into place is added, a removed one gone."""
-
-    def __init__(self, path: str) -> None:
-        from inotify_simple import INotify, flags
-
-        self._flags = flags
-        self._inotify = INotify(nonblocking=True)
-        self._inotify.add_watch(path, flags.MOVED_TO | flags.DELETE | flags.MOVED_FROM
-                                | flags.DELETE_SELF)
-
-    def read(self, timeout_s: float) -> tuple[list[str], list[str], bool]:
-        f = self._flags
-        added: list[str] = []
-        removed: list[str] = []
-        lost = False
-        for event in self._inotify.read(timeout=int(timeout_s * 1000)):
-            if event.mask & (f.Q_OVERFLOW | f.DELETE_SELF | f.IGNORED):
-                lost = True
-                continue
-            key = key_of(event.name)
-            if key is not None:
-                (added if event.mask & f.MOVED_TO else removed).append(key)
-        return added, removed, lost
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._inotify.close()
