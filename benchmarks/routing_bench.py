@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.serve_bench import GatewayProcess  # noqa: E402
+from benchmarks.serve_processes import GatewayProcess  # noqa: E402
 from encoder_service.bench import BenchSpec, run_bench  # noqa: E402
 from encoder_service.local.processes import PoolServer, VllmServer, start_all  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
@@ -53,7 +53,8 @@ def run_policy(policy: str, pools: list[str], decoders: list[str], work: Path,
                a: argparse.Namespace, seed: int) -> dict:
     config = {"encoder_backend": "pool", "availability": {"kind": "none"},
               "routing": {"encoders": policy, "decoders": policy}}
-    gw = GatewayProcess(PORT, pools, decoders, None, work / f"gateway-{policy}.log", config)
+    gw = GatewayProcess(PORT, pools, decoders, None, work / f"gateway-{policy}.log", config,
+                        model="tiny-llava")
     try:
         spec = BenchSpec(url=gw.url, model="tiny-llava", num_requests=a.requests,
                          concurrency=a.concurrency, distinct_images=a.distinct, zipf=a.zipf,
