@@ -1,8 +1,10 @@
 """`epd demo` / `epd up --demo`: start the local deployment (`epd up`: a vLLM encoder, a vLLM
-prefill/decode instance, EPDConnector over the safetensors transport, the gateway) on the tiny
+prefill/decode instance, EPDConnector over the transport `auto` picks, the gateway) on the tiny
 Qwen2.5-Omni test model, send an image, a video and an audio request through the gateway, then
-the same image again streamed (it skips encoding), print what happened, stop everything.
-With a model that takes metadata-only parts, the decode instance gets no media bytes."""
+the same image again streamed (the gateway skips its encode where it can tell the item is
+stored; with shared memory it cannot, and the encoder skips it), print what happened, stop
+everything. With a model that takes metadata-only parts, the decode instance gets no media
+bytes."""
 
 from __future__ import annotations
 
