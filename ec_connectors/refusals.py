@@ -62,7 +62,7 @@ def error_body(status: int, code: str, message: str) -> dict[str, Any]:
 
 
 def classify(why: str) -> str:
-    """The code of the scheduler side's reason for failing an item (`_on_unavailable`)."""
+    """The code of the scheduler side's reason for failing an item (`Unavailable.fail`)."""
     if why == "not in the transport":
         return EMBEDDING_UNAVAILABLE
     if why.startswith("token count"):

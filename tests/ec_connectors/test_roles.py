@@ -99,7 +99,7 @@ def test_producer_to_consumer_round_trip(pair_factory):
     # once the save is reported, the producer's params describe the stored bytes too
     later = request("p2", "img")
     prod.sched.update_state_after_alloc(later, 0)
-    wait_until(lambda: "img" in prod.sched._saved)
+    wait_until(lambda: prod.sched.book.info("img") is not None)
     described = prod.sched.request_finished(later)["epd"]["items"]["img"]
     assert described["nbytes"] == x.numel() * 2 and described["shape"] == [NUM_EMBEDS, 32]
     assert len(described["checksum"]) == 16
@@ -396,7 +396,7 @@ def test_inline_small_item_rides_in_the_metadata_and_never_touches_the_workers(p
     assert place == {"img": NUM_EMBEDS}
     assert torch.equal(cache["img"], x) and cache["img"].dtype == torch.bfloat16
     cache["img"].add_(1)  # vLLM owns the tensor: it must be writable, not the sender's bytes
-    assert cons.sched._inline_bytes == 0 and not cons.sched._inline
+    assert cons.sched.inline.held_bytes == 0 and not cons.sched.inline
     assert cons.worker.get_finished() == (None, {"img"})
     time.sleep(0.1)  # nothing went over the control channel to be staged
     assert cons.worker.staged_bytes == 0 and not cons.worker.stats.totals.get("staged_bytes")
@@ -442,10 +442,10 @@ def test_inline_copy_nobody_places_is_released(pair_factory):
     params = produce(prod, request("p", "img"), {"img": torch.randn(NUM_EMBEDS, 8)})
     req = request("c", "img", params=params)
     cons.step_until_ready(req)
-    assert cons.sched._inline_bytes == NUM_EMBEDS * 8 * 4
+    assert cons.sched.inline.held_bytes == NUM_EMBEDS * 8 * 4
     cons.sched.request_finished(req)  # aborted before it was scheduled
     cons.sched.build_connector_meta()
-    assert cons.sched._inline_bytes == 0 and cons.sched.staging.get("img") is None
+    assert cons.sched.inline.held_bytes == 0 and cons.sched.staging.get("img") is None
 
 
 PENDING = {"epd": {"items": {"img": {"pending": True}}}}
@@ -469,7 +469,7 @@ def test_a_pending_item_is_waited_for_and_loaded_once_it_lands(pair_factory, inl
     meta, cache = cons.schedule(req)
     assert meta == {"img": NUM_EMBEDS} and torch.equal(cache["img"], x)
     assert cons.sched.stats.totals.get("local_encode_fallbacks", 0) == 0
-    assert cons.sched._pending == {}  # the promise was kept and forgotten
+    assert not cons.sched.promises  # the promise was kept and forgotten
 
 
 def test_a_pending_item_that_never_lands_is_encoded_locally_at_its_deadline(pair_factory):

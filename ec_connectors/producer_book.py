@@ -1,0 +1,87 @@
+"""A producer's bookkeeping in its scheduler process: which items each request made (and
+their token counts), which saves the workers have yet to report, what each save reported
+(shape, dtype, checksum, where it is served), and from these the `ec_transfer_params` a
+finished request returns. The control channel's thread reports saves; the scheduler's thread
+reads: every shared table is behind the book's lock."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.lru import BoundedLRU
+from ec_connectors.protocol.params import ItemEntry
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+_MAX_SAVED_INFOS = 65536
+
+
+class ProducerBook:
+    def __init__(self, vouched: Callable[[str], bool]) -> None:
+        self._vouched = vouched  # ids the deployment vouches for (others are not offered)
+        self._lock = threading.Lock()
+        self._made: dict[str, dict[str, int]] = {}  # request -> item -> num_embeds
+        # items being encoded -> (worker ranks yet to report the save, deadline)
+        self._saving: dict[str, tuple[set[int], float]] = {}
+        self._saved: BoundedLRU[str, ItemInfo] = BoundedLRU(_MAX_SAVED_INFOS)
+
+    def made(self, req_id: str, item_id: str, num_embeds: int) -> None:
+        self._made.setdefault(req_id, {})[item_id] = num_embeds
+
+    def expect_save(self, item_id: str, ranks: set[int], deadline: float) -> None:
+        """vLLM encodes the item this step: every rank in `ranks` will report its save (a
+        report lost for good stops counting at `deadline`)."""
+        with self._lock:
+            self._saving[item_id] = (ranks, deadline)
+
+    def saved(self, item_id: str, rank: int, info: ItemInfo | None) -> None:
+        """A worker's report (control thread): `info` when the save succeeded."""
+        with self._lock:
+            waiting = self._saving.get(item_id)
+            if waiting is not None:
+                waiting[0].discard(rank)
+                if not waiting[0]:
+                    del self._saving[item_id]
+            if info is not None:
+                self._saved[item_id] = info
+
+    def info(self, item_id: str) -> ItemInfo | None:
+        with self._lock:
+            return self._saved.get(item_id)
+
+    def saving(self, now: float) -> bool:
+        """Whether saves are still to be reported (those past their deadline are dropped)."""
+        if not self._saving:
+            return False
+        with self._lock:
+            self._saving = {k: v for k, v in self._saving.items() if v[1] > now and v[0]}
+            return bool(self._saving)
+
+    def finish(self, request: Request, metadata: dict[str, dict[str, Any]],
+               with_location: bool) -> dict[str, ItemEntry] | None:
+        """The entries a finished request returns (and the request is forgotten): the items
+        it made, and the others it has placeholder `metadata` for (stored before:
+        deduplicated), each with its metadata; only vouched-for ids. None: it made nothing
+        and has no metadata (no params at all)."""
+        made = self._made.pop(request.request_id, None) or {}
+        if not made and not metadata:
+            return None
+        out: dict[str, ItemEntry] = {}
+        for item_id, num_embeds in made.items():
+            if self._vouched(item_id):  # a client-chosen id was not saved: not offered
+                out[item_id] = ItemEntry.describe(item_id, num_embeds, self.info(item_id),
+                                                  with_location)
+        for i, feature in enumerate(request.mm_features):
+            item_id = feature.identifier
+            if item_id not in metadata or not self._vouched(item_id):
+                continue
+            entry = out.get(item_id)
+            if entry is None:
+                entry = ItemEntry.describe(item_id, request.get_num_encoder_embeds(i),
+                                           self.info(item_id), with_location)
+            out[item_id] = entry.with_metadata(metadata[item_id])
+        return out

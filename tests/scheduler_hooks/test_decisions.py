@@ -1,0 +1,149 @@
+"""The consumer's per-item plan (`plan_item`), as a pure function: a table of the cases that
+matter, then every combination of facts, probe answers and staging decisions, run through the
+same loop the scheduler runs (steps until an outcome), against the rules it must keep."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from scheduler_hooks.decisions import (
+    NOT_STORED,
+    STEPS,
+    Decision,
+    ItemAction,
+    ItemFacts,
+    Lookup,
+    Promise,
+    Verdict,
+    lookup_of,
+    plan_item,
+)
+from scheduler_hooks.staging import DEADLINE_PASSED
+
+A = ItemAction
+READY, LOADING = Decision(Verdict.READY), Decision(Verdict.WAIT)
+LATE = Decision(Verdict.UNAVAILABLE, DEADLINE_PASSED, just_failed=True)
+WRONG = Decision(Verdict.UNAVAILABLE, "token count: 3 vs 4", just_failed=True)
+FAILED = Decision(Verdict.UNAVAILABLE, "a worker failed")  # failed earlier, remembered
+DECISIONS = (READY, LOADING, LATE, WRONG, FAILED, Decision(Verdict.UNAVAILABLE, "not staged"))
+
+
+def run(facts: ItemFacts, probe: bool | None = True, decision: Decision = READY):
+    """The scheduler's loop: take each step the plan asks for, fill in its fact, ask again."""
+    steps = []
+    plan = plan_item(facts)
+    while plan.action in STEPS:
+        assert plan.action not in steps, f"{plan.action} asked twice"
+        steps.append(plan.action)
+        if plan.action is A.PROBE:
+            facts = dataclasses.replace(facts, lookup=lookup_of(probe))
+        elif plan.action is A.LOAD:
+            facts = dataclasses.replace(facts, staged=True)
+        else:
+            facts = dataclasses.replace(facts, decision=decision)
+        plan = plan_item(facts)
+    return steps, plan
+
+
+@pytest.mark.parametrize("facts, probe, decision, steps, action, defer", [
+    # vLLM has it: nothing else matters, nothing is asked
+    (ItemFacts(covered=True, staged=True, promise=Promise.EXPIRED), None, LATE, [], A.SKIP,
+     False),
+    (ItemFacts(in_engine_cache=True, metadata_only=True), None, LATE, [], A.SKIP, False),
+    # named by the params or the index: loaded, then the staging decides
+    (ItemFacts(lookup=Lookup.YES, hinted=True), None, READY, [A.LOAD, A.CHECK], A.USE, False),
+    (ItemFacts(lookup=Lookup.YES), None, LOADING, [A.LOAD, A.CHECK], A.WAIT, True),
+    # already staged: no new load
+    (ItemFacts(staged=True, lookup=Lookup.YES), None, READY, [A.CHECK], A.USE, False),
+    # unknown: the store is asked; no, it is encoded by vLLM, quietly; asking: wait
+    (ItemFacts(), False, READY, [A.PROBE], A.LOCAL_ENCODE, False),
+    (ItemFacts(), None, READY, [A.PROBE], A.WAIT, True),
+    (ItemFacts(), True, READY, [A.PROBE, A.LOAD, A.CHECK], A.USE, False),
+    # unknown and metadata-only: nothing to encode it from
+    (ItemFacts(lookup=Lookup.NO, metadata_only=True), None, READY, [], A.FAIL, True),
+    # a promise: waited for without asking anybody, loaded once landed
+    (ItemFacts(promise=Promise.WAITING, hinted=True, lookup=Lookup.YES), None, READY, [],
+     A.WAIT, True),
+    (ItemFacts(promise=Promise.LANDED, hinted=True, lookup=Lookup.YES), None, READY,
+     [A.LOAD, A.CHECK], A.USE, False),
+    (ItemFacts(promise=Promise.EXPIRED, hinted=True, lookup=Lookup.YES), None, READY, [],
+     A.LOCAL_ENCODE, False),
+    (ItemFacts(promise=Promise.EXPIRED, hinted=True, policy="fail"), None, READY, [], A.FAIL,
+     False),
+    # a load that fails: local encode, or fail where promised and the policy says so
+    (ItemFacts(staged=True, hinted=True), None, LATE, [A.CHECK], A.LOCAL_ENCODE, False),
+    (ItemFacts(staged=True, hinted=True, policy="fail"), None, LATE, [A.CHECK], A.FAIL, False),
+    (ItemFacts(staged=True, policy="fail"), None, LATE, [A.CHECK], A.LOCAL_ENCODE, False),
+    (ItemFacts(staged=True, metadata_only=True), None, WRONG, [A.CHECK], A.FAIL, True),
+])
+def test_the_plan_for_each_case(facts, probe, decision, steps, action, defer):
+    got_steps, plan = run(facts, probe, decision)
+    assert (got_steps, plan.action, plan.defer) == (steps, action, defer)
+
+
+def test_the_reasons_and_counts_a_plan_carries():
+    _, plan = run(ItemFacts(staged=True), decision=LATE)
+    assert plan.why == DEADLINE_PASSED and plan.failed_now and plan.timeout and plan.report
+    _, plan = run(ItemFacts(staged=True), decision=WRONG)
+    assert plan.failed_now and not plan.timeout
+    _, plan = run(ItemFacts(staged=True), decision=FAILED)  # another look already failed it
+    assert not plan.failed_now and not plan.timeout and plan.report
+    plan = plan_item(ItemFacts(promise=Promise.EXPIRED, hinted=True, load_timeout_s=2.5))
+    assert plan.why == "promised as pending, not stored within 2.5 s" and plan.timeout
+    assert plan.promise is Promise.EXPIRED
+    assert not plan_item(ItemFacts(promise=Promise.EXPIRED, reported=True)).timeout
+    assert plan_item(ItemFacts(lookup=Lookup.NO)).why == NOT_STORED
+    assert plan_item(ItemFacts(promise=Promise.LANDED, lookup=Lookup.YES)).promise is \
+        Promise.LANDED
+
+
+def _all_facts():
+    for (cov, cache, staged, promise, lookup, hinted, meta, policy,
+         reported) in itertools.product((False, True), (False, True), (False, True), Promise,
+                                        Lookup, (False, True), (False, True),
+                                        ("local_encode", "fail"), (False, True)):
+        yield ItemFacts(covered=cov, in_engine_cache=cache, staged=staged, promise=promise,
+                        lookup=lookup, hinted=hinted, metadata_only=meta, policy=policy,
+                        reported=reported, load_timeout_s=1.0)
+
+
+def test_every_combination_keeps_the_rules():
+    seen = set()
+    for facts in _all_facts():
+        for probe, decision in itertools.product((True, False, None), DECISIONS):
+            steps, plan = run(facts, probe, decision)
+            action = plan.action
+            seen.add(action)
+            assert len(steps) <= 3 and action not in STEPS
+            if facts.covered or facts.in_engine_cache:  # vLLM has it
+                assert (steps, action) == ([], A.SKIP)
+                continue
+            assert action is not A.SKIP
+            # never scheduled without its embedding when there is no media to encode
+            assert not (facts.metadata_only and action is A.LOCAL_ENCODE)
+            assert plan.defer == (action is A.WAIT or (action is A.FAIL and facts.metadata_only))
+            # a request fails only with no media, or when promised and the policy says so
+            if action is A.FAIL:
+                assert facts.metadata_only or (facts.policy == "fail" and (
+                    facts.hinted or facts.promise is not Promise.NONE))
+            # a load starts only for an item known to be there, not staged, not waited for
+            if A.LOAD in steps:
+                assert not facts.staged and facts.promise in (Promise.NONE, Promise.LANDED)
+                assert facts.lookup is Lookup.YES or (A.PROBE in steps and probe)
+            # the store is asked only about what nothing cheap knows
+            if A.PROBE in steps:
+                assert facts.lookup is Lookup.UNASKED and not facts.staged
+            if facts.promise is Promise.WAITING and not facts.staged:
+                assert (steps, action) == ([], A.WAIT)
+            # only an item nobody promised falls back without a report
+            if action in (A.LOCAL_ENCODE, A.FAIL):
+                assert plan.report or (action is A.LOCAL_ENCODE and plan.why == NOT_STORED)
+            else:
+                assert not plan.report and not plan.timeout and not plan.failed_now
+            if plan.timeout:
+                assert (plan.why == DEADLINE_PASSED or (
+                    facts.promise is Promise.EXPIRED and not facts.reported))
+    assert seen == {A.SKIP, A.USE, A.WAIT, A.LOCAL_ENCODE, A.FAIL}
