@@ -13,8 +13,8 @@ from ec_connectors.stats import StatsRecorder
 from scheduler_hooks.decisions import Promise
 
 if TYPE_CHECKING:
+    from ec_connectors.index import AvailabilityIndex
     from ec_connectors.transports.base import Transport
-    from scheduler_hooks.index import AvailabilityIndex
 
 
 class Promises:

@@ -1,7 +1,7 @@
 """Scheduler role of EPDConnector (runs in vLLM's EngineCore process): wires vLLM's scheduler
 hooks to the pure policy of `scheduler_hooks/` (staging state machine, `plan_item`), to the
-control channel to the workers and to the transports. Helpers, one concern each: the
-availability index (`scheduler_hooks/index.py`), `inline.py` (small items read here),
+control channel to the workers and to the transports. Helpers, one concern each: `index.py`
+(the availability index: which items the transport holds), `inline.py` (small items read here),
 `promises.py` (items a gateway sent as pending), `unavailable.py` (requests that fail or
 fall back), `producer_book.py` (a producer's saves and the params it returns).
 
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
+from ec_connectors.index import AvailabilityIndex
 from ec_connectors.inline import InlineReader
 from ec_connectors.log import get_logger
 from ec_connectors.messages import (
@@ -69,7 +70,6 @@ from scheduler_hooks.decisions import (
     pull_location,
 )
 from scheduler_hooks.encoder_cache import EncoderCacheView
-from scheduler_hooks.index import AvailabilityIndex
 from scheduler_hooks.staging import StagingTable, Status
 
 if TYPE_CHECKING:

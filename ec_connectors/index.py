@@ -9,17 +9,17 @@ nothing is listed again but on lost track or every _FULL_SCAN_S), else by listin
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from ec_connectors.log import get_logger
+
 if TYPE_CHECKING:
     from ec_connectors.transports.base import KeyWatch
 
-# Under vLLM's logger (as ec_connectors/log.py does), so messages show in vLLM's log stream.
-logger = logging.getLogger(f"vllm.epd.{__name__}")
+logger = get_logger(__name__)
 
 _EVENT_GRACE_S = 5.0  # keep an announced key this long even if a scan has not seen it yet
 _FULL_SCAN_S = 60.0  # with a change feed: a full listing this often anyway (belt and braces)

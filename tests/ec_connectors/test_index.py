@@ -1,9 +1,9 @@
 
 import torch
 
+from ec_connectors.index import AvailabilityIndex
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
-from scheduler_hooks.index import AvailabilityIndex
 from tests.helpers import wait_for
 
 
