@@ -25,7 +25,8 @@ Use:
     ``entry.with_metadata(meta)`` and drop it with ``entry.with_metadata(None)`` (entries are
     frozen: share them freely).
   - read:    ``TransferParams.parse(value)`` (a dict, or None) / ``TransferParams.from_json(b)``
-    -> ``TransferParams`` or `BadParams` with a message fit for a 400 answer;
+    -> ``TransferParams`` or `BadParams` with a message fit for a 400 answer (a peer's
+    answer passes ``bad_items=[]``: a malformed entry fails that item alone);
     ``.sources()`` -> ``{item_id: Source}`` (where each item lives, the consumer's view).
 
 Trust: nothing parsed here is trusted (a client writes `ec_transfer_params` of its own; an
