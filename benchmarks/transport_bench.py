@@ -88,8 +88,8 @@ class Path_:
                     "store_metadata": self.master.metadata_url, "embedding_dtype": "bfloat16",
                     "store_buffer_bytes": 2 * max_bytes + 16 * MiB}
             # the store refuses a put when its segments are full (-200) rather than evict:
-            # room for every rep
-            self.prod = {**base, "store_segment_bytes": (reps + 2) * (max_bytes + MiB)
+            # room for every rep of every size (items of the smaller sizes stay stored)
+            self.prod = {**base, "store_segment_bytes": (reps + 2) * 2 * (max_bytes + MiB)
                          + 64 * MiB}
             self.cons = {**base, "store_segment_bytes": 0}
         elif name == "safetensors":
