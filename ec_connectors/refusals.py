@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ec_connectors.protocol.http_api import error_type
+
 # Engine-side failures of one item: code -> what the client can do (docs/errors.md)
 EMBEDDING_UNAVAILABLE = "embedding_unavailable"  # in no tier, and no media to encode it from
 EMBEDDING_LOAD_FAILED = "embedding_load_failed"  # known, but its load failed (evicted since,
@@ -42,22 +44,8 @@ class Refusal(Exception):
         return error_body(self.status, self.code, self.message)
 
 
-def error_type(status: int) -> str:
-    """OpenAI's error `type` for an HTTP status."""
-    if status == 401:
-        return "authentication_error"
-    if status == 403:
-        return "permission_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_error"
-    if status < 500:
-        return "invalid_request_error"
-    return "service_unavailable_error" if status == 503 else "server_error"
-
-
 def error_body(status: int, code: str, message: str) -> dict[str, Any]:
+    """A vLLM server's refusal in OpenAI's shape (a 5xx other than 503 is a `server_error`)."""
     return {"error": {"message": message, "type": error_type(status), "code": code}}
 
 

@@ -23,10 +23,8 @@ own), so it sees every request before vLLM reads it, and every answer. It does t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import secrets
 import time
 from typing import Any
 
@@ -35,7 +33,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ec_connectors.config import GuardSettings
 from ec_connectors.log import get_logger
-from ec_connectors.refusals import ReasonBoard, Refusal, board_dir, error_body, error_type
+from ec_connectors.protocol.http_api import KeyCheck, error_type
+from ec_connectors.refusals import ReasonBoard, Refusal, board_dir, error_body
 from ec_connectors.request_checks import Checked, ModelBounds, check_request
 
 logger = get_logger(__name__)
@@ -46,8 +45,10 @@ _ADVICE = (" The request names an embedding this server could not use and carrie
            "to encode it from: send the media (a gateway does this by itself), or retry.")
 
 
-def _key_hashes(keys: list[str]) -> list[bytes]:
-    return [hashlib.sha256(k.encode()).digest() for k in keys if k]
+def _key_check(keys: list[str]) -> KeyCheck | None:
+    """The check of `keys` (empty ones dropped); None, nothing enforced, without any."""
+    keys = [k for k in keys if k]
+    return KeyCheck(keys) if keys else None
 
 
 class ServerGuard:
@@ -59,7 +60,8 @@ class ServerGuard:
                  reasons: ReasonBoard | None = None) -> None:
         self.app = app
         self._bounds = bounds
-        self._keys = None if api_keys is None else _key_hashes(api_keys)
+        self._keys_given = api_keys is not None  # else vLLM's (_resolve)
+        self._keys = None if api_keys is None else _key_check(api_keys)
         self._settings = settings
         self._reasons = reasons
         self._resolved = False  # the rest comes from vLLM's app state (_resolve)
@@ -68,9 +70,9 @@ class ServerGuard:
     def _resolve(self, scope: Scope) -> None:
         state = getattr(scope.get("app"), "state", None)
         args = getattr(state, "args", None)
-        if self._keys is None:  # vLLM's rule: --api-key, else VLLM_API_KEY
+        if not self._keys_given:  # vLLM's rule: --api-key, else VLLM_API_KEY
             keys = list(getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY", "")])
-            self._keys = _key_hashes(keys)
+            self._keys = _key_check(keys)
         vllm_config = getattr(state, "vllm_config", None)
         if vllm_config is None:
             self._settings = self._settings or GuardSettings()
@@ -112,8 +114,8 @@ class ServerGuard:
                 self._settings = self._settings or GuardSettings()
                 self._resolved = True
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if (self._keys and scope.get("method") != "OPTIONS" and path not in OPEN_PATHS
-                and not self._authorized(scope)):
+        if (self._keys is not None and scope.get("method") != "OPTIONS"
+                and path not in OPEN_PATHS and not self._keys.admits(_authorization(scope))):
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
@@ -135,21 +137,6 @@ class ServerGuard:
             await _answer(send, exc.status, exc.code, exc.message)
             return
         await self.app(scope, receive, _Answers(send, self, checked, started))
-
-    def _authorized(self, scope: Scope) -> bool:
-        value = ""
-        for name, raw in scope.get("headers", ()):
-            if name == b"authorization":
-                value = raw.decode("latin-1")
-                break
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        ok = False
-        for key in self._keys or ():
-            ok |= secrets.compare_digest(digest, key)
-        return ok
 
     async def _read_body(self, receive: Receive) -> tuple[bytes, Receive]:
         """The whole body (refused beyond `guard_max_body_bytes`), and a `receive` that
@@ -194,6 +181,14 @@ class ServerGuard:
         if checked is None or not checked.item_ids or self._reasons is None:
             return None
         return self._reasons.read(checked.item_ids, since - 0.001)
+
+
+def _authorization(scope: Scope) -> str | None:
+    """The request's first `Authorization` header, as starlette reads it (latin-1)."""
+    for name, raw in scope.get("headers", ()):
+        if name == b"authorization":
+            return raw.decode("latin-1")
+    return None
 
 
 def _json(body: bytes) -> Any:

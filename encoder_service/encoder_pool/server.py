@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from ec_connectors.config_files import read_config_file
+from ec_connectors.protocol.http_api import UPSTREAM_ERROR, RequireKey, error_type
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
 from ec_connectors.protocol.secret import server_api_key
@@ -56,8 +57,6 @@ from encoder_service.encoder_pool.media import (
 from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
 from encoder_service.encoder_pool.publish import Publisher
-from encoder_service.gateway.auth import RequireKey
-from encoder_service.gateway.errors import error_type
 
 if TYPE_CHECKING:
     from ec_connectors.config import EPDConfig
@@ -88,8 +87,9 @@ def _error(status: int, code: str, message: str, retry_after: float | None = Non
            **extra: Any) -> JSONResponse:
     """A refusal in OpenAI's error shape with its machine-readable `code` (docs/errors.md)."""
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
-    return JSONResponse({"error": {"message": message, "type": error_type(status),
-                                   "code": code}, **extra}, status_code=status,
+    return JSONResponse({"error": {"message": message,
+                                   "type": error_type(status, UPSTREAM_ERROR), "code": code},
+                         **extra}, status_code=status,
                         headers=headers)
 
 

@@ -25,10 +25,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ec_connectors.protocol.http_api import require_key
 from ec_connectors.protocol.secret import admin_token, read_secret
 from encoder_service.gateway.admin import Admin
 from encoder_service.gateway.admission import Admission, request_id
-from encoder_service.gateway.auth import require_key, upstream_headers
+from encoder_service.gateway.auth import upstream_headers
 from encoder_service.gateway.availability import make_availability
 from encoder_service.gateway.chat import ChatFlow
 from encoder_service.gateway.coalescing import CoalescingClient

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ec_connectors.protocol.http_api import UPSTREAM_ERROR, error_type
+
 
 class GatewayError(Exception):
     """A request the gateway refuses or cannot serve. `reason` is a short metrics label."""
@@ -19,12 +21,5 @@ class GatewayError(Exception):
         self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": error_type(self.status),
-                          "code": self.reason}}
-
-
-def error_type(status: int) -> str:
-    """OpenAI's error `type` for a status (as the vLLM servers' guard answers)."""
-    return {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-            429: "rate_limit_error", 503: "service_unavailable_error"}.get(
-        status, "invalid_request_error" if status < 500 else "upstream_error")
+        return {"error": {"message": self.message,
+                          "type": error_type(self.status, UPSTREAM_ERROR), "code": self.reason}}
