@@ -5,6 +5,11 @@
 #                   workers, then the end-to-end tests (real `vllm serve` processes) one at a time
 #   ./run.sh fast   lint + the fast lane only (tests marked e2e are left out)
 #   ./run.sh test ARGS...   lint + pytest ARGS (one process), e.g. -m "not e2e" or a test path
+#   ./run.sh test-deploy    the deploy lane (tests/deploy, marker deploy; docs/deploy.md): installs
+#                   podman + podman-compose when missing (apt, as root), builds the base and the
+#                   image (cached), then, under the machine's vLLM lock, runs docker-compose.yml
+#                   and checks it through the gateway; removes every container, network and
+#                   volume it made, and fails if one is left
 set -euo pipefail
 cd "$(dirname "$0")"
 python3 scripts/setup_env.py
@@ -19,5 +24,12 @@ case "${1:-}" in
     "${PYTEST[@]}" "${FAST[@]}"
     exec "${PYTEST[@]}" -m e2e ;;
   fast) shift; .venv/bin/ruff check .; exec "${PYTEST[@]}" "${FAST[@]}" "$@" ;;
-  *) echo "usage: $0 demo|test|fast [args...]" >&2; exit 2 ;;
+  test-deploy)
+    shift
+    .venv/bin/python -m tests.deploy.engine prepare  # builds first: no vLLM, no lock
+    rc=0
+    flock /tmp/epd-vllm.lock "${PYTEST[@]}" -m deploy tests/deploy "$@" || rc=$?
+    .venv/bin/python -m tests.deploy.engine clean || rc=1  # even after a failure; checks
+    exit $rc ;;
+  *) echo "usage: $0 demo|test|fast|test-deploy [args...]" >&2; exit 2 ;;
 esac

@@ -1,0 +1,1 @@
+"""The deploy lane (`./run.sh test-deploy`, marker `deploy`): the compose stack for real."""

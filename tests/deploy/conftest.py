@@ -1,0 +1,19 @@
+"""Everything under tests/deploy is marked `deploy` and runs only when asked for by marker
+(`-m deploy`, what `./run.sh test-deploy` passes): it installs a container engine, builds
+images and starts the compose stack, so `./run.sh test` (`-m "not e2e"`, then `-m e2e`)
+and a bare `pytest` leave it out."""
+
+from __future__ import annotations
+
+import pytest
+
+_HERE = __file__.rsplit("/", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    mine = [item for item in items if str(item.path).startswith(_HERE)]
+    for item in mine:
+        item.add_marker(pytest.mark.deploy)
+    if "deploy" not in (config.option.markexpr or ""):
+        config.hook.pytest_deselected(items=mine)
+        items[:] = [item for item in items if item not in mine]
