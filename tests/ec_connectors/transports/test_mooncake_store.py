@@ -10,9 +10,11 @@ import time
 import pytest
 
 from encoder_service.local.mooncake_master import MasterServer, master_server
+from tests.ec_connectors.transports import forked_peers
 from tests.helpers import WORK, expected, free_port, wait_for
 
 pytest.importorskip("mooncake.store")
+peers = forked_peers.fixture()  # peers forked warm, killed after the test
 MiB = 1 << 20
 _ports = iter(range(19500, 19800, 5))  # master: rpc, rpc+1 metadata, rpc+2 metrics
 PRODUCER = {"is_producer": True, "is_consumer": False}
@@ -22,11 +24,14 @@ SCHEDULER = {"role": "scheduler", "is_producer": False, "is_consumer": True}
 
 @pytest.fixture
 def master():
+    """A master of this test's own (its clients are killed with it: nothing carries over)."""
     m = master_server(WORK / "test-store", free_port(_ports)).start()
-    m.wait()
+    wait_for(m.healthy, timeout=10, interval=0.02)  # wait() polls every 0.5 s; this is
+    m.wait()  # only its quick path (and its error, with the log, when the master fails)
     yield m
-    if m.proc is not None and m.proc.poll() is None:
-        os.kill(m.proc.pid, signal.SIGCONT)
+    if m.proc is not None and m.proc.poll() is None:  # killed: nothing is asserted about a
+        os.killpg(m.proc.pid, signal.SIGKILL)  # throwaway master's own shutdown
+        m.proc.wait(10)
     m.stop()
 
 
@@ -64,10 +69,10 @@ def test_two_encoder_clients_share_one_item(master, peers):
     non-blocking probe and fetches it instead of encoding it again."""
     a = peers.start(PRODUCER, **store_config(master))
     b = peers.start(PRODUCER, **store_config(master))
-    b_sched = peers.start(SCHEDULER, **store_config(master))
+    b_sched = peers.start(SCHEDULER, **store_config(master, store_probe_ttl_s=0.3))
     assert b_sched.call({"op": "probe", "id": "shared"})["found"] is False
     put(a, "shared", 11, [512, 4096])
-    time.sleep(2.1)  # the "no" above is cached for store_probe_ttl_s; then asked again
+    time.sleep(0.4)  # the "no" above is cached for store_probe_ttl_s; then asked again
     assert b_sched.call({"op": "probe", "id": "shared"})["found"] is True
     got = get(b, "shared")
     assert got["found"] and got["checksum"] == expected(11, [512, 4096])

@@ -17,9 +17,11 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.testing.peer_process import PeerClient
 from ec_connectors.transports import Placement
 from ec_connectors.transports.mooncake_te.catalog import MooncakeCatalog
+from tests.ec_connectors.transports import forked_peers
 from tests.helpers import expected, wait_for
 
 pytest.importorskip("mooncake.engine")
+peers = forked_peers.fixture()  # peers forked warm, killed after the test
 MiB = 1 << 20
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
