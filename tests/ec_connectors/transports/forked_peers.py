@@ -6,8 +6,8 @@ multiprocessing's forkserver (one per test process) that has torch and `peer_pro
 imported already: it starts in tens of milliseconds and runs the same `peer_process.main` on
 its own stdin/stdout pipes, in its own session (tests signal its process group), with its
 environment on top of the forkserver's. A peer ends when its stdin closes (this test process
-gone), as a `PeerClient`'s does. Peers with a `prefix` (`ip netns exec ...`) still start as
-`PeerClient`s.
+gone), as a `PeerClient`'s does. The prefix `ip netns exec NAME` becomes the child joining
+network namespace NAME (setns) before it starts; other prefixes start `PeerClient`s.
 
 `ForkedPeers.close` kills every peer (SIGKILL) instead of asking it to quit: nothing is asserted
 after a test about how its peers end, and a Transfer Engine's orderly teardown costs a second or
@@ -17,6 +17,7 @@ more per peer. A test that checks an orderly close calls `PeerClient.close` itse
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import queue
@@ -53,9 +54,25 @@ def _inherited(dup) -> int:
     return dup.detach()
 
 
-def _serve(stdin: int, stdout: int, stderr: int, env: dict[str, str]) -> None:
+_CLONE_NEWNET = 0x40000000  # <sched.h>
+
+
+def _join_netns(name: str) -> None:
+    """Move this process into network namespace `name` (what `ip netns exec` does for
+    sockets; Python 3.11 has no os.setns)."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
+
+
+def _serve(stdin: int, stdout: int, stderr: int, env: dict[str, str], netns: str) -> None:
     """The forkserver child: a `peer_process` on the pipes it was given."""
     os.setsid()
+    if netns:
+        _join_netns(netns)
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
         if fd != target:
             os.dup2(fd, target)
@@ -72,11 +89,11 @@ class ForkedProc:
     """What `PeerClient` and the tests use of a `subprocess.Popen` (pid, stdin, stdout, poll,
     wait, kill, returncode), for a forkserver child."""
 
-    def __init__(self, env: dict[str, str], stderr: int) -> None:
+    def __init__(self, env: dict[str, str], stderr: int, netns: str = "") -> None:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         self._process = _context.Process(target=_serve, daemon=True, args=(
-            _Fd(in_r), _Fd(out_w), _Fd(stderr), env))
+            _Fd(in_r), _Fd(out_w), _Fd(stderr), env, netns))
         try:
             self._process.start()
         finally:  # the child has its ends now (or never will)
@@ -106,10 +123,10 @@ class ForkedProc:
 class ForkedPeer(PeerClient):
     """A `PeerClient` whose peer is a forkserver child (same calls, same answers)."""
 
-    def __init__(self, env: dict[str, str], log_path: str,
+    def __init__(self, env: dict[str, str], log_path: str, netns: str = "",
                  ready_timeout_s: float = 60.0) -> None:
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in close()
-        self.proc = ForkedProc(env, self._log.fileno())  # type: ignore[assignment]
+        self.proc = ForkedProc(env, self._log.fileno(), netns)  # type: ignore[assignment]
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True).start()
         self._next(ready_timeout_s)
@@ -119,12 +136,15 @@ class ForkedPeers(Peers):
     """`tests.helpers.Peers` with forked peers, killed at the end."""
 
     def start(self, placement: dict, prefix: list[str] | None = None, **config) -> PeerClient:
+        netns = ""
         if prefix is not None:
-            return super().start(placement, prefix, **config)
+            if len(prefix) != 4 or prefix[:3] != ["ip", "netns", "exec"]:
+                return super().start(placement, prefix, **config)
+            netns = prefix[3]
         log = WORK / "test-mooncake" / f"{self.name}-{len(self.all)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         peer = ForkedPeer({"MC_TCP_BIND_ADDRESS": config.get(
-            "host", LOOPBACK["MC_TCP_BIND_ADDRESS"])}, str(log))
+            "host", LOOPBACK["MC_TCP_BIND_ADDRESS"])}, str(log), netns)
         self.all.append(peer)
         peer.info = peer.call({"op": "init", "config": config, "placement": placement})
         return peer

@@ -109,11 +109,12 @@ def test_three_hosts_secret_partition_and_a_killed_host(peers, tmp_path):
         assert endpoint == f"{addr['enc']}:{base}"
         got = cons.call({"op": "get", "id": "x", "timeout_s": 10, "location": endpoint})
         assert got["found"] and got["checksum"] == put["checksum"]
-        for extra in ({}, {"secret_file": secret_file(tmp_path, b"not-this-deployment-1234")}):
-            outsider = peer(CONSUMER, "out", **extra)
-            got = outsider.call({"op": "get", "id": "x", "timeout_s": 1.5,
-                                 "location": endpoint})
-            assert not got["found"]
+        outsiders = [peer(CONSUMER, "out", **extra) for extra in (
+            {}, {"secret_file": secret_file(tmp_path, b"not-this-deployment-1234")})]
+        for outsider in outsiders:  # both at once: each waits out its deadline
+            outsider.send({"op": "get", "id": "x", "timeout_s": 1.5, "location": endpoint})
+        for outsider in outsiders:
+            assert not outsider.result(30)["found"]
         # partition: the decode host's link goes down mid-deployment
         assert os.system(f"ip -n {sw} link set {dec_port} down") == 0
         t0 = time.monotonic()
@@ -148,11 +149,12 @@ def test_side_channel_and_announcements_need_the_deployment_secret(peers, tmp_pa
     got = friend.call({"op": "get", "id": "s", "timeout_s": 10, "location": endpoint})
     assert got["found"] and got["checksum"] == put["checksum"]
     # a consumer without the secret, or with another one, gets nothing
-    for config in (mc_config(base), mc_config(base, secret_file=secret_file(
-            tmp_path, b"another-deployment-secret-9876543"))):
-        stranger = peers.start(CONSUMER, **config)
-        got = stranger.call({"op": "get", "id": "s", "timeout_s": 1.5, "location": endpoint})
-        assert not got["found"]
+    strangers = [peers.start(CONSUMER, **config) for config in (mc_config(base), mc_config(
+        base, secret_file=secret_file(tmp_path, b"another-deployment-secret-9876543")))]
+    for stranger in strangers:  # both at once: each waits out its deadline
+        stranger.send({"op": "get", "id": "s", "timeout_s": 1.5, "location": endpoint})
+    for stranger in strangers:
+        assert not stranger.result(30)["found"]
     # a foreign client speaking the wire format by hand: no handshake, no answer, and the
     # producer never writes anywhere for it
     from ec_connectors.channel import encode
