@@ -22,17 +22,43 @@ CONSUMER = {"is_producer": False, "is_consumer": True}
 SCHEDULER = {"role": "scheduler", "is_producer": False, "is_consumer": True}
 
 
+def _kill(m: MasterServer) -> None:
+    """SIGKILL: nothing is asserted about a throwaway master's own shutdown."""
+    if m.proc is not None and m.proc.poll() is None:
+        os.killpg(m.proc.pid, signal.SIGKILL)
+        m.proc.wait(10)
+    m.stop()
+
+
+@pytest.fixture(scope="module")
+def spare_master():
+    """The next test's master, booting while this one runs (a master takes ~1.1 s to serve)."""
+    spare: list[MasterServer] = []
+
+    def take() -> MasterServer:
+        def start() -> MasterServer:
+            port = free_port(_ports)
+            return master_server(WORK / "test-store", port, name=f"mooncake-master-{port}"
+                                 ).start()  # a log per master: two run at once
+
+        m = spare.pop() if spare else start()
+        spare.append(start())
+        return m
+
+    yield take
+    for m in spare:
+        _kill(m)
+
+
 @pytest.fixture
-def master():
-    """A master of this test's own (its clients are killed with it: nothing carries over)."""
-    m = master_server(WORK / "test-store", free_port(_ports)).start()
+def master(spare_master):
+    """A fresh master of this test's own (its clients are killed with it: nothing carries
+    over)."""
+    m = spare_master()
     wait_for(m.healthy, timeout=10, interval=0.02)  # wait() polls every 0.5 s; this is
     m.wait()  # only its quick path (and its error, with the log, when the master fails)
     yield m
-    if m.proc is not None and m.proc.poll() is None:  # killed: nothing is asserted about a
-        os.killpg(m.proc.pid, signal.SIGKILL)  # throwaway master's own shutdown
-        m.proc.wait(10)
-    m.stop()
+    _kill(m)
 
 
 def store_config(m: MasterServer, **extra) -> dict:
