@@ -62,12 +62,18 @@ class ProducerBook:
             return bool(self._saving)
 
     def finish(self, request: Request, metadata: dict[str, dict[str, Any]],
-               with_location: bool) -> dict[str, ItemEntry] | None:
+               with_location: bool, stored: Callable[[str], bool] = lambda _: False,
+               ) -> dict[str, ItemEntry] | None:
         """The entries a finished request returns (and the request is forgotten): the items
-        it made, and the others it has placeholder `metadata` for (stored before:
+        it made, those `stored` says are stored (vLLM asks the connector nothing about an
+        item its own encoder cache still holds, e.g. the same image seconds later: offered
+        all the same), and the others it has placeholder `metadata` for (stored before:
         deduplicated), each with its metadata; only vouched-for ids. None: it made nothing
         and has no metadata (no params at all)."""
         made = self._made.pop(request.request_id, None) or {}
+        for i, feature in enumerate(request.mm_features):
+            if feature.identifier not in made and stored(feature.identifier):
+                made[feature.identifier] = request.get_num_encoder_embeds(i)
         if not made and not metadata:
             return None
         out: dict[str, ItemEntry] = {}

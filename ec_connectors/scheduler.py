@@ -476,7 +476,8 @@ class EPDSchedulerSide:
         metadata = (self.placeholders.describe(request.mm_features)
                     if self.placeholders is not None and request.mm_features else {})
         endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
-        entries = self.book.finish(request, metadata, with_location=bool(endpoint))
+        entries = self.book.finish(request, metadata, with_location=bool(endpoint),
+                                   stored=lambda item_id: self._stored(item_id) is True)
         if entries is None:
             return None
         return TransferParams(transport=self.transport.name,

@@ -40,3 +40,15 @@ def test_a_finished_request_returns_its_vouched_items_with_their_metadata():
         "a": ItemEntry.describe("a", NUM_EMBEDS, info("a")).with_metadata(meta["a"]),
         "old": ItemEntry.describe("old", NUM_EMBEDS, None).with_metadata(meta["old"])}
     assert book.finish(req, {}, with_location=False) is None  # forgotten: nothing to say
+
+
+def test_an_item_vllm_took_from_its_own_encoder_cache_is_offered_when_stored():
+    """vLLM never asks the connector about an item its encoder cache still holds (the same
+    image again within seconds): nothing was `made`, yet the item is stored and offered."""
+    book = ProducerBook(lambda _: True)
+    req = request("r2", "hot", "gone")
+    book.saved("hot", 0, info("hot"))
+    out = book.finish(req, {}, with_location=True, stored=lambda item_id: item_id == "hot")
+    assert out == {"hot": ItemEntry.describe("hot", NUM_EMBEDS, info("hot"), True)}
+    assert book.finish(request("r3", "gone"), {}, with_location=True,
+                       stored=lambda _: False) is None  # not stored: nothing offered
