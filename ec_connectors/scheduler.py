@@ -329,7 +329,8 @@ class EPDSchedulerSide:
         pos = feature.mm_position
         if covered(pos.offset, pos.length, num_computed_tokens):
             return ItemFacts(covered=True)  # vLLM has it: nothing else is looked up
-        if item_id in self.engine_cache:
+        in_cache, metadata_only = item_id in self.engine_cache, self._metadata_only(feature)
+        if in_cache and not metadata_only:  # (metadata-only: staged all the same, plan_item)
             return ItemFacts(in_engine_cache=True)
         key = safe_key(item_id)
         source = hints.get(item_id)
@@ -338,7 +339,7 @@ class EPDSchedulerSide:
         return ItemFacts(
             staged=self.staging.current(item_id, now) is not None,
             promise=self.promises.state(item_id, key, source, now), lookup=lookup,
-            hinted=source is not None, metadata_only=self._metadata_only(feature),
+            hinted=source is not None, metadata_only=metadata_only, in_engine_cache=in_cache,
             policy=self.config.on_unavailable,
             reported=self.unavailable.reported(req_id, item_id),
             load_timeout_s=self.config.load_timeout_s)

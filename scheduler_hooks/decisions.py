@@ -109,7 +109,7 @@ class ItemFacts:
     """What the scheduler knows about one item of one request, this step."""
 
     covered: bool = False  # its placeholder tokens are all in the KV cache (`covered`)
-    in_engine_cache: bool = False  # vLLM's encoder cache holds it
+    in_engine_cache: bool = False  # vLLM's encoder cache holds it (as far as we saw)
     staged: bool = False  # a staging of it is current (loading, ready, or failed recently)
     decision: Decision | None = None  # staged: `decide`'s answer (after CHECK)
     promise: Promise = Promise.NONE
@@ -134,8 +134,14 @@ class ItemPlan(NamedTuple):
 def plan_item(f: ItemFacts) -> ItemPlan:
     """What to do about one item this step. Order: what vLLM has needs nothing; a staging
     in progress decides; a promise is waited for until it lands or expires; a known item is
-    loaded, an unknown one encoded by vLLM (or, with no media to encode, the request fails)."""
-    if f.covered or f.in_engine_cache:
+    loaded, an unknown one encoded by vLLM (or, with no media to encode, the request fails).
+
+    A metadata-only item in vLLM's encoder cache is still staged: our view of that cache
+    can be one step stale (vLLM evicts a free entry to make room for another request earlier
+    in the same step), and vLLM then encodes the item itself, which, with no media, kills
+    the engine (its sanity check: 0 embeddings for 1 item). Staged, has_cache_item says yes
+    instead. If it cannot be staged, vLLM's cache is the way left (SKIP)."""
+    if f.covered or (f.in_engine_cache and not f.metadata_only):
         return ItemPlan(ItemAction.SKIP)
     if f.staged:
         return ItemPlan(ItemAction.CHECK) if f.decision is None else _settle(f, f.decision)
@@ -167,7 +173,10 @@ def _settle(f: ItemFacts, d: Decision) -> ItemPlan:
 
 def _unavailable(f: ItemFacts, promised: bool, why: str) -> ItemPlan:
     """An item that cannot arrive. A metadata-only one always fails the request (there is no
-    media to encode) and is never scheduled without its embedding."""
+    media to encode) and is never scheduled without its embedding, unless vLLM's encoder
+    cache holds it."""
+    if f.in_engine_cache:
+        return ItemPlan(ItemAction.SKIP, why)
     policy = "fail" if f.metadata_only else f.policy
     action = (ItemAction.FAIL if unavailable_action(promised, policy) == "fail"
               else ItemAction.LOCAL_ENCODE)

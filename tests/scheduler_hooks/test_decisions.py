@@ -52,7 +52,16 @@ def run(facts: ItemFacts, probe: bool | None = True, decision: Decision = READY)
     # vLLM has it: nothing else matters, nothing is asked
     (ItemFacts(covered=True, staged=True, promise=Promise.EXPIRED), None, LATE, [], A.SKIP,
      False),
-    (ItemFacts(in_engine_cache=True, metadata_only=True), None, LATE, [], A.SKIP, False),
+    (ItemFacts(in_engine_cache=True), None, LATE, [], A.SKIP, False),
+    # ... but a metadata-only item is staged all the same (our view of vLLM's cache can be a
+    # step stale, and vLLM encoding it with no media kills the engine); if it cannot be
+    # staged, vLLM's cache is the way left
+    (ItemFacts(in_engine_cache=True, metadata_only=True, lookup=Lookup.YES), None, READY,
+     [A.LOAD, A.CHECK], A.USE, False),
+    (ItemFacts(in_engine_cache=True, metadata_only=True, lookup=Lookup.YES), None, LATE,
+     [A.LOAD, A.CHECK], A.SKIP, False),
+    (ItemFacts(in_engine_cache=True, metadata_only=True, lookup=Lookup.NO), None, READY, [],
+     A.SKIP, False),
     # named by the params or the index: loaded, then the staging decides
     (ItemFacts(lookup=Lookup.YES, hinted=True), None, READY, [A.LOAD, A.CHECK], A.USE, False),
     (ItemFacts(lookup=Lookup.YES), None, LOADING, [A.LOAD, A.CHECK], A.WAIT, True),
@@ -118,10 +127,13 @@ def test_every_combination_keeps_the_rules():
             action = plan.action
             seen.add(action)
             assert len(steps) <= 3 and action not in STEPS
-            if facts.covered or facts.in_engine_cache:  # vLLM has it
-                assert (steps, action) == ([], A.SKIP)
+            if facts.covered or (facts.in_engine_cache and not facts.metadata_only):
+                assert (steps, action) == ([], A.SKIP)  # vLLM has it
                 continue
-            assert action is not A.SKIP
+            # a metadata-only item in vLLM's cache: SKIP only when it could not be staged
+            assert action is not A.SKIP or (facts.in_engine_cache and facts.metadata_only
+                                             and action is not A.USE)
+            assert not (facts.in_engine_cache and action is A.FAIL)
             # never scheduled without its embedding when there is no media to encode
             assert not (facts.metadata_only and action is A.LOCAL_ENCODE)
             assert plan.defer == (action is A.WAIT or (action is A.FAIL and facts.metadata_only))
@@ -141,6 +153,8 @@ def test_every_combination_keeps_the_rules():
             # only an item nobody promised falls back without a report
             if action in (A.LOCAL_ENCODE, A.FAIL):
                 assert plan.report or (action is A.LOCAL_ENCODE and plan.why == NOT_STORED)
+            elif action is A.SKIP:  # served by vLLM's cache: nothing to report (a failed
+                assert not plan.report  # load is still warned about and counted)
             else:
                 assert not plan.report and not plan.timeout and not plan.failed_now
             if plan.timeout:
