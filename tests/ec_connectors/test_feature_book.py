@@ -140,3 +140,28 @@ def test_gauges_travel_with_the_stats_newest_wins_and_reduce_to_the_log_line():
     assert rec.pending  # a changed gauge asks vLLM for one more step (has_pending_push_work)
     assert rec.take().data["gauges"] == {"feature_bytes": {"staged": 1}}
     assert not rec.pending and rec.take() is None
+
+
+def test_prometheus_exports_every_state_and_the_newest_values():
+    from functools import partial
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from ec_connectors.stats import EPDPromMetrics
+
+    reg = CollectorRegistry()
+    types = {t: partial(t, registry=reg) for t in (Gauge, Counter, Histogram)}
+    prom = EPDPromMetrics(SimpleNamespace(ec_transfer_config=None), types, ["engine"],
+                          {0: ["0"]})
+
+    def sample(state):
+        return reg.get_sample_value("vllm:epd_feature_bytes", {"engine": "0", "state": state})
+
+    assert [sample(s.value) for s in S] == [0.0] * len(S)  # exported before any report
+    prom.observe({"gauges": {"feature_bytes": {"staged": 96, "bogus": 1}}}, 0)
+    prom.observe({"gauges": {"feature_bytes": {"merged": 96}}}, 0)
+    assert sample("staged") == 96 and sample("merged") == 96
+    prom.observe({"gauges": {"feature_bytes": ZERO}}, 0)
+    assert [sample(s.value) for s in S] == [0.0] * len(S)
+    assert b'bogus' not in generate_latest(reg)
