@@ -142,6 +142,11 @@ class EPDConnector(ECConnectorBase):
         assert self._sched is not None
         self._sched.update_state_after_alloc(request, index)
 
+    def update_state_after_free(self, request: Request, index: int) -> None:
+        """SCHEDULER, once the request's prefill passed input `index` (its KV cache holds it)."""
+        if self._sched is not None:
+            self._sched.update_state_after_free(request, index)
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> EPDConnectorMetadata:
         """SCHEDULER, once per step: this step's placements; resets per-step state."""
         assert self._sched is not None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
+from ec_connectors.feature_book import FeatureBook
 from ec_connectors.log import get_logger
 from ec_connectors.metadata import InlineItem
 from ec_connectors.protocol.params import Source
@@ -32,10 +33,11 @@ _HELD_MAX = 64 << 20  # bytes read and not yet placed; beyond, new items go to t
 class InlineReader:
     def __init__(self, transport: Transport, staging: StagingTable, stats: StatsRecorder,
                  max_bytes: int, *, on_miss: Callable[[str, Source], None],
-                 on_ready: Callable[[], None]) -> None:
+                 on_ready: Callable[[], None], book: FeatureBook | None = None) -> None:
         self.transport, self.staging, self.stats = transport, staging, stats
         self.max_bytes = max_bytes
         self._on_miss, self._on_ready = on_miss, on_ready
+        self._book = book  # the consumer's feature lifecycle: READY here is STAGED there
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="epd-inline")
         self._lock = threading.Lock()
         self._held: dict[str, InlineItem] = {}  # read, READY, not yet placed
@@ -74,6 +76,8 @@ class InlineReader:
                 is Status.READY:
             self.stats.observe("load_s", now - started)
             self.stats.inc("inline_loads")
+            if self._book is not None:
+                self._book.staged(item_id, len(item[0]), rows)
             self._on_ready()
         else:  # forgotten or failed meanwhile
             self.take(item_id)

@@ -3,7 +3,9 @@ hooks to the pure policy of `scheduler_hooks/` (staging state machine, `plan_ite
 control channel to the workers and to the transports. Helpers, one concern each: `index.py`
 (the availability index: which items the transport holds), `inline.py` (small items read here),
 `promises.py` (items a gateway sent as pending), `unavailable.py` (requests that fail or
-fall back), `producer_book.py` (a producer's saves and the params it returns).
+fall back), `producer_book.py` (a producer's saves and the params it returns), `hints.py`
+(each request's params: where its items come from), `feature_book.py` (the consumer's feature
+lifecycle LOADING -> STAGED -> MERGED -> PREFILLED -> DISCARDED, bytes per state, the budget).
 
 Consumer, per item and step (`ensure_cache_available`: facts -> `plan_item` -> act):
   in the KV cache or in vLLM's encoder cache -> nothing to load, nothing to wait for
@@ -13,7 +15,8 @@ Consumer, per item and step (`ensure_cache_available`: facts -> `plan_item` -> a
   known (index, the request's params, a store probe) -> small (inline_max_bytes) and the
       transport reads here: read and verified on the inline reader, READY usually this step
       (its bytes go to the workers in the step's metadata); else (or a miss there) Prefetch
-      to every worker, the request deferred (LOADING, with a deadline)
+      to every worker, the request deferred (LOADING, with a deadline); no room in the
+      staging budget (max_staged_bytes) -> the request deferred, at most load_timeout_s
   Staged from all workers (control thread) -> READY; any failure -> FAILED
   has_cache_item: True only for READY items; update_state_after_alloc -> this step's metadata
   unknown -> vLLM encodes it; failed or late -> local encode (default) or the request fails
@@ -30,11 +33,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.control import ControlEndpoint
+from ec_connectors.feature_book import FeatureBook
+from ec_connectors.hints import RequestHints
 from ec_connectors.index import AvailabilityIndex
 from ec_connectors.inline import InlineReader
 from ec_connectors.log import get_logger
@@ -52,7 +57,7 @@ from ec_connectors.metadata import EPDConnectorMetadata, InlineItem
 from ec_connectors.producer_book import ProducerBook
 from ec_connectors.promises import Promises
 from ec_connectors.protocol.keys import safe_key
-from ec_connectors.protocol.params import BadParams, Source, TransferParams
+from ec_connectors.protocol.params import Source, TransferParams
 from ec_connectors.refusals import board_dir
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
@@ -67,7 +72,6 @@ from scheduler_hooks.decisions import (
     decide,
     lookup_of,
     plan_item,
-    pull_location,
 )
 from scheduler_hooks.encoder_cache import EncoderCacheView
 from scheduler_hooks.staging import StagingTable, Status
@@ -123,16 +127,17 @@ class EPDSchedulerSide:
         self._lock = threading.Lock()  # workers, endpoints (control thread)
         self._workers: dict[int, bytes] = {}
         self.staging = StagingTable(_FAILED_MEMORY_S, config.staged_ttl_s)
+        self.features = FeatureBook(config.max_staged_bytes, self.stats)  # consumer lifecycle
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
         self._to_place_inline: dict[str, InlineItem] = {}
         self.inline = (InlineReader(transport, self.staging, self.stats,
                                     config.inline_max_bytes, on_miss=self._prefetch,
-                                    on_ready=self._news.set)
+                                    on_ready=self._news.set, book=self.features)
                        if is_consumer and transport.reads_in_scheduler
                        and config.inline_max_bytes else None)
-        self._req_hints: dict[str, dict[str, Source]] = {}
+        self.hints = RequestHints(config.producers, transport.locate)  # consumer: params
         self._req_deferred_since: dict[str, float] = {}  # consumer: first deferral of a request
         self._req_waits: dict[str, set[str]] = {}  # consumer: items a request waited for
         self._unwanted: set[str] = set()  # staged items whose last waiter left (end of step)
@@ -178,6 +183,7 @@ class EPDSchedulerSide:
         status = self.staging.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
                                      ranks, now)
         if status is Status.READY:
+            self.features.staged(msg.item_id, msg.nbytes, msg.num_embeds)
             st = self.staging.get(msg.item_id)
             if st is not None:
                 self.stats.observe("load_s", now - st.started)
@@ -190,34 +196,22 @@ class EPDSchedulerSide:
         for peer in peers:
             self.channel.send(msg, to=peer)
 
-    def _source(self, item_id: str, hints: dict[str, Source]) -> Source:
-        """Where to pull from: the request's params (only configured producers, when a list
-        is configured: params are client-controlled), else the producers' announcements."""
-        source = hints.get(item_id, Source())
-        location = pull_location(source.location, self.config.producers)
-        if location != source.location:
-            logger.warning("EPD: ignoring location %r for item %r: not a configured producer",
-                           source.location, item_id)
-            source = Source(location, source.nbytes)
-        key = safe_key(item_id)
-        if not source.location and key is not None:
-            found = self.transport.locate(key)
-            if found is not None:
-                return Source(found[0], source.nbytes or found[1])
-        return source
-
-    def _load(self, item_id: str, source: Source, now: float) -> None:
+    def _load(self, item_id: str, source: Source, num_embeds: int, now: float) -> bool:
         """Start loading a known item (LOADING): a small one on the inline reader, waiting a
-        moment for it (READY now, in the usual case); any other through the workers."""
+        moment for it (READY now, in the usual case); any other through the workers. False:
+        the staging budget has no room for it (nothing started)."""
+        if not self.features.reserve(item_id, source.nbytes, num_embeds):
+            return False
         timeout = self.config.load_timeout_s + _SCHEDULER_GRACE_S
         if self.inline is None or not self.inline.takes(source.nbytes):
             with self._lock:
                 have_workers = bool(self._workers)
             self.staging.begin(item_id, now, timeout, have_workers=have_workers)
             self._prefetch(item_id, source)
-            return
+            return True
         self.staging.begin(item_id, now, timeout, have_workers=True)
         self.inline.read(item_id, source, now)
+        return True
 
     def _prefetch(self, item_id: str, source: Source) -> None:
         """Every worker loads the item (also the inline reader's path for a miss)."""
@@ -241,20 +235,6 @@ class EPDSchedulerSide:
             return True
         return False
 
-    def _hints(self, request: Request) -> dict[str, Source]:
-        req_id = request.request_id
-        hints = self._req_hints.get(req_id)
-        if hints is None:
-            try:
-                hints = TransferParams.parse(getattr(request, "ec_transfer_params",
-                                                     None)).sources()
-            except BadParams as exc:
-                logger.warning("EPD: request %s: ignoring malformed ec_transfer_params (%s); "
-                               "its media will be encoded locally", req_id, exc)
-                hints = {}
-            self._req_hints[req_id] = hints
-        return hints
-
     def _stored(self, item_id: str) -> bool | None:
         """Producer: is the item stored already (index, or a store probe; None = asking)?"""
         key = safe_key(item_id)
@@ -266,8 +246,8 @@ class EPDSchedulerSide:
         if not self.is_consumer:
             return self._producer_ready(request)
         req_id = request.request_id
-        first_look = req_id not in self._req_hints  # a prefix hit shows on the first look
-        hints = self._hints(request)
+        first_look = req_id not in self.hints  # a prefix hit shows on the first look
+        hints = self.hints.of(request)
         ready = True
         now = time.monotonic()
         for i in range(len(request.mm_features)):  # every item: each may start its load
@@ -309,9 +289,12 @@ class EPDSchedulerSide:
             if plan.action is ItemAction.PROBE:  # stores that cannot list
                 facts = dataclasses.replace(
                     facts, lookup=lookup_of(self.transport.probe(item_id)))
-            elif plan.action is ItemAction.LOAD:
-                self._load(item_id, self._source(item_id, hints), now)
-                facts = dataclasses.replace(facts, staged=True)
+            elif plan.action is ItemAction.LOAD:  # or wait for room in the budget
+                room = self._load(item_id, self.hints.source(item_id, hints),
+                                  request.get_num_encoder_embeds(i), now)
+                waited = now - self._req_deferred_since.get(req_id, now)
+                facts = dataclasses.replace(facts, staged=room, over_budget=not room,
+                                            budget_expired=waited >= self.config.load_timeout_s)
             else:  # CHECK: the request waits for the staging; where does it stand?
                 self.staging.want(item_id, req_id)
                 self._req_waits.setdefault(req_id, set()).add(item_id)
@@ -359,6 +342,8 @@ class EPDSchedulerSide:
                 self._release(item_id, req_id)
             return
         if plan.action not in (ItemAction.LOCAL_ENCODE, ItemAction.FAIL):
+            if facts.over_budget:
+                self.stats.inc("budget_waits")
             return  # USE (has_cache_item says yes), WAIT (plan.defer)
         if plan.failed_now:
             logger.warning("EPD: item %r for request %s: %s; not loaded", item_id, req_id,
@@ -397,6 +382,7 @@ class EPDSchedulerSide:
             self.engine_cache.allocated(item_id)
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
+            self.features.merged(item_id, request.request_id)
             inline = self.inline.take(item_id) if self.inline is not None else None
             if inline is not None:
                 self._to_place_inline[item_id] = inline
@@ -406,7 +392,12 @@ class EPDSchedulerSide:
             self.staging.forget(item_id)
             self.stats.inc("hits")
 
-    def build_connector_meta(self, evicted: Iterable[str] = (),
+    def update_state_after_free(self, request: Request, index: int) -> None:
+        """vLLM's prefill passed the item (its KV cache holds it): a merged one is PREFILLED."""
+        if self.is_consumer:
+            self.features.prefilled(request.mm_features[index].identifier)
+
+    def build_connector_meta(self, evicted: Collection[str] = (),
                              idle: bool = False) -> EPDConnectorMetadata:
         """This step's placements (`evicted`: what vLLM's encoder cache evicted this step).
         `idle`: the step scheduled nothing; if that is because requests wait on us, wait
@@ -416,6 +407,7 @@ class EPDSchedulerSide:
         self._news.clear()  # before the next step looks: no news between is lost
         self._deferred_step = False
         self.engine_cache.evicted(evicted)
+        self.features.evicted(evicted)
         place, self._to_place = self._to_place, {}
         inline, self._to_place_inline = self._to_place_inline, {}
         self._said_yes.clear()
@@ -426,6 +418,7 @@ class EPDSchedulerSide:
                 self.stats.inc("unwanted_drops", len(dropped))
                 self._drop(dropped)
         self._sweep()
+        self.features.settle(self.staging)
         return EPDConnectorMetadata(place=place, inline=inline)
 
     def _drop(self, item_ids: list[str]) -> None:
@@ -467,11 +460,12 @@ class EPDSchedulerSide:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         req_id = request.request_id
-        self._req_hints.pop(req_id, None)
+        self.hints.forget(req_id)
         self._req_deferred_since.pop(req_id, None)
         for item_id in self._req_waits.pop(req_id, ()):
             self._release(item_id, req_id)
         self.unavailable.finished(req_id)
+        self.features.finished(req_id)
         if not self.is_producer:
             return None
         metadata = (self.placeholders.describe(request.mm_features)

@@ -12,6 +12,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from ec_connectors.protocol.names import TRANSPORT_NAMES
+from scheduler_hooks.lifecycle import FeatureState
 
 COUNTERS = {
     # name: help
@@ -43,6 +44,10 @@ COUNTERS = {
                       "its tier is skipped until it answers",
     "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
     "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
+    "budget_waits": "Scheduler steps an item waited for room in the staging budget "
+                    "(max_staged_bytes)",
+    "lifecycle_errors": "Feature lifecycle moves its transition table refused (a bug; the "
+                        "item left the books)",
 }
 TIERS = TRANSPORT_NAMES  # every transport can be a tier (config.transport)
 for _tier in TIERS:
@@ -53,6 +58,13 @@ for _tier in TIERS:
         f"tier_{_tier}_skipped": f"Loads that skipped the {_tier} tier because it was down",
         f"tier_{_tier}_put_failures": f"Saves the {_tier} tier did not take",
     })
+# Gauges: name -> (help, label); the value is per label value, the newest report wins.
+GAUGES = {
+    "feature_bytes": ("Consumer: bytes of features per lifecycle state (loading and staged: "
+                      "held by the connector, budget max_staged_bytes; merged and prefilled: "
+                      "in vLLM's encoder cache)", "state"),
+}
+GAUGE_LABELS = {"feature_bytes": [s.value for s in FeatureState]}
 # One request's path, stage by stage (producer: save_wait, save; consumer: loader_wait, get,
 # load = prefetch -> staged on every rank, staged_to_scheduled, defer = the whole wait).
 LATENCIES = {
@@ -71,14 +83,16 @@ LATENCIES = {
 
 @dataclass
 class EPDStats(ECConnectorStats):
-    """`data` = {"counters": {name: number}, "latency": {name: [seconds, ...]}}."""
+    """`data` = {"counters": {name: number}, "latency": {name: [seconds, ...]},
+    "gauges": {name: {label value: number}}} (gauges: the newest values)."""
 
     def __post_init__(self) -> None:
         self.data.setdefault("counters", {})
         self.data.setdefault("latency", {})
+        self.data.setdefault("gauges", {})
 
     def reset(self) -> None:
-        self.data = {"counters": {}, "latency": {}}
+        self.data = {"counters": {}, "latency": {}, "gauges": {}}
 
     def aggregate(self, other: ECConnectorStats) -> EPDStats:
         counters, latency = self.data["counters"], self.data["latency"]
@@ -86,6 +100,7 @@ class EPDStats(ECConnectorStats):
             counters[k] = counters.get(k, 0) + v
         for k, v in other.data.get("latency", {}).items():
             latency.setdefault(k, []).extend(v)
+        self.data.setdefault("gauges", {}).update(other.data.get("gauges", {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -95,10 +110,13 @@ class EPDStats(ECConnectorStats):
                 ordered = sorted(values)
                 out[f"{k}_p50_ms"] = round(ordered[len(ordered) // 2] * 1e3, 3)
                 out[f"{k}_max_ms"] = round(ordered[-1] * 1e3, 3)
+        for k, values in self.data.get("gauges", {}).items():
+            out.update({f"{k}_{label}": v for label, v in values.items()})
         return out
 
     def is_empty(self) -> bool:
-        return not self.data["counters"] and not any(self.data["latency"].values())
+        return (not self.data["counters"] and not any(self.data["latency"].values())
+                and not self.data.get("gauges"))
 
 
 class StatsRecorder:
@@ -118,6 +136,11 @@ class StatsRecorder:
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
             self._stats.data["latency"].setdefault(name, []).append(seconds)
+
+    def gauge(self, name: str, values: dict[str, float]) -> None:
+        """The gauge's current values (the next `take()` carries the newest)."""
+        with self._lock:
+            self._stats.data["gauges"][name] = dict(values)
 
     def merge(self, data: dict[str, Any]) -> None:
         """Fold another recorder's `take().data` into this one."""
@@ -141,7 +164,8 @@ class StatsRecorder:
 
 
 class EPDPromMetrics(ECConnectorPromMetrics):
-    """Counters `vllm:epd_<name>_total` and histograms `vllm:epd_<name>` per engine."""
+    """Counters `vllm:epd_<name>_total`, histograms `vllm:epd_<name>_seconds` and gauges
+    `vllm:epd_<name>{<label>=...}` per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -161,6 +185,15 @@ class EPDPromMetrics(ECConnectorPromMetrics):
             self._hists[name] = {
                 idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._gauges: dict[str, dict[int, dict[str, Any]]] = {}
+        for name, (doc, label) in GAUGES.items():
+            metric = self._gauge_cls(name=f"vllm:epd_{name}", documentation=doc,
+                                     multiprocess_mode="mostrecent",
+                                     labelnames=[*labelnames, label])
+            self._gauges[name] = {  # every label value exported from the start (0)
+                idx: {v: metric.labels(*values, v) for v in GAUGE_LABELS[name]}
+                for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.get("counters", {}).items():
@@ -172,3 +205,8 @@ class EPDPromMetrics(ECConnectorPromMetrics):
             if per_engine and engine_idx in per_engine:
                 for v in values:
                     per_engine[engine_idx].observe(v)
+        for name, values in transfer_stats_data.get("gauges", {}).items():
+            children = self._gauges.get(name, {}).get(engine_idx, {})
+            for label, v in values.items():
+                if label in children:
+                    children[label].set(v)

@@ -69,6 +69,7 @@ def unavailable_action(promised: bool,
 # CHECK), the scheduler does it, fills the fact in and asks again (at most three rounds).
 
 NOT_STORED = "not in the transport"
+BUDGET_FULL = "staging budget full"
 
 
 class Promise(enum.Enum):
@@ -97,7 +98,7 @@ class ItemAction(enum.Enum):
     FAIL = "fail"  # the request fails (take_unavailable_requests)
     # steps: the scheduler does it, fills in the fact named, and asks again
     PROBE = "probe"  # ask the transport -> lookup
-    LOAD = "load"  # start loading it -> staged
+    LOAD = "load"  # start loading it -> staged, or over_budget (no room: nothing started)
     CHECK = "check"  # wait on its staging and `decide` where it stands -> decision
 
 
@@ -119,6 +120,8 @@ class ItemFacts:
     policy: Literal["local_encode", "fail"] = "local_encode"  # config.on_unavailable
     reported: bool = False  # this request already fell back or failed on something
     load_timeout_s: float = 0.0  # how long a promise is waited for (named in the reason)
+    over_budget: bool = False  # LOAD found no room in the staging budget (max_staged_bytes)
+    budget_expired: bool = False  # ... and the request has waited load_timeout_s already
 
 
 class ItemPlan(NamedTuple):
@@ -134,7 +137,9 @@ class ItemPlan(NamedTuple):
 def plan_item(f: ItemFacts) -> ItemPlan:
     """What to do about one item this step. Order: what vLLM has needs nothing; a staging
     in progress decides; a promise is waited for until it lands or expires; a known item is
-    loaded, an unknown one encoded by vLLM (or, with no media to encode, the request fails).
+    loaded (when the staging budget has room: else it waits, at most load_timeout_s, then is
+    encoded by vLLM), an unknown one encoded by vLLM (or, with no media to encode, the
+    request fails).
 
     A metadata-only item in vLLM's encoder cache is still staged: our view of that cache
     can be one step stale (vLLM evicts a free entry to make room for another request earlier
@@ -159,7 +164,18 @@ def plan_item(f: ItemFacts) -> ItemPlan:
             return _unavailable(f, True, NOT_STORED)._replace(promise=f.promise)
         # nobody promised it: vLLM encodes it, as without EPD (nothing to report)
         return ItemPlan(ItemAction.LOCAL_ENCODE, NOT_STORED, promise=f.promise)
+    if f.over_budget:
+        return _over_budget(f)
     return ItemPlan(ItemAction.LOAD, promise=f.promise)
+
+
+def _over_budget(f: ItemFacts) -> ItemPlan:
+    """Backpressure: the item waits for room like an item still loading, never fails for the
+    budget alone: past the wait vLLM encodes it (a metadata-only one, with no media, fails)."""
+    if not f.budget_expired:
+        return ItemPlan(ItemAction.WAIT, BUDGET_FULL, defer=True, promise=f.promise)
+    why = f"{BUDGET_FULL} for {f.load_timeout_s:g} s"
+    return _unavailable(f, f.metadata_only, why)._replace(timeout=not f.reported, promise=f.promise)
 
 
 def _settle(f: ItemFacts, d: Decision) -> ItemPlan:

@@ -100,6 +100,14 @@ class FeatureStore:
                 out[f.state] += 1
             return out
 
+    def bytes_by_state(self) -> dict[FeatureState, int]:
+        """Bytes held per state (DISCARDED holds none); they sum to `used`."""
+        with self._lock:
+            out = dict.fromkeys(FeatureState, 0)
+            for f in self._features.values():
+                out[f.state] += f.nbytes
+            return out
+
     def lookup(self, item_id: str) -> torch.Tensor | None:
         """The CPU tensor of an ENCODED_CPU feature (and mark it recently used), else None."""
         with self._lock:

@@ -27,6 +27,11 @@ class PoolCollector(Collector):
         for state, n in store.counts().items():
             g.add_metric([state.value], n)
         yield g
+        g = GaugeMetricFamily("epd_pool_state_bytes", "Feature bytes per lifecycle state",
+                              labels=["state"])
+        for state, n in store.bytes_by_state().items():
+            g.add_metric([state.value], n)
+        yield g
         for name, doc, value in (  # one tier, "cpu": features live in host memory
             ("epd_pool_feature_bytes", "Feature bytes held per tier", store.used),
             ("epd_pool_feature_budget_bytes", "Feature byte budget per tier", store.budget),

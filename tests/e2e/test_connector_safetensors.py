@@ -183,3 +183,10 @@ def test_duplicate_requests_under_a_tiny_encoder_cache_lose_nothing_and_leak_not
     assert wait_for(lambda: tight_metric("staged_bytes_total") ==
                     tight_metric("unstaged_bytes_total"), timeout=20, interval=0.5), (
         tight_metric("staged_bytes_total"), tight_metric("unstaged_bytes_total"))
+    # the feature lifecycle's books close too: every state's bytes back to zero (the sum of
+    # non-negative gauges over every state is zero only when each one is)
+    assert 'vllm:epd_feature_bytes{' in c["client"].get(tight.url + "/metrics").text
+    assert wait_for(lambda: tight_metric("feature_bytes") == 0, timeout=20, interval=0.5), [
+        line for line in c["client"].get(tight.url + "/metrics").text.splitlines()
+        if line.startswith("vllm:epd_feature_bytes")]
+    assert tight_metric("lifecycle_errors_total") == 0

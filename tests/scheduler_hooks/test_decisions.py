@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from scheduler_hooks.decisions import (
+    BUDGET_FULL,
     NOT_STORED,
     STEPS,
     Decision,
@@ -31,8 +32,10 @@ FAILED = Decision(Verdict.UNAVAILABLE, "a worker failed")  # failed earlier, rem
 DECISIONS = (READY, LOADING, LATE, WRONG, FAILED, Decision(Verdict.UNAVAILABLE, "not staged"))
 
 
-def run(facts: ItemFacts, probe: bool | None = True, decision: Decision = READY):
-    """The scheduler's loop: take each step the plan asks for, fill in its fact, ask again."""
+def run(facts: ItemFacts, probe: bool | None = True, decision: Decision = READY,
+        room: bool = True, expired: bool = False):
+    """The scheduler's loop: take each step the plan asks for, fill in its fact, ask again.
+    `room`: whether the staging budget takes a load; `expired`: the request waited too long."""
     steps = []
     plan = plan_item(facts)
     while plan.action in STEPS:
@@ -41,7 +44,8 @@ def run(facts: ItemFacts, probe: bool | None = True, decision: Decision = READY)
         if plan.action is A.PROBE:
             facts = dataclasses.replace(facts, lookup=lookup_of(probe))
         elif plan.action is A.LOAD:
-            facts = dataclasses.replace(facts, staged=True)
+            facts = dataclasses.replace(facts, staged=room, over_budget=not room,
+                                        budget_expired=expired)
         else:
             facts = dataclasses.replace(facts, decision=decision)
         plan = plan_item(facts)
@@ -93,6 +97,31 @@ def test_the_plan_for_each_case(facts, probe, decision, steps, action, defer):
     assert (got_steps, plan.action, plan.defer) == (steps, action, defer)
 
 
+@pytest.mark.parametrize("facts, expired, action, defer", [
+    # no room in the staging budget: the request waits, as for an item still loading
+    (ItemFacts(lookup=Lookup.YES, hinted=True), False, A.WAIT, True),
+    (ItemFacts(lookup=Lookup.YES, metadata_only=True), False, A.WAIT, True),
+    # waited load_timeout_s: vLLM encodes it, even where the policy fails late loads
+    (ItemFacts(lookup=Lookup.YES, hinted=True, policy="fail"), True, A.LOCAL_ENCODE, False),
+    (ItemFacts(promise=Promise.LANDED, hinted=True, lookup=Lookup.YES, policy="fail"), True,
+     A.LOCAL_ENCODE, False),
+    # ... but a metadata-only item has no media to encode
+    (ItemFacts(lookup=Lookup.YES, metadata_only=True), True, A.FAIL, True),
+])
+def test_an_item_over_the_budget_waits_then_is_encoded(facts, expired, action, defer):
+    steps, plan = run(facts, room=False, expired=expired)
+    assert (steps, plan.action, plan.defer) == ([A.LOAD], action, defer)
+    assert plan.why.startswith(BUDGET_FULL)
+    assert plan.report == expired and plan.timeout == expired
+
+
+def test_a_budget_wait_is_counted_as_a_timeout_once():
+    facts = ItemFacts(lookup=Lookup.YES, over_budget=True, budget_expired=True, reported=True,
+                      load_timeout_s=2.0)
+    plan = plan_item(facts)
+    assert plan.why == f"{BUDGET_FULL} for 2 s" and not plan.timeout
+
+
 def test_the_reasons_and_counts_a_plan_carries():
     _, plan = run(ItemFacts(staged=True), decision=LATE)
     assert plan.why == DEADLINE_PASSED and plan.failed_now and plan.timeout and plan.report
@@ -122,8 +151,9 @@ def _all_facts():
 def test_every_combination_keeps_the_rules():
     seen = set()
     for facts in _all_facts():
-        for probe, decision in itertools.product((True, False, None), DECISIONS):
-            steps, plan = run(facts, probe, decision)
+        for probe, decision, room, expired in itertools.product(
+                (True, False, None), DECISIONS, (True, False), (False, True)):
+            steps, plan = run(facts, probe, decision, room, expired)
             action = plan.action
             seen.add(action)
             assert len(steps) <= 3 and action not in STEPS
@@ -159,5 +189,10 @@ def test_every_combination_keeps_the_rules():
                 assert not plan.report and not plan.timeout and not plan.failed_now
             if plan.timeout:
                 assert (plan.why == DEADLINE_PASSED or (
-                    facts.promise is Promise.EXPIRED and not facts.reported))
+                    facts.promise is Promise.EXPIRED and not facts.reported)
+                    or (plan.why.startswith(BUDGET_FULL) and not facts.reported))
+            # no room in the budget: never loaded, never failed for it (but with no media)
+            if A.LOAD in steps and not room:
+                assert action is A.WAIT if not expired else (
+                    A.FAIL if facts.metadata_only else A.LOCAL_ENCODE)
     assert seen == {A.SKIP, A.USE, A.WAIT, A.LOCAL_ENCODE, A.FAIL}

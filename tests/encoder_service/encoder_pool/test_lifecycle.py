@@ -34,6 +34,18 @@ def test_full_path_discards_on_release_by_default():
     assert store.peak == 160 and store.discarded == 1
 
 
+def test_bytes_per_state_sum_to_used_and_return_to_zero():
+    store = FeatureStore(budget=1000)
+    store.begin("a", "image", est_bytes=160)
+    store.begin("b", "image", est_bytes=40)
+    store.encoded("b", emb(2))  # 32 bytes
+    assert store.bytes_by_state() == {S.ENCODING: 160, S.ENCODED_CPU: 32, S.DISCARDED: 0}
+    assert sum(store.bytes_by_state().values()) == store.used
+    store.discard("a")
+    store.release("b")
+    assert set(store.bytes_by_state().values()) == {0} and store.used == 0
+
+
 def test_keep_for_reuse_survives_release_until_told_otherwise():
     store = FeatureStore(budget=1000)
     store.begin("a", "image", 80, keep=True)

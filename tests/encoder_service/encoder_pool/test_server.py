@@ -155,6 +155,9 @@ def test_metrics_follow_the_lifecycle_and_release_discards(pool_server):
     assert s.client.post("/v1/release", json={"item_ids": ["m-1"]}).json() == {
         "m-1": "discarded"}
     assert metric('epd_pool_feature_bytes{tier="cpu"}') == held - 64 * 128 * 2
+    per_state = [metric(f'epd_pool_state_bytes{{state="{state}"}}')
+                 for state in ("encoding", "encoded_cpu", "discarded")]
+    assert sum(per_state) == metric('epd_pool_feature_bytes{tier="cpu"}') and per_state[2] == 0
     assert metric("epd_pool_published_total") >= 1
     assert s.client.get("/health").json() == {"ok": True}
 
