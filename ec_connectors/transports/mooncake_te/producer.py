@@ -452,8 +452,10 @@ class PullServer:
         return True
 
     def _give_up_s(self, nbytes: int) -> float:
-        """How long one chunk may take before its write counts as failed."""
-        return self.config.progress_timeout_s + nbytes / self.config.min_transfer_bytes_per_s
+        """How long one chunk may take before its write counts as failed: past the engine's
+        own progress timeout (MC_TCP_PROGRESS_TIMEOUT_SEC), so a stuck write is normally
+        failed, and stopped, by the engine first."""
+        return 2 * self.config.progress_timeout_s + nbytes / self.config.min_transfer_bytes_per_s
 
     def _landed(self, batch: int, give_up: float) -> int:
         """Wait for a submitted write: 0 once it landed, else the engine's code (or -3 past
