@@ -9,7 +9,7 @@ import hmac
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +40,8 @@ from ec_connectors.transports.mooncake_te.messages import (
 
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 _REGISTER_WAIT_S = 5.0  # a pull waits this long at most for its connection's Register
+_CHUNKS_AHEAD = 2  # chunk writes submitted and not yet seen landed, per pull
+_POLL_S = 0.0002  # between checks of a chunk write in flight
 
 
 @dataclass
@@ -406,23 +408,72 @@ class PullServer:
             self.store.unpin(held)
 
     def _write(self, msg: Pull, peer: bytes, held: Held, expires: float) -> bool:
-        """The item into the puller's buffer, chunk by chunk; False once a reply ended it."""
+        """The item into the puller's buffer, chunk by chunk; False once a reply ended it.
+
+        Up to `_CHUNKS_AHEAD` chunks are submitted at once (the engine sends the next while
+        we learn the previous landed); each is reported (`Progress`) as soon as it and all
+        before it landed, so the consumer verifies it while the rest flies. No reply goes
+        out while a submitted chunk may still write into the consumer's buffer."""
         nbytes = held.info.nbytes
         chunk = self.config.transfer_chunk_bytes or nbytes
-        for start in range(0, nbytes, chunk):
-            if self._expired(msg, peer, expires):
-                return False
-            n = min(chunk, nbytes - start)
-            rc = self.engine.transfer_sync_write(msg.session, held.buf.addr + start,
-                                                 msg.dst_addr + start, n)
-            if rc != 0:
-                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="transfer",
-                                             error=f"transfer_sync_write to {msg.session} "
-                                                   f"returned {rc}"))
-                return False
-            if start + n < nbytes:  # the consumer verifies it while the rest flies
-                self._reply(peer, Progress(pull_id=msg.pull_id, done=start + n))
+        starts = iter(range(0, nbytes, chunk))
+        flying: deque[tuple[int, int, float]] = deque()  # (batch id, end, give up at)
+        failure: PullFailed | None = None
+        expired = False
+        while True:
+            while failure is None and not expired and len(flying) < _CHUNKS_AHEAD:
+                start = next(starts, None)
+                if start is None:
+                    break
+                if time.monotonic() > expires:
+                    expired = True
+                    break
+                n = min(chunk, nbytes - start)
+                batch = self.engine.transfer_submit_write(msg.session, held.buf.addr + start,
+                                                          msg.dst_addr + start, n)
+                if not batch:
+                    failure = self._transfer_failed(msg, "transfer_submit_write", 0)
+                    break
+                flying.append((batch, start + n, time.monotonic() + self._give_up_s(n)))
+            if not flying:
+                break
+            batch, end, give_up = flying.popleft()
+            rc = self._landed(batch, give_up)
+            if rc != 0 and failure is None:
+                failure = self._transfer_failed(msg, "transfer_submit_write", rc)
+            elif failure is None and end < nbytes:
+                self._reply(peer, Progress(pull_id=msg.pull_id, done=end))
+        if failure is not None:
+            self._reply(peer, failure)
+            return False
+        if expired:  # the rest is never written: say so once nothing is in flight
+            self._expired(msg, peer, expires)
+            return False
         return True
+
+    def _give_up_s(self, nbytes: int) -> float:
+        """How long one chunk may take before its write counts as failed: past the engine's
+        own progress timeout (MC_TCP_PROGRESS_TIMEOUT_SEC), so a stuck write is normally
+        failed, and stopped, by the engine first."""
+        return 2 * self.config.progress_timeout_s + nbytes / self.config.min_transfer_bytes_per_s
+
+    def _landed(self, batch: int, give_up: float) -> int:
+        """Wait for a submitted write: 0 once it landed, else the engine's code (or -3 past
+        `give_up`). Sleeps between checks: the engine's own sync write spins a core while
+        it waits, a core the engine's sender and the consumer need on a small host."""
+        while True:
+            rc = self.engine.transfer_check_status(batch)
+            if rc == 1:
+                return 0
+            if rc < 0:
+                return rc
+            if time.monotonic() > give_up:
+                return -3
+            time.sleep(_POLL_S)
+
+    def _transfer_failed(self, msg: Pull, call: str, rc: int) -> PullFailed:
+        return PullFailed(pull_id=msg.pull_id, code="transfer",
+                          error=f"{call} to {msg.session} returned {rc}")
 
     def close(self) -> None:
         """Stop answering, then let the serve threads finish (queued pulls are dropped)."""

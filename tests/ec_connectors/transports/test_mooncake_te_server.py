@@ -228,3 +228,81 @@ def test_config_rejects_bad_producers_and_unknown_keys():
         EPDConfig.from_dict({"transport": "mooncake", "mooncake_protocol": "tcp"})
     cfg = EPDConfig.from_dict({"transport": "mooncake", "producers": ["10.0.0.5:15500"]})
     assert cfg.protocol == "tcp" and cfg.memory_pool_device == "cpu"
+
+
+class _ScriptedEngine:
+    """transfer_submit_write / transfer_check_status with chunk writes that land after a few
+    checks (or fail: `fail_at` chunk index), recording what is in flight."""
+
+    def __init__(self, fail_at: int = -1, checks: int = 3) -> None:
+        self.fail_at, self.checks = fail_at, checks
+        self.flying: dict[int, list[int]] = {}  # batch -> [checks left, chunk index]
+        self.submitted = 0
+
+    def transfer_submit_write(self, session, src, dst, n) -> int:
+        self.submitted += 1
+        self.flying[self.submitted] = [self.checks, self.submitted - 1]
+        return self.submitted
+
+    def transfer_check_status(self, batch) -> int:
+        left = self.flying[batch]
+        left[0] -= 1
+        if left[0] > 0:
+            return 0
+        del self.flying[batch]
+        return -1 if left[1] == self.fail_at else 1
+
+
+def _bare_server(engine, chunk: int):
+    from ec_connectors.transports.mooncake_te.producer import PullServer
+
+    server = PullServer.__new__(PullServer)  # no sockets: only _write is exercised
+    server.engine, server.stats, server.endpoint = engine, {"expired": 0}, "127.0.0.1:2"
+    server.config = EPDConfig.from_dict({"transport": "mooncake",
+                                         "transfer_chunk_bytes": chunk})
+    server.replies = []
+    server._reply = lambda peer, msg, payload=None: server.replies.append(
+        (msg, dict(engine.flying)))
+    return server
+
+
+def _held(nbytes: int):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(info=SimpleNamespace(nbytes=nbytes), buf=SimpleNamespace(addr=0))
+
+
+@pytest.mark.parametrize("fail_at", [-1, 0])
+def test_chunk_writes_report_in_order_and_reply_with_nothing_in_flight(fail_at):
+    """Chunks are submitted two ahead and checked without spinning; Progress follows the
+    order they land in; a failed chunk stops further submits, and the failure is answered
+    only once every submitted chunk finished (none may still write into the buffer)."""
+    from ec_connectors.transports.mooncake_te import messages
+
+    engine = _ScriptedEngine(fail_at=fail_at)
+    server = _bare_server(engine, chunk=4 * MiB)
+    pull = messages.Pull(pull_id=1, key="k", session="127.0.0.1:1", dst_addr=0,
+                         capacity=10 * MiB, timeout_s=30)
+    ok = server._write(pull, b"p", _held(10 * MiB), time.monotonic() + 30)
+    assert engine.flying == {}
+    if fail_at < 0:
+        assert ok and engine.submitted == 3
+        assert [m.done for m, _ in server.replies] == [4 * MiB, 8 * MiB]
+    else:
+        assert not ok and engine.submitted == 2  # the second was in flight; no third
+        (msg, flying), = server.replies  # no Progress: the first chunk failed
+        assert isinstance(msg, messages.PullFailed) and msg.code == "transfer"
+        assert flying == {}  # answered once the second had landed too
+
+
+def test_a_pull_that_expires_between_chunks_is_answered_expired_after_they_land():
+    from ec_connectors.transports.mooncake_te import messages
+
+    engine = _ScriptedEngine()
+    server = _bare_server(engine, chunk=4 * MiB)
+    pull = messages.Pull(pull_id=1, key="k", session="127.0.0.1:1", dst_addr=0,
+                         capacity=10 * MiB, timeout_s=30)
+    assert not server._write(pull, b"p", _held(10 * MiB), time.monotonic() - 1)
+    assert engine.submitted == 0 and server.stats["expired"] == 1
+    (msg, flying), = server.replies
+    assert isinstance(msg, messages.PullFailed) and msg.code == "expired"
