@@ -5,10 +5,29 @@ from __future__ import annotations
 
 import pytest
 
+from encoder_service.local.processes import VllmServer
+from encoder_service.local.testmodels import SPECS, build
+from tests.helpers import WORK
+
 _HERE = __file__.rsplit("/", 1)[0]
+AGG_PORT = 18390  # outside every test module's port range
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path).startswith(_HERE):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(scope="session")
+def aggregated():
+    """The aggregated tiny-LLaVA server (the reference answers), one for the session: started
+    by the first module that asks for it and stopped at the session's end. Yielded started but
+    maybe not yet healthy, so that it starts beside the module's own servers: call `wait()`
+    (at once once it is healthy) or check `healthy()` before using it."""
+    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+    server = VllmServer("aggregated", model, AGG_PORT, WORK / "test-e2e-agg", None, cpu_core=0)
+    try:
+        yield server.start()
+    finally:
+        server.stop()

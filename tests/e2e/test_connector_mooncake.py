@@ -1,5 +1,5 @@
 """End to end with real `vllm serve` processes, EPDConnector over the Mooncake Transfer Engine
-(TCP loopback): an aggregated server (the reference), an encoder-only producer and a
+(TCP loopback): the session's aggregated server (the reference), an encoder-only producer and a
 prefill/decode consumer that pulls embeddings from the producer's registered pool."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.e2e.client import (
     wait_metric,
 )
 from tests.e2e.client import metric as cons_metric
-from tests.helpers import LOOPBACK, WORK
+from tests.helpers import LOOPBACK, WORK, stop_all
 
 pytest.importorskip("mooncake.engine")
 BASE_PORT = 18350
@@ -39,11 +39,10 @@ def mooncake_extra(**more) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, aggregated):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     unused = tmp_path_factory.mktemp("unused")
     logs = WORK / "test-e2e-mooncake"
-    agg = VllmServer("aggregated", model, BASE_PORT, logs, None, cpu_core=0)
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
                       epd_config("ec_producer", unused, mooncake_extra()), cpu_core=0,
                       env=LOOPBACK)
@@ -53,14 +52,14 @@ def cluster(tmp_path_factory):
                                  mooncake_extra(producers=[producer_endpoint])), cpu_core=1,
                       env=LOOPBACK)
     try:
-        start_all([agg, prod, cons], progress=lambda m: print(f"[e2e-mc] {m}", flush=True))
+        start_all([prod, cons], progress=lambda m: print(f"[e2e-mc] {m}", flush=True))
+        aggregated.wait()
         client = httpx.Client(timeout=120)
-        yield {"agg": agg, "prod": prod, "cons": cons, "client": client,
+        yield {"agg": aggregated, "prod": prod, "cons": cons, "client": client,
                "endpoint": producer_endpoint}
         client.close()
     finally:
-        for s in (agg, prod, cons):
-            s.stop()
+        stop_all((prod, cons))
 
 
 def test_consumer_pulls_over_mooncake_and_equals_aggregated(cluster):

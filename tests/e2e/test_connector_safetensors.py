@@ -1,9 +1,9 @@
-"""End to end with real `vllm serve` processes on the locally built tiny LLaVA: an aggregated
-server (the reference), an encoder-only producer and a prefill/decode consumer, EPDConnector
-over the safetensors transport. The producer also writes each item into same-host shared
-memory (tiers ["shm", "safetensors"]), which the tight-cache consumer reads first: the shm
-transport between real vLLM processes, with no servers of its own. Counts come from the
-consumers' Prometheus /metrics."""
+"""End to end with real `vllm serve` processes on the locally built tiny LLaVA: the session's
+aggregated server (the reference), an encoder-only producer and a prefill/decode consumer,
+EPDConnector over the safetensors transport. The producer also writes each item into
+same-host shared memory (tiers ["shm", "safetensors"]), which the tight-cache consumer reads
+first: the shm transport between real vLLM processes, with no servers of its own. Counts
+come from the consumers' Prometheus /metrics."""
 
 from __future__ import annotations
 
@@ -29,19 +29,18 @@ from tests.e2e.client import (
     tokens,
     wait_metric,
 )
-from tests.helpers import WORK, wait_for
+from tests.helpers import WORK, stop_all, wait_for
 
 BASE_PORT = 18300
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, aggregated):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     storage = tmp_path_factory.mktemp("ec-store")
     shm = f"/dev/shm/epd-e2e-{uuid.uuid4().hex[:8]}"
     tiers = {"transport": ["shm", "safetensors"], "shm_path": shm}
     logs = WORK / "test-e2e"
-    agg = VllmServer("aggregated", model, BASE_PORT, logs, None, cpu_core=0)
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
                       epd_config("ec_producer", storage,
                                  {**tiers, "shm_arena_bytes": 64 << 20}), cpu_core=0)
@@ -52,15 +51,16 @@ def cluster(tmp_path_factory):
                        epd_config("ec_consumer", storage,
                                   {**tiers, "shm_consumer_pool_bytes": 32 << 20}), cpu_core=1,
                        extra_args=["--max-num-batched-tokens", "256"])
-    servers = [agg, prod, cons, tight]
-    start_all(servers, progress=lambda m: print(f"[e2e] {m}", flush=True))
-    client = httpx.Client(timeout=120)
-    yield {"agg": agg, "prod": prod, "cons": cons, "tight": tight, "storage": storage,
-           "client": client}
-    client.close()
-    for s in servers:
-        s.stop()
-    shutil.rmtree(shm, ignore_errors=True)
+    servers = [prod, cons, tight]
+    try:
+        start_all(servers, progress=lambda m: print(f"[e2e] {m}", flush=True))
+        aggregated.wait()
+        with httpx.Client(timeout=120) as client:
+            yield {"agg": aggregated, "prod": prod, "cons": cons, "tight": tight,
+                   "storage": storage, "client": client}
+    finally:
+        stop_all(servers)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def stored_file(c, item_id) -> Path:

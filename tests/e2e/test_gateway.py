@@ -1,7 +1,8 @@
 """The gateway end to end: `epd up` (a real subprocess: vLLM encoder + vLLM prefill/decode +
-gateway on the tiny model) beside an aggregated vLLM server (the reference). Answers through
-the gateway must equal the aggregated server's; counts come from /metrics. The last tests
-kill the encoder, then stop `epd up` with SIGTERM and check that nothing is left behind."""
+gateway on the tiny model) beside the session's aggregated vLLM server (the reference).
+Answers through the gateway must equal the aggregated server's; counts come from /metrics. The
+last tests kill the encoder, then stop `epd up` with SIGTERM and check that nothing is left
+behind."""
 
 from __future__ import annotations
 
@@ -27,13 +28,13 @@ from tests.e2e.client import MODEL_NAME
 from tests.helpers import ROOT, WORK, alive, descendants, wait_for
 
 PROMPT = "what is in this picture"
-AGG_PORT, UP_PORT = 18580, 18570  # up: gateway 18570, encoder 18571, decode 18572
+UP_PORT = 18570  # up: gateway 18570, encoder 18571, decode 18572
 ENC_URL, DEC_URL = f"http://127.0.0.1:{UP_PORT + 1}", f"http://127.0.0.1:{UP_PORT + 2}"
 GW = f"http://127.0.0.1:{UP_PORT}"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, aggregated):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     work = WORK / "test-gateway-e2e"
     conf = tmp_path_factory.mktemp("up") / "up.json"
@@ -43,7 +44,7 @@ def cluster(tmp_path_factory):
         "storage_path": str(storage), "transport": "safetensors",  # tests read its files
         # no probes: the tests count the encoder's finished requests
         "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}))
-    agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0).start()
+    agg = aggregated
     work.mkdir(parents=True, exist_ok=True)
     up_log = open(work / "epd-up.log", "wb")  # noqa: SIM115 - closed at teardown
     up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
@@ -60,12 +61,11 @@ def cluster(tmp_path_factory):
             return False
 
     try:
-        assert wait_for(ready, timeout=420, interval=1.0), "cluster not ready in 420 s"
+        assert wait_for(ready, timeout=420, interval=0.2), "cluster not ready in 420 s"
         yield {"agg": agg, "up": up, "client": client, "log": work / "epd-up.log",
                "storage": storage, "work": work}
     finally:
         client.close()
-        agg.stop()
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
             up.wait(timeout=90)

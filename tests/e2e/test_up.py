@@ -1,13 +1,14 @@
-"""`epd up` with the Mooncake Transfer Engine transport, end to end: a real `epd up`
-subprocess (1 encoder + 1 vLLM prefill/decode + gateway on the tiny model, TCP loopback, no
-master) beside an aggregated vLLM server (the reference). Then the same with the batching
-encoder pool (`epd encoder`) as the encoder backend. Answers through the gateway must equal
-the aggregated server's greedy tokens; the decode instance must really load the embedding
-(vllm:epd_loads_total); a repeated image must be a gateway cache hit (Mooncake availability:
-the producers' announcements) with no encoder call. Last, `transport = "tiered"` (Transfer
-Engine, Mooncake Store, shared directory): `epd up` starts the store master first, the item
-lands in every tier, and the master is gone after the stop.
-The first two run with a deployment secret: every encoder and prefill/decode server answers
+"""`epd up` with the Mooncake Transfer Engine, end to end: a real `epd up` subprocess (1
+encoder + 1 vLLM prefill/decode + gateway on the tiny model, TCP loopback) beside the
+session's aggregated vLLM server (the reference). Two deployments (each `epd up` costs a minute
+of vLLM start-up on two cores): `transport = "mooncake"` with the batching encoder pool (`epd
+encoder`) as the encoder backend, no master; `transport = "tiered"` (Transfer Engine, Mooncake
+Store, shared directory) with a vLLM encoder: `epd up` starts the store master first, the item
+lands in every tier, and the master is gone after the stop. Answers through the gateway must
+equal the aggregated server's greedy tokens; the decode instance must really load the
+embedding (vllm:epd_loads_total); a repeated image must be a gateway cache hit (Mooncake
+availability: the producers' announcements) with no encoder call.
+Both run with a deployment secret: every encoder and prefill/decode server answers
 401 to a call without the deployment's API key while the gateway's answers still work. Each
 deployment's listening sockets are scanned (psutil): all on 127.0.0.1, but for the Mooncake
 Transfer Engine's own two per process, which Mooncake binds to every interface with no setting
@@ -39,9 +40,7 @@ from tests.helpers import ROOT, WORK, alive, descendants, wait_for
 
 pytest.importorskip("mooncake.engine")
 PROMPT = "what is in this picture"
-AGG_PORT = 18650
-VLLM_UP, POOL_UP = 18640, 18660  # gateway; encoder +1, decode +2
-VLLM_MC, POOL_MC = 16600, 16610  # mooncake side channels (announcements +1000)
+POOL_UP, POOL_MC = 18660, 16610  # gateway, encoder +1, decode +2; mooncake (announcements +1000)
 TIERED_UP, TIERED_MC, TIERED_MASTER = 18670, 16620, 19950  # master: RPC, metadata +1, metrics +2
 HIT = 'epd_gateway_items_total{outcome="cache_hit"}'
 ENCODED = 'epd_gateway_items_total{outcome="encoded"}'
@@ -61,12 +60,9 @@ def client():
 
 
 @pytest.fixture(scope="module")
-def agg(model):
-    """The aggregated reference; started here, waited for by the first deployment."""
-    server = VllmServer("aggregated", model, AGG_PORT, WORK / "test-up-mooncake", None,
-                        cpu_core=0).start()
-    yield server
-    server.stop()
+def agg(aggregated):
+    """The session's aggregated reference; the first deployment waits for it."""
+    return aggregated
 
 
 @contextlib.contextmanager
@@ -211,36 +207,6 @@ def assert_overlapped(client, d, agg, seed: int) -> None:
                     interval=0.1), "the decode instance did not load the embedding"
 
 
-def test_epd_up_mooncake_vllm_encoder(model, client, agg):
-    secret = secret_file("vllm")
-    with epd_up("vllm", config(model, VLLM_UP, VLLM_MC, secret_file=str(secret)), client,
-                agg) as d:
-        assert_keyed(client, d, secret)
-        assert_listeners(d)
-        assert "requires the API key" in d["log"].read_text()
-        key = api_key(read_secret(secret)).encode()  # never logged, by us or by vLLM
-        assert not [f for f in (d["log"], *(d["work"] / "up" / "logs").glob("*.log"))
-                    if key in f.read_bytes()]
-        image = sample_image_png(seed=701)
-        ref = ask(client, agg.url, image)
-        loads, encoded = metric(client, d["dec"], LOADS), metric(client, d["gw"], ENCODED)
-        assert ask(client, d["gw"], image) == ref
-        assert metric(client, d["gw"], ENCODED) == encoded + 1
-        assert metric(client, d["gw"], FALLBACK) == 0
-        assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
-                        interval=0.1), "the decode instance did not load the embedding"
-        # the same image again: the producer holds it (announced), no encoder call
-        calls, hits = encoder_calls(client, d["enc"]), metric(client, d["gw"], HIT)
-        assert ask(client, d["gw"], image) == ref
-        assert metric(client, d["gw"], HIT) == hits + 1
-        assert metric(client, d["gw"], ENCODED) == encoded + 1
-        assert encoder_calls(client, d["enc"]) == calls
-        assert "availability=mooncake" in d["log"].read_text()
-        # a new image: sent to the decode instance while encoded (overlap; the encoder was
-        # seen to publish no placeholder metadata); it waits for the announcement, then pulls
-        assert_overlapped(client, d, agg, seed=702)
-
-
 def test_epd_up_mooncake_encoder_pool(model, client, agg):
     secret = secret_file("pool")
     conf = config(model, POOL_UP, POOL_MC, encoder_backend="pool", secret_file=str(secret),
@@ -271,11 +237,19 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
         assert_overlapped(client, d, agg, seed=703)
 
 
-def test_epd_up_tiered_starts_the_store_master_first_and_stops_it(model, client, agg):
-    conf = config(model, TIERED_UP, TIERED_MC, transport="tiered", master_port=TIERED_MASTER)
+def test_epd_up_tiered_vllm_encoder_starts_the_store_master_first_and_stops_it(
+        model, client, agg):
+    """The Transfer Engine in front of the store and the shared directory, a vLLM encoder,
+    a deployment secret. One deployment for the checks of `epd up` with a vLLM encoder over
+    the Transfer Engine (keys, listeners, announcements: a gateway cache hit, overlap) and
+    those of the tiered transport (store master first and last, every tier written)."""
+    secret = secret_file("tiered")
+    conf = config(model, TIERED_UP, TIERED_MC, transport="tiered", master_port=TIERED_MASTER,
+                  secret_file=str(secret))
     master_metrics = f"http://127.0.0.1:{TIERED_MASTER + 2}"
     with epd_up("tiered", conf, client, agg) as d:
         (master,) = [p for p in d["procs"] if b"mooncake_master" in _cmdline(p)]
+        assert_keyed(client, d, secret)
         # the Store clients' engines too; the master's RPC and metrics ports on loopback, its
         # HTTP metadata server on every interface (mooncake_master ignores
         # --http_metadata_server_host)
@@ -283,18 +257,33 @@ def test_epd_up_tiered_starts_the_store_master_first_and_stops_it(model, client,
         assert {TIERED_MASTER, TIERED_MASTER + 2} <= {p for _, p in loopback}
         log = d["log"].read_text()
         assert log.index("mooncake-master healthy") < log.index("starting encoder-0")
-        image = sample_image_png(seed=703)
+        assert "requires the API key" in log
+        key = api_key(read_secret(secret)).encode()  # never logged, by us or by vLLM
+        assert not [f for f in (d["log"], *(d["work"] / "up" / "logs").glob("*.log"))
+                    if key in f.read_bytes()]
+        image = sample_image_png(seed=701)
         ref = ask(client, agg.url, image)
-        loads = metric(client, d["dec"], LOADS)
+        loads, encoded = metric(client, d["dec"], LOADS), metric(client, d["gw"], ENCODED)
         assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], ENCODED) == encoded + 1
+        assert metric(client, d["gw"], FALLBACK) == 0
         assert wait_for(lambda: metric(client, d["dec"], LOADS) >= loads + 1, timeout=5,
                         interval=0.1), "the decode instance did not load the embedding"
         # saves write every tier: the store (a key on the master) and the shared directory
         assert wait_for(lambda: metric(client, master_metrics, "master_key_count") >= 1,
                         timeout=5, interval=0.1), "the item never reached the store"
         assert list((d["work"] / "up" / "ec-cache").rglob("*.safetensors"))
-        assert metric(client, d["dec"], "vllm:epd_transport_down_total") == 0
+        # the same image again: the producer holds it (announced), no encoder call
+        calls, hits = encoder_calls(client, d["enc"]), metric(client, d["gw"], HIT)
+        assert ask(client, d["gw"], image) == ref
+        assert metric(client, d["gw"], HIT) == hits + 1
+        assert metric(client, d["gw"], ENCODED) == encoded + 1
+        assert encoder_calls(client, d["enc"]) == calls
         assert "availability=mooncake" in d["log"].read_text()
+        # a new image: sent to the decode instance while encoded (overlap; the encoder was
+        # seen to publish no placeholder metadata); it waits for the announcement, then pulls
+        assert_overlapped(client, d, agg, seed=702)
+        assert metric(client, d["dec"], "vllm:epd_transport_down_total") == 0
     assert not alive(master), "the store master outlived epd up"
     assert "stopping mooncake-master" in d["log"].read_text()
 
