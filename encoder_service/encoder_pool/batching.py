@@ -12,12 +12,17 @@ Contract of `EncoderPool`:
   item would take it past `max_batch_tokens` estimated embedding rows (that item opens the
   next batch; an item over the budget alone is a batch of one), or when the oldest queued
   item has waited `max_wait_ms`; it goes to the eligible worker with the least outstanding
-  work.
+  work, formed batches in the order they started waiting (modalities take turns).
 - An item whose deadline passes while queued is failed (`ItemFailed`, code "timeout") without
   being encoded. An exception fails that item only: a failing batch is re-run item by item.
   Out of memory: the batch is split; a single item that still does not fit fails ("oom")
   and goes to the decode instance as raw media. It is never retried at reduced resolution:
   that embedding (fewer tokens) would be published under the full-resolution item's id.
+- A video whose encoder may split it (`MediaEncoder.chunks_video`) and whose embedding is
+  over `video_chunk_tokens` rows is queued as chunks of whole temporal groups (chunking.py):
+  each chunk is a job of its own (a queue slot, batched with other items under the token
+  budget), so other batches run between them; the item resolves once every chunk has been
+  placed into its embedding, and fails as a whole (its other chunks are then not encoded).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from encoder_service.encoder_pool.chunking import Assembly, split_video
 from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
 from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
@@ -62,10 +68,22 @@ class PoolStats:
     batch_sizes: list[int] = field(default_factory=list)  # last 1024 batches
     oom_failures: int = 0
     reuse_hits: int = 0
+    chunked_items: int = 0  # videos encoded in chunks
+    chunks: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
 
     def fail(self, code: str) -> None:
         self.items_failed[code] = self.items_failed.get(code, 0) + 1
+
+
+@dataclass
+class _Whole:
+    """The item a chunk job belongs to: its embedding assembling, and its waiters."""
+
+    item_id: str
+    assembly: Assembly
+    future: asyncio.Future
+    failed: bool = False
 
 
 @dataclass
@@ -75,6 +93,8 @@ class _Job:
     deadline: float
     enqueued: float
     future: asyncio.Future
+    whole: _Whole | None = None  # set on a chunk job
+    chunk: int = 0
 
 
 class Worker:
@@ -123,7 +143,7 @@ class EncoderPool:
     def __init__(self, workers: Sequence[Worker], store: FeatureStore, *,
                  max_batch_size: int = 8, max_batch_tokens: int = 16384,
                  max_wait_ms: float = 5.0, max_queue_items: int = 256,
-                 retry_after_s: float = 1.0) -> None:
+                 retry_after_s: float = 1.0, video_chunk_tokens: int = 0) -> None:
         if not workers:
             raise ValueError("the pool needs at least one worker")
         self.workers = list(workers)
@@ -133,6 +153,7 @@ class EncoderPool:
         self.max_wait_s = max_wait_ms / 1000.0
         self.max_queue_items = max_queue_items
         self.retry_after_s = retry_after_s
+        self.video_chunk_tokens = video_chunk_tokens
         self.modalities = sorted({m for w in self.workers for m in w.encoder.modalities})
         self.stats = PoolStats()
         self.on_batch: Callable[[int, float], None] | None = None  # (size, seconds) hook
@@ -141,6 +162,8 @@ class EncoderPool:
         self._tasks: list[asyncio.Task] = []
         self._batch_tasks: set[asyncio.Task] = set()
         self._worker_free: asyncio.Condition | None = None
+        self._tickets = itertools.count()
+        self._waiting: dict[int, str] = {}  # ticket -> modality of a batch awaiting a worker
         ref = self.workers[0].encoder
         self.hidden_size, self.dtype = ref.hidden_size, ref.dtype
 
@@ -171,6 +194,17 @@ class EncoderPool:
     def free_slots(self, modality: str) -> int:
         return self.max_queue_items - self.queue_depth(modality)
 
+    def split(self, item: MediaItem):
+        """The chunks `item` is queued as ([]: one job), chunking.split_video's."""
+        if not (self.video_chunk_tokens and getattr(self.workers[0].encoder, "chunks_video",
+                                                    False)):
+            return []
+        return split_video(item, self.video_chunk_tokens)
+
+    def slots(self, item: MediaItem) -> int:
+        """Queue slots `item` takes: one per chunk."""
+        return len(self.split(item)) or 1
+
     # -- admission ---------------------------------------------------------------------
     def estimate_bytes(self, item: MediaItem) -> tuple[int, int]:
         tokens = self.workers[0].encoder.estimate_tokens(item)
@@ -193,7 +227,8 @@ class EncoderPool:
             fut.set_result(feature.tensor)
             return fut
         queue = self._queues[item.modality]
-        if queue.full():
+        chunks = self.split(item)
+        if self.max_queue_items - queue.qsize() < max(1, len(chunks)):
             self.stats.rejected["queue_full"] = self.stats.rejected.get("queue_full", 0) + 1
             raise Overloaded(f"{item.modality} queue is full ({self.max_queue_items} items)",
                              self.retry_after_s)
@@ -203,11 +238,18 @@ class EncoderPool:
         except Exception:
             self.stats.rejected["budget"] = self.stats.rejected.get("budget", 0) + 1
             raise
-        now = time.monotonic()
-        job = _Job(item, tokens, now + timeout_s, now, loop.create_future())
-        queue.put_nowait(job)
-        self._inflight[item.item_id] = job.future
-        return job.future
+        now, future = time.monotonic(), loop.create_future()
+        if not chunks:
+            queue.put_nowait(_Job(item, tokens, now + timeout_s, now, future))
+        else:
+            whole = _Whole(item.item_id, Assembly(item.item_id, chunks), future)
+            for c in chunks:
+                queue.put_nowait(_Job(c.item, c.rows[1] - c.rows[0], now + timeout_s, now,
+                                      future, whole, c.index))
+            self.stats.chunked_items += 1
+            self.stats.chunks += len(chunks)
+        self._inflight[item.item_id] = future
+        return future
 
     async def encode(self, item: MediaItem, timeout_s: float, keep: bool = False
                      ) -> torch.Tensor:
@@ -246,6 +288,8 @@ class EncoderPool:
                 now = time.monotonic()
                 live = []
                 for job in batch:
+                    if job.whole is not None and job.whole.failed:
+                        continue  # another chunk failed the item: nothing to encode for
                     if job.deadline <= now:
                         self._finish(job, ItemFailed(job.item.item_id, "timeout",
                                                      "deadline passed while queued"))
@@ -265,16 +309,28 @@ class EncoderPool:
                                                "pool stopped"))
 
     async def _acquire_worker(self, modality: str) -> Worker:
+        """The least loaded eligible worker, for formed batches in the order they started
+        waiting: a modality whose next batch is formed at once (a video's chunks) would
+        otherwise win every release, asyncio waking its loop first."""
         assert self._worker_free is not None
         async with self._worker_free:
-            while True:
-                ready = [w for w in self.workers
-                         if w.eligible and modality in w.encoder.modalities]
-                if ready:
-                    w = min(ready, key=lambda w: (w.outstanding_tokens, w.inflight, w.batches))
-                    w.inflight += 1
-                    return w
-                await self._worker_free.wait()
+            ticket = next(self._tickets)
+            self._waiting[ticket] = modality
+            try:
+                while True:
+                    ready = [w for w in self.workers if w.eligible
+                             and modality in w.encoder.modalities
+                             and not any(t < ticket and m in w.encoder.modalities
+                                         for t, m in self._waiting.items())]
+                    if ready:
+                        w = min(ready, key=lambda w: (w.outstanding_tokens, w.inflight,
+                                                      w.batches))
+                        w.inflight += 1
+                        return w
+                    await self._worker_free.wait()
+            finally:
+                del self._waiting[ticket]
+                self._worker_free.notify_all()  # younger waiters: another worker may do
 
     async def _release_worker(self, worker: Worker, tokens: int) -> None:
         assert self._worker_free is not None
@@ -304,7 +360,27 @@ class EncoderPool:
             self._finish(job, res)
 
     def _finish(self, job: _Job, result: torch.Tensor | BaseException) -> None:
-        item_id = job.item.item_id
+        whole = job.whole
+        if whole is None:
+            self._finish_item(job.item.item_id, job.future, result)
+            return
+        if whole.failed:
+            return
+        if isinstance(result, torch.Tensor):
+            try:
+                result = whole.assembly.place(job.chunk, result)
+            except ValueError as exc:
+                result = ItemFailed(whole.item_id, "encode_error", str(exc))
+            if result is None:
+                return  # chunks still to come
+        elif isinstance(result, ItemFailed):
+            result = ItemFailed(whole.item_id, result.code, f"chunk {job.chunk}: "
+                                f"{result.reason}")
+        whole.failed = isinstance(result, BaseException)
+        self._finish_item(whole.item_id, whole.future, result)
+
+    def _finish_item(self, item_id: str, future: asyncio.Future,
+                     result: torch.Tensor | BaseException) -> None:
         self._inflight.pop(item_id, None)
         if isinstance(result, torch.Tensor):
             try:
@@ -319,12 +395,12 @@ class EncoderPool:
             self.stats.fail(code)
             if not isinstance(result, ItemFailed):
                 result = ItemFailed(item_id, "encode_error", repr(result))
-        if not job.future.done():
+        if not future.done():
             if isinstance(result, BaseException):
-                job.future.set_exception(result)
-                job.future.exception()  # mark retrieved: a timed-out waiter is gone
+                future.set_exception(result)
+                future.exception()  # mark retrieved: a timed-out waiter is gone
             else:
-                job.future.set_result(result)
+                future.set_result(result)
 
     # -- runs on a worker thread ---------------------------------------------------------
     def _encode_isolated(self, encoder: MediaEncoder, items: list[MediaItem]

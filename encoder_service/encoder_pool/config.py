@@ -40,6 +40,11 @@ class PoolConfig(BaseModel):
                                   "per batch (a batch holds one modality; a video is many "
                                   "images' worth): the next item that would pass it opens the "
                                   "next batch")
+    video_chunk_tokens: int = Field(default=2048, ge=0, description="a video over this many "
+                                    "embedding rows is encoded in chunks of whole temporal "
+                                    "groups of at most this many rows, where the model's "
+                                    "tower allows it (Qwen2.5-VL/Omni), so other batches run "
+                                    "between them; 0 = encode every video whole")
     max_wait_ms: float = Field(default=5.0, ge=0, le=10_000)
     max_queue_items: int = Field(default=256, ge=1)  # per modality; beyond it: HTTP 429
     retry_after_s: float = Field(default=1.0, gt=0)
@@ -54,6 +59,10 @@ class PoolConfig(BaseModel):
     max_media_bytes: int = Field(default=20 * MiB, gt=0)
     max_image_pixels: int = Field(default=4096 * 4096, gt=0)
     max_items_per_request: int = Field(default=64, ge=1)
+    media_io_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="vLLM's --media-io-kwargs, e.g. {\"video\": "
+        "{\"num_frames\": 120}}: must be the decode instances' (the frames kept decide the "
+        "embedding)")
 
     # --- publishing (EPDConnector's ec_connector_extra_config; namespace defaults to the
     # served model name so vLLM consumers of that model find the items) ---

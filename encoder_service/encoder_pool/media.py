@@ -90,11 +90,13 @@ def payload_bytes(item_id: str, data: str, max_bytes: int) -> bytes:
 
 
 def decode_video(item_id: str, data: str, max_bytes: int, max_pixels: int,
-                 video_processor: str | None = None) -> MediaItem:
+                 video_processor: str | None = None,
+                 media_io_kwargs: dict[str, dict[str, Any]] | None = None) -> MediaItem:
     """A video data URL as vLLM decodes it (`MediaConnector.fetch_video`): a JPEG frame list
     (`data:video/jpeg;base64,<f1>,<f2>,...`, the frames vLLM keeps, each checked for its
     pixel count before decoding) or a container (mp4, webm...: vLLM's loader samples the
-    frames); `video_processor`: the model's (it picks vLLM's loader)."""
+    frames); `video_processor`: the model's (it picks vLLM's loader); `media_io_kwargs`:
+    vLLM's server-wide --media-io-kwargs (num_frames, fps...), as the servers are given."""
     from vllm.multimodal.media import MediaConnector
     from vllm.multimodal.media.image import ImageMediaIO
     from vllm.multimodal.media.video import VideoMediaIO
@@ -105,11 +107,14 @@ def decode_video(item_id: str, data: str, max_bytes: int, max_pixels: int,
     if len(body) > (max_bytes * 4) // 3 + 8:
         raise BadMedia(item_id, f"media is larger than the {max_bytes}-byte limit")
     if head[5:].split(";")[0].lower() == "video/jpeg":
-        keep = VideoMediaIO(ImageMediaIO()).num_frames  # vLLM uses the first `keep` frames
-        for part in body.split(",", keep)[:keep]:
+        video_kwargs = (media_io_kwargs or {}).get("video", {})
+        keep = VideoMediaIO(ImageMediaIO(), **video_kwargs).num_frames  # the first `keep`
+        keep = keep if keep > 0 else None  # -1: every frame
+        for part in (body.split(",", keep)[:keep] if keep else body.split(",")):
             _probe_pixels(item_id, payload_bytes(item_id, part, max_bytes), max_pixels)
     try:
-        video = MediaConnector().fetch_video(data, video_processor=video_processor)
+        video = MediaConnector(media_io_kwargs=media_io_kwargs).fetch_video(
+            data, video_processor=video_processor)
         frames = video.media[0]
     except Exception as exc:  # noqa: BLE001 - decoders report bad bytes as many types
         raise BadMedia(item_id, f"cannot decode video: {exc}") from None

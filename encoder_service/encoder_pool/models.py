@@ -44,6 +44,9 @@ class MediaEncoder(Protocol):
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
+    # the tower attends within a video's temporal patch groups only: a chunk of whole groups
+    # encodes to the whole encode's rows (chunking.py)
+    chunks_video: bool
 
     def prepare(self, item: MediaItem) -> MediaItem:
         """The item preprocessed (at the pool's door), or BadMedia."""
@@ -62,6 +65,11 @@ class MediaEncoder(Protocol):
         part (vLLM's `embedding_fields`); {} when the model takes raw media only."""
         ...
 
+
+# Towers that attend within a temporal patch group only (vLLM's model files: `cu_seqlens` per
+# group, window and full-attention layers alike; position embeddings spatial, tiled over
+# time), so a video may be encoded in chunks of whole groups (chunking.py).
+CHUNKS_VIDEO = frozenset({"Qwen2_5_VLForConditionalGeneration", "Qwen2_5OmniModel"})
 
 _INIT_LOCK = threading.Lock()
 _FORWARD_LOCK = threading.Lock()  # vLLM's current config / forward context are globals
@@ -140,6 +148,7 @@ class VllmEncoder:
         self.modalities = tuple(m for m in ("image", "video", "audio") if m in limits)
         self.dtype = mc.dtype
         self.hidden_size = mc.get_inputs_embeds_size()
+        self.chunks_video = bool(set(mc.architectures or ()) & CHUNKS_VIDEO)
         # the loader vLLM's chat front end picks for this model's video processor
         self.video_processor = get_video_processor_cls_name(mc)
         self._placeholders = Placeholders(mc)

@@ -112,7 +112,8 @@ def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -
     return EncoderPool(workers, store, max_batch_size=config.max_batch_size,
                        max_batch_tokens=config.max_batch_tokens,
                        max_wait_ms=config.max_wait_ms, max_queue_items=config.max_queue_items,
-                       retry_after_s=config.retry_after_s)
+                       retry_after_s=config.retry_after_s,
+                       video_chunk_tokens=config.video_chunk_tokens)
 
 
 class _Refused(Exception):
@@ -191,7 +192,8 @@ class EncodeHandler:
                                           f"(served: {', '.join(modalities)})")
                 if it.modality == "video":
                     item = decode_video(it.id, it.data, config.max_media_bytes,
-                                        config.max_image_pixels, self.video_processor)
+                                        config.max_image_pixels, self.video_processor,
+                                        config.media_io_kwargs)
                 else:
                     raw = payload_bytes(it.id, it.data, config.max_media_bytes)
                     item = (decode_audio(it.id, raw) if it.modality == "audio" else
@@ -204,8 +206,8 @@ class EncodeHandler:
     def admit(self, items: list[MediaItem]) -> None:
         """All or nothing for the queue: every modality's queue must hold its items."""
         need: dict[str, int] = {}
-        for it in items:
-            need[it.modality] = need.get(it.modality, 0) + 1
+        for it in items:  # a chunked video takes a slot per chunk
+            need[it.modality] = need.get(it.modality, 0) + self.pool.slots(it)
         for modality, n in need.items():
             if self.pool.free_slots(modality) < n:
                 rejected = self.pool.stats.rejected

@@ -71,6 +71,11 @@ SPECS = {
     # video (2-frame temporal patches) and, for the Omni thinker, audio (Whisper mels).
     "qwen-vl": ModelSpec(name="qwen-vl", family="qwen2_5_vl", lm_heads=2),
     "qwen-omni": ModelSpec(name="qwen-omni", family="qwen2_5_omni", lm_heads=2),
+    # Qwen2.5-VL with a vision tower that costs what a real one does relative to the tiny
+    # language model: a 120-frame 112 px video takes over a second on one CPU core, long
+    # enough to hold images queued behind it (benchmarks/video_chunk_bench.py)
+    "qwen-vl-heavy": ModelSpec(name="qwen-vl-heavy", family="qwen2_5_vl", lm_heads=2,
+                               vision_hidden=512, vision_layers=8, vision_heads=8),
     # 16 px patches; a 128 px image -> 16 tokens, each 256 wide (DeepStack) for a 128-wide LM
     "qwen3-vl": ModelSpec(name="qwen3-vl", family="qwen3_vl", lm_heads=2, patch_size=16),
 }

@@ -1,0 +1,226 @@
+"""Chunked video encoding: the split on temporal-patch boundaries, the assembly by position
+map, and the pool queueing chunks as jobs of their own. The encoder is a fake that maps each
+pixel row group to an embedding row (a tower that attends within temporal groups only); the
+real Qwen towers are checked bit for bit against vLLM in tests/e2e/test_encoder_pool_qwen.py."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from vllm.multimodal.inputs import (
+    MultiModalBatchedField,
+    MultiModalFieldElem,
+    MultiModalFlatField,
+    MultiModalKwargsItem,
+)
+
+from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
+from encoder_service.encoder_pool.chunking import Assembly, split_video
+from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
+from encoder_service.encoder_pool.media import MediaItem
+
+MERGE = 4  # pixel rows per embedding row (a 2x2 spatial merge)
+DIM = 3
+
+
+def video(item_id: str, t: int, h: int = 4, w: int = 4, seed: int = 0) -> MediaItem:
+    gen = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(t * h * w, 6, generator=gen)
+    kwargs = MultiModalKwargsItem({
+        "pixel_values_videos": MultiModalFieldElem(data=pixels, field=MultiModalFlatField(
+            slices=[[slice(0, t * h * w)]], dim=0)),
+        "video_grid_thw": MultiModalFieldElem(data=torch.tensor([t, h, w]),
+                                              field=MultiModalBatchedField()),
+        "second_per_grid_ts": MultiModalFieldElem(data=torch.tensor(1.0),
+                                                  field=MultiModalBatchedField()),
+    })
+    return MediaItem(item_id, "video", prepared=kwargs, num_embeds=t * h * w // MERGE)
+
+
+class FakeTower:
+    """Embedding row i = the mean of pixel rows [4i, 4i+4) (first DIM columns): what a tower
+    attending within temporal groups gives, whatever the chunking. Images: 1 row."""
+
+    modalities = ("image", "video")
+    hidden_size = DIM
+    dtype = torch.float32
+    device = torch.device("cpu")
+    chunks_video = True
+
+    def __init__(self, delay_per_row: float = 0.0, fail: set[str] | None = None) -> None:
+        self.delay_per_row, self.fail = delay_per_row, fail or set()
+        self.log: list[list[str]] = []
+        self.lock = threading.Lock()
+
+    def estimate_tokens(self, item):
+        return item.num_embeds if item.modality == "video" else 1
+
+    def encode(self, items):
+        with self.lock:
+            self.log.append([it.item_id for it in items])
+        out = []
+        for it in items:
+            if it.item_id in self.fail:
+                raise ValueError(f"cannot encode {it.item_id}")
+            if it.modality == "image":
+                out.append(torch.ones(1, DIM))
+                continue
+            px = it.prepared["pixel_values_videos"].data
+            out.append(px[:, :DIM].reshape(-1, MERGE, DIM).mean(1).contiguous())
+        time.sleep(self.delay_per_row * sum(o.shape[0] for o in out))
+        return out
+
+
+def whole_embedding(item: MediaItem) -> torch.Tensor:
+    return FakeTower().encode([item])[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(1, 40), hw=st.sampled_from([(2, 2), (4, 4), (2, 6), (8, 4)]),
+       max_rows=st.integers(0, 200))
+def test_chunks_cover_the_video_in_whole_groups(t, hw, max_rows):
+    h, w = hw
+    item = video("v", t, h, w)
+    per_group = h * w // MERGE
+    chunks = split_video(item, max_rows)
+    if max_rows == 0 or t == 1 or max_rows // per_group >= t:
+        assert chunks == []
+        return
+    assert chunks, "a video over the chunk size is split"
+    start = 0
+    for i, c in enumerate(chunks):
+        assert c.index == i and c.rows[0] == start and c.item.item_id == f"v#{i}"
+        n = int(c.item.prepared["video_grid_thw"].data[0])
+        assert c.rows[1] - c.rows[0] == n * per_group == c.item.num_embeds
+        assert n * per_group <= max(max_rows, per_group)  # at most max_rows, at least 1 group
+        start = c.rows[1]
+    assert start == item.num_embeds
+    pixels = torch.cat([c.item.prepared["pixel_values_videos"].data for c in chunks])
+    assert torch.equal(pixels, item.prepared["pixel_values_videos"].data)
+
+
+@pytest.mark.parametrize("kind", ["image", "no-grid", "one-group", "odd-rows"])
+def test_items_that_are_not_split(kind):
+    if kind == "image":
+        item = MediaItem("i", "image", media=Image.new("RGB", (8, 8)), num_embeds=4)
+    elif kind == "no-grid":
+        item = video("v", 8)
+        item.prepared.pop("video_grid_thw")
+    elif kind == "one-group":
+        item = video("v", 1)
+    else:  # the rows do not divide into the groups: a layout the split does not know
+        item = video("v", 8)
+        item = MediaItem("v", "video", prepared=item.prepared, num_embeds=item.num_embeds + 1)
+    assert split_video(item, 4) == []
+
+
+def test_assembly_in_any_order_is_the_whole_embedding():
+    item = video("v", 9, seed=3)
+    chunks = split_video(item, 8)
+    parts = {c.index: whole_embedding(c.item) for c in chunks}
+    a = Assembly("v", chunks)
+    out = None
+    for index in reversed(range(len(chunks))):
+        assert not a.complete
+        out = a.place(index, parts[index])
+    assert a.complete and torch.equal(out, whole_embedding(item))
+    with pytest.raises(ValueError, match="placed twice"):
+        a.place(0, parts[0])
+    b = Assembly("v", chunks)
+    with pytest.raises(ValueError, match="rows are"):
+        b.place(0, torch.zeros(parts[0].shape[0] + 1, DIM))
+
+
+def run(pool: EncoderPool, coro_fn):
+    async def main():
+        await pool.start()
+        try:
+            return await coro_fn()
+        finally:
+            await pool.stop()
+    return asyncio.run(main())
+
+
+def pool_of(tower, **kw) -> EncoderPool:
+    kw.setdefault("max_wait_ms", 1)
+    return EncoderPool([Worker(tower)], FeatureStore(1 << 24), **kw)
+
+
+def test_pool_encodes_a_long_video_in_chunks_equal_to_the_whole():
+    tower = FakeTower()
+    pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8)
+    item = video("v", 12, seed=5)
+
+    async def go():
+        return await pool.encode(item, 10)
+
+    out = run(pool, go)
+    assert torch.equal(out, whole_embedding(item))
+    assert [b for b in tower.log] == [[f"v#{i}"] for i in range(6)]  # 2 groups = 8 rows each
+    assert pool.stats.chunked_items == 1 and pool.stats.chunks == 6
+    assert pool.store.state("v") is FeatureState.ENCODED_CPU
+    assert pool.store.lookup("v") is out
+
+
+def test_images_run_between_a_videos_chunks():
+    """The point of chunking: an image queued while a long video encodes waits one chunk,
+    not the whole video. Whole (chunking off), it waits for all of it."""
+    def order(chunk_tokens):
+        tower = FakeTower(delay_per_row=0.004)
+        pool = pool_of(tower, video_chunk_tokens=chunk_tokens, max_batch_tokens=8)
+
+        async def go():
+            vid = asyncio.ensure_future(pool.encode(video("v", 16), 30))
+            await asyncio.sleep(0.02)  # the video's first batch is running
+            img = MediaItem("img", "image", media=Image.new("RGB", (8, 8)), num_embeds=1)
+            await pool.encode(img, 30)
+            done_when_image_done = vid.done()
+            await vid
+            return done_when_image_done, tower.log
+
+        return run(pool, go)
+
+    video_done, log = order(8)
+    assert not video_done
+    flat = [i for batch in log for i in batch]
+    assert 0 < flat.index("img") < len(flat) - 1, flat
+    video_done, log = order(0)
+    assert video_done and log == [["v"], ["img"]]
+
+
+def test_a_failing_chunk_fails_the_item_once_and_skips_the_rest():
+    tower = FakeTower(fail={"v#1"})
+    pool = pool_of(tower, video_chunk_tokens=4, max_batch_tokens=4)
+
+    async def go():
+        with pytest.raises(ItemFailed) as err:
+            await pool.encode(video("v", 8), 10)
+        await asyncio.sleep(0.05)
+        return err.value
+
+    err = run(pool, go)
+    assert err.item_id == "v" and err.code == "encode_error" and "chunk 1" in err.reason
+    encoded = [i for batch in tower.log for i in batch]
+    assert "v#7" not in encoded  # queued chunks of a failed item are not encoded
+    assert pool.stats.items_failed == {"encode_error": 1}
+    assert pool.store.state("v") is FeatureState.DISCARDED
+
+
+def test_a_chunked_video_takes_a_queue_slot_per_chunk():
+    pool = pool_of(FakeTower(delay_per_row=0.01), video_chunk_tokens=4, max_queue_items=5)
+
+    async def go():
+        assert pool.slots(video("v", 8)) == 8 and pool.slots(video("s", 2)) == 2
+        with pytest.raises(Overloaded):
+            pool.submit(video("v", 8), 10)
+        assert pool.store.get("v") is None  # refused before anything was reserved
+        return await pool.encode(video("s", 2), 10)
+
+    assert run(pool, go).shape == (8, DIM)
