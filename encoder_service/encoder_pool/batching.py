@@ -20,8 +20,9 @@ Contract of `EncoderPool`:
   that embedding (fewer tokens) would be published under the full-resolution item's id.
 - A video whose encoder may split it (`MediaEncoder.chunks_video`) and whose embedding is
   over `video_chunk_tokens` rows is queued as chunks of whole temporal groups (chunking.py):
-  each chunk is a job of its own (a queue slot, batched with other items under the token
-  budget), so other batches run between them; the item resolves once every chunk has been
+  each chunk is a job of its own (a queue slot), and a video batch holds at most that many
+  rows (chunks and short videos of any request together), so other batches run between a
+  long video's; the item resolves once every chunk has been
   placed into its embedding, and fails as a whole (its other chunks are then not encoded).
 """
 
@@ -264,11 +265,13 @@ class EncoderPool:
     # -- batching ----------------------------------------------------------------------
     async def _batch_loop(self, modality: str) -> None:
         q = self._queues[modality]
+        max_tokens = self.max_batch_tokens
+        if modality == "video" and self.video_chunk_tokens:  # how long a batch holds a worker
+            max_tokens = min(max_tokens, self.video_chunk_tokens)
         carry: _Job | None = None  # did not fit the last batch's token budget: opens this one
         try:
             while True:
-                forming = _Forming(carry or await q.get(), self.max_batch_size,
-                                   self.max_batch_tokens)
+                forming = _Forming(carry or await q.get(), self.max_batch_size, max_tokens)
                 form_deadline = forming.jobs[0].enqueued + self.max_wait_s
                 while forming.open:
                     if not q.empty():

@@ -40,11 +40,12 @@ class PoolConfig(BaseModel):
                                   "per batch (a batch holds one modality; a video is many "
                                   "images' worth): the next item that would pass it opens the "
                                   "next batch")
-    video_chunk_tokens: int = Field(default=2048, ge=0, description="a video over this many "
-                                    "embedding rows is encoded in chunks of whole temporal "
-                                    "groups of at most this many rows, where the model's "
-                                    "tower allows it (Qwen2.5-VL/Omni), so other batches run "
-                                    "between them; 0 = encode every video whole")
+    video_chunk_tokens: int = Field(default=2048, ge=0, description="the most embedding rows "
+                                    "of video a batch holds (so a long video's batches take "
+                                    "turns with other batches): a longer video is encoded in "
+                                    "chunks of whole temporal groups where the model's tower "
+                                    "allows it (Qwen2.5-VL/Omni), shorter ones batch together "
+                                    "under it; 0 = every video whole, under max_batch_tokens")
     max_wait_ms: float = Field(default=5.0, ge=0, le=10_000)
     max_queue_items: int = Field(default=256, ge=1)  # per modality; beyond it: HTTP 429
     retry_after_s: float = Field(default=1.0, gt=0)

@@ -57,6 +57,9 @@ class PoolCollector(Collector):
              stats.oom_failures),
             ("epd_pool_reuse_hits", "Items served from memory without encoding",
              stats.reuse_hits),
+            ("epd_pool_chunked_items", "Videos encoded in chunks of temporal groups",
+             stats.chunked_items),
+            ("epd_pool_chunks", "Chunks those videos were encoded in", stats.chunks),
             ("epd_pool_evictions", "ENCODED_CPU features evicted for budget", store.evictions),
             ("epd_pool_discarded", "Features discarded", store.discarded),
         ):

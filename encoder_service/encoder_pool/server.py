@@ -290,6 +290,7 @@ def _stats(pool: EncoderPool) -> dict[str, Any]:
     return {"batches": s.batches, "items_encoded": s.items_encoded,
             "items_failed": s.items_failed, "rejected": s.rejected,
             "oom_failures": s.oom_failures, "reuse_hits": s.reuse_hits,
+            "chunked_items": s.chunked_items, "chunks": s.chunks,
             "mean_batch_size": (sum(s.batch_sizes) / len(s.batch_sizes)
                                 if s.batch_sizes else 0.0),
             "states": {k.value: v for k, v in store.counts().items()},

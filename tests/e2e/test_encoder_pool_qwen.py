@@ -12,7 +12,9 @@ code path as Qwen2.5-VL, plus audio).
    saves what it encodes itself (as an encoder-only producer would) and consumes what the
    pool published, so one server gives both sides. Bit-identical, not close: the pool runs
    vLLM's own media IO, processor and towers (encoder_pool/models.py); a copy of the towers
-   was within 1e-3 and still changed a greedy answer."""
+   was within 1e-3 and still changed a greedy answer. The pool encodes every video in chunks
+   of one temporal group (`video_chunk_tokens` 1): each chunked embedding, assembled by its
+   position map, is bit-identical to vLLM's whole encode."""
 
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def cluster(tmp_path_factory):
     cons = VllmServer("pool-qwen-consumer", model, BASE_PORT, WORK / "test-pool-qwen",
                       epd_config("ec_both", storage), cpu_core=1, served_name=MODEL)
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": MODEL,
+                                "video_chunk_tokens": 1,  # one temporal group per chunk
                                 "transport": {"storage_path": str(storage)}})
     cons.start()  # the pool loads while vLLM starts
     try:
@@ -128,6 +131,8 @@ def parity_cases(seed: int) -> list[tuple[str, dict]]:
             out.append((f"audio-{rate}hz-{channels}ch-{fmt.lower()}-{seconds}s", audio_part(
                 sample_audio(rng.randrange(1 << 16), seconds, rate, channels, fmt),
                 fmt.lower())))
+    out.append(("list-12f-64x48", video_part(sample_frames(rng.randrange(1 << 16), 12,
+                                                          width=64, height=48))))
     for side in (29, 140, 333):
         out.append((f"image-{side}", image_part(sample_image_png(rng.randrange(1 << 16), side))))
     return out
@@ -144,6 +149,7 @@ def test_pool_embedding_is_bit_identical_to_vllms_encoder(cluster):
     c = cluster
     reader = SafetensorsTransport(c["storage"], MODEL, 1 << 30)
     cases = parity_cases(2611)
+    before = c["client"].get(c["pool"].url + "/v1/stats").json()["chunked_items"]
     for name, part in cases:
         r = c["client"].post(c["cons"].url + "/v1/chat/completions", json=parts_body(
             MODEL, [{**copy.deepcopy(part), "uuid": f"vllm-{name}"}], "describe", max_tokens=1))
@@ -161,6 +167,10 @@ def test_pool_embedding_is_bit_identical_to_vllms_encoder(cluster):
         assert ours is not None and theirs is not None, name
         assert ours.dtype == theirs.dtype == torch.bfloat16
         assert ours.shape == theirs.shape and torch.equal(ours, theirs), name
+    chunked = c["client"].get(c["pool"].url + "/v1/stats").json()["chunked_items"] - before
+    # every video of 4 or more frames (2 or more temporal groups) went in chunks
+    assert chunked >= sum(1 for name, _ in cases if name.startswith(("list", "mp4"))
+                          and int(name.split("-")[1].removesuffix("f")) >= 4)
 
 
 @pytest.mark.parametrize("name", ["list-6f-128x96", "audio-44100hz-2ch"])

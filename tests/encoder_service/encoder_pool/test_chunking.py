@@ -169,6 +169,21 @@ def test_pool_encodes_a_long_video_in_chunks_equal_to_the_whole():
     assert pool.store.lookup("v") is out
 
 
+def test_a_video_batch_holds_at_most_the_chunk_rows():
+    """Chunks of one video, all queued at once, still go one batch each (else the long video
+    is one batch again); short videos batch together under the same rows."""
+    tower = FakeTower()
+    pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=1 << 14, max_wait_ms=20)
+
+    async def go():
+        await asyncio.gather(pool.encode(video("v", 6), 10), pool.encode(video("a", 1), 10),
+                             pool.encode(video("b", 1), 10))
+
+    run(pool, go)
+    assert [b for b in tower.log if b[0].startswith("v")] == [["v#0"], ["v#1"], ["v#2"]]
+    assert ["a", "b"] in tower.log
+
+
 def test_images_run_between_a_videos_chunks():
     """The point of chunking: an image queued while a long video encodes waits one chunk,
     not the whole video. Whole (chunking off), it waits for all of it."""

@@ -1,0 +1,142 @@
+"""Chunked vs whole video encoding in the encoder pool, seen from the client: the TTFT of a
+120-frame video request, and the p99 TTFT of 16 image requests sent while it encodes.
+
+    flock /tmp/epd-vllm.lock .venv/bin/python benchmarks/video_chunk_bench.py [--json FILE]
+
+The stack is `epd up` (gateway, one encoder pool, one prefill/decode vLLM server, shm) on
+the `qwen-vl-heavy` test model, whose vision tower takes over a second for a 120-frame
+112 px video on one CPU core (the tiny models take 0.1 s: nothing would wait behind them).
+It is started once per mode: `whole` (video_chunk_tokens 0: the video is one batch) and
+`chunked` (`--chunk-tokens` rows per batch: 8 chunks of 8 temporal groups). Every server
+keeps 120 frames (`--media-io-kwargs`, the same for pool and vLLM). Each round sends a new
+video, then `--lag-ms` later 16 new images at once, all streamed, greedy, `--max-tokens`;
+the first round of each mode warms the servers and is not counted. Both modes get the same
+media, so the answers are compared too (token text, chunked vs whole).
+Prints per mode the video TTFT (median over rounds) and the images' TTFT p50/p99 (over
+all rounds), and whole/chunked ratios; `--json` writes the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from encoder_service.local.requests import image_part, sample_frames, sample_image_png, video_part
+from encoder_service.local.up import run_up
+from encoder_service.local.up_config import UpConfig
+from encoder_service.local.workdir import work_dir
+
+MODEL = "qwen-vl-heavy"
+FRAMES = 120
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, part: dict,
+                 max_tokens: int) -> tuple[float, str]:
+    """(seconds to the first content token, the answer's text) of one streamed request."""
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "messages": [{"role": "user", "content": [
+                part, {"type": "text", "text": "describe this"}]}]}
+    t0, ttft, text = time.perf_counter(), None, []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            delta = ((json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {})
+            if delta.get("content"):
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                text.append(delta["content"])
+    if ttft is None:
+        raise RuntimeError("the answer held no content")
+    return ttft, "".join(text)
+
+
+async def one_round(url: str, model: str, r: int, a: argparse.Namespace
+                    ) -> tuple[float, list[float], list[str]]:
+    video = video_part(sample_frames(10_000 + r, FRAMES))
+    images = [image_part(sample_image_png(100_000 + 100 * r + i)) for i in range(a.images)]
+    async with httpx.AsyncClient(timeout=300) as client:
+        vid = asyncio.create_task(stream(client, url, model, video, a.max_tokens))
+        await asyncio.sleep(a.lag_ms / 1000)
+        imgs = await asyncio.gather(*(stream(client, url, model, p, a.max_tokens)
+                                      for p in images))
+        v = await vid
+    return v[0], [t for t, _ in imgs], [v[1], *(s for _, s in imgs)]
+
+
+def measure(mode: str, chunk_tokens: int, a: argparse.Namespace) -> dict:
+    media = json.dumps({"video": {"num_frames": FRAMES}})
+    cfg = UpConfig(model=MODEL, encoder_backend="pool", base_port=a.base_port,
+                   pool={"video_chunk_tokens": chunk_tokens,
+                         "media_io_kwargs": {"video": {"num_frames": FRAMES}}},
+                   vllm_args=["--media-io-kwargs", media])
+    out: dict = {}
+
+    def bench(dep) -> int:
+        model = cfg.served_model_name
+        asyncio.run(one_round(dep.url, model, 0, a))  # warm-up: processors, first batches
+        videos, images, answers = [], [], []
+        for r in range(1, a.rounds + 1):
+            v, imgs, texts = asyncio.run(one_round(dep.url, model, r, a))
+            videos.append(v)
+            images.extend(imgs)
+            answers.extend(texts)
+            print(f"[{mode}] round {r}: video TTFT {v * 1000:.0f} ms, images TTFT max "
+                  f"{max(imgs) * 1000:.0f} ms", flush=True)
+        stats = httpx.get(dep.encoders[0].url + "/v1/stats", timeout=10).json()
+        out.update(video_ttft_ms=statistics.median(videos) * 1000,
+                   image_ttft_p50_ms=float(np.percentile(images, 50)) * 1000,
+                   image_ttft_p99_ms=float(np.percentile(images, 99)) * 1000,
+                   chunks=stats.get("chunks", 0), answers=answers)
+        return 0
+
+    if run_up(cfg, work_dir(), demo=bench) != 0 or not out:
+        raise SystemExit(f"[{mode}] the stack did not run (see the lines above)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--images", type=int, default=16)
+    p.add_argument("--lag-ms", type=float, default=300.0,
+                   help="images follow the video by this much (the video is then encoding)")
+    p.add_argument("--chunk-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--base-port", type=int, default=18640)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    res = {mode: measure(mode, tokens, a)
+           for mode, tokens in (("whole", 0), ("chunked", a.chunk_tokens))}
+    w, c = res["whole"], res["chunked"]
+    summary = {
+        "video_ttft_ratio": w["video_ttft_ms"] / c["video_ttft_ms"],
+        "image_ttft_p99_ratio": w["image_ttft_p99_ms"] / c["image_ttft_p99_ms"],
+        "answers_equal": w["answers"] == c["answers"],
+    }
+    print(f"{'mode':<8} {'video TTFT':>11} {'images p50':>11} {'images p99':>11} chunks")
+    for mode, r in res.items():
+        print(f"{mode:<8} {r['video_ttft_ms']:>8.0f} ms {r['image_ttft_p50_ms']:>8.0f} ms "
+              f"{r['image_ttft_p99_ms']:>8.0f} ms {r['chunks']:>6}")
+    print(f"whole / chunked: images' TTFT p99 {summary['image_ttft_p99_ratio']:.2f}x, video "
+          f"TTFT {summary['video_ttft_ratio']:.2f}x; answers equal: {summary['answers_equal']}")
+    if a.json:
+        a.json.write_text(json.dumps({"modes": {m: {k: v for k, v in r.items()
+                                                    if k != "answers"}
+                                                for m, r in res.items()},
+                                      **summary, "args": {k: str(v) for k, v in
+                                                          vars(a).items()}}, indent=2))
+    return 0 if summary["answers_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
