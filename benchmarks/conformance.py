@@ -42,7 +42,10 @@ STACKS = {  # name: (encoder backend, transport, decoders)
     "vllm+mooncake": ("vllm", "mooncake", 1),
     "pool+mooncake": ("pool", "mooncake", 1),
     "vllm+shm": ("vllm", "shm", 1),  # what `epd up` picks on one host (transport auto)
+    "pool+shm": ("pool", "shm", 1),
 }
+# pools encode every video of two or more temporal groups in chunks of one group
+POOL = {"video_chunk_tokens": 1}
 AGG_PORT, BASE_PORT = 18880, 18840
 
 
@@ -74,7 +77,8 @@ class Stack:
             "model": spec_name, "base_port": port, "encoders": 1, "decoders": decoders,
             "encoder_backend": backend, "transport": transport,
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
-            "vllm_args": ["--trust-request-mm-kwargs"],
+            "vllm_args": ["--trust-request-mm-kwargs"], **({"pool": POOL} if backend == "pool"
+                                                            else {}),
             "gateway": {"timeouts": {"encoder_s": 60}}}))
         self.log = open(self.work / "epd-up.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = child_process.popen(

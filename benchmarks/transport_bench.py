@@ -11,14 +11,17 @@ Each path runs a producer and a consumer `peer_process` (ec_connectors/testing),
 of xxh3; `--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
 One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
 byte verified, the transport's own way); `ms` is put + get as each process timed it
-(median; the first rep of each size is a warm-up).
+(median; the first rep of each size is a warm-up). memcpy and raw TCP are measured again
+right before each path, and each path's ratios are to those (a busy machine's load drifts
+over a run: ratios to figures taken minutes earlier would drift with it).
 Budgets: shm and Mooncake TE evict older items (short leases: the steady state of a busy
 producer); the store and safetensors keep every rep's item (the store refuses puts into a
 full segment, safetensors' eviction scans and frees files inside put).
 
 JSON (`--json`): {"<MiB>": {"memcpy_ms": m, "raw_tcp_ms": t, "paths": {"<name>": {"ms": x,
-"x_memcpy": x/m, "x_raw_tcp": x/t, "put_ms": .., "get_ms": ..}}}}; a path that cannot run
-here has {"error": why} instead.
+"x_memcpy": x/m, "x_raw_tcp": x/t, "put_ms": .., "get_ms": .., "memcpy_ms": m',
+"raw_tcp_ms": t'}}}}: m and t are medians over the whole run, m' and t' the ones measured
+beside the path (its ratios use those); a path that cannot run here has {"error": why}.
 """
 
 from __future__ import annotations
@@ -172,11 +175,16 @@ def main() -> int:
         secret = str(work / "transport-bench.secret")
         Path(secret).write_bytes(os.urandom(32).hex().encode())
         os.chmod(secret, 0o600)
-    result: dict[str, dict] = {}
-    for mb, n in zip(args.sizes_mb, sizes, strict=True):
-        result[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
-                             "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3, "paths": {}}
+    result: dict[str, dict] = {label(mb): {"paths": {}} for mb in args.sizes_mb}
+    limits: dict[str, dict[str, list[float]]] = {label(mb): {"memcpy_ms": [], "raw_tcp_ms": []}
+                                                 for mb in args.sizes_mb}
     for name in args.paths:
+        beside = {}
+        for mb, n in zip(args.sizes_mb, sizes, strict=True):
+            beside[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
+                                 "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3}
+            for k, v in beside[label(mb)].items():
+                limits[label(mb)][k].append(v)
         try:
             timings = run_path(name, sizes, args.reps, work, secret)
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported
@@ -185,25 +193,29 @@ def main() -> int:
                 result[label(mb)]["paths"][name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         for mb, n in zip(args.sizes_mb, sizes, strict=True):
-            row = result[label(mb)]
-            t = timings[n]
-            row["paths"][name] = {"ms": t["ms"], "x_memcpy": t["ms"] / row["memcpy_ms"],
-                                  "x_raw_tcp": t["ms"] / row["raw_tcp_ms"],
-                                  "put_ms": t["put_ms"], "get_ms": t["get_ms"]}
+            t, lim = timings[n], beside[label(mb)]
+            result[label(mb)]["paths"][name] = {
+                "ms": t["ms"], "x_memcpy": t["ms"] / lim["memcpy_ms"],
+                "x_raw_tcp": t["ms"] / lim["raw_tcp_ms"], "put_ms": t["put_ms"],
+                "get_ms": t["get_ms"], **lim}
+    for mb, row in result.items():
+        row.update({k: statistics.median(v) if v else float("nan")
+                    for k, v in limits[mb].items()})
     print(f"producer process -> consumer process, verified; bf16 [rows, {HIDDEN}]; median "
           f"of {args.reps}; {'with' if secret else 'no'} deployment secret; load "
           f"{os.getloadavg()[0]:.2f}")
     print(f"{'MiB':>5} {'path':<15} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
-          f"{'put ms':>8} {'get ms':>8}")
+          f"{'put ms':>8} {'get ms':>8} {'(memcpy':>8} {'raw TCP)':>8}")
     for mb, row in result.items():
-        print(f"{mb:>5} {'memcpy':<15} {row['memcpy_ms']:>8.1f}")
-        print(f"{mb:>5} {'raw TCP':<15} {row['raw_tcp_ms']:>8.1f}")
+        print(f"{mb:>5} {'memcpy':<15} {row['memcpy_ms']:>8.1f}  (median of the run)")
+        print(f"{mb:>5} {'raw TCP':<15} {row['raw_tcp_ms']:>8.1f}  (median of the run)")
         for name, p in row["paths"].items():
             if "error" in p:
                 print(f"{mb:>5} {name:<15} not measured ({p['error'][:60]})")
                 continue
             print(f"{mb:>5} {name:<15} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
-                  f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f}")
+                  f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f} "
+                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -11,7 +11,7 @@ It is started once per mode: `whole` (video_chunk_tokens 0: the video is one bat
 keeps 120 frames (`--media-io-kwargs`, the same for pool and vLLM). Each round sends a new
 video, then `--lag-ms` later 16 new images at once, all streamed, greedy, `--max-tokens`;
 the first round of each mode warms the servers and is not counted. Both modes get the same
-media, so the answers are compared too (token text, chunked vs whole).
+media, so the answers are compared too (token ids, chunked vs whole).
 Prints per mode the video TTFT (median over rounds) and the images' TTFT p50/p99 (over
 all rounds), and whole/chunked ratios; `--json` writes the same.
 """
@@ -39,29 +39,30 @@ FRAMES = 120
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, part: dict,
-                 max_tokens: int) -> tuple[float, str]:
-    """(seconds to the first content token, the answer's text) of one streamed request."""
+                 max_tokens: int) -> tuple[float, list[int]]:
+    """(seconds to the first token, the answer's token ids) of one streamed request."""
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "messages": [{"role": "user", "content": [
-                part, {"type": "text", "text": "describe this"}]}]}
-    t0, ttft, text = time.perf_counter(), None, []
+            "temperature": 0.0, "return_token_ids": True, "messages": [{"role": "user",
+            "content": [part, {"type": "text", "text": "describe this"}]}]}
+    t0, ttft, tokens = time.perf_counter(), None, []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            delta = ((json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {})
-            if delta.get("content"):
+            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
+            ids = choice.get("token_ids") or []
+            if ids or (choice.get("delta") or {}).get("content"):
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text.append(delta["content"])
-    if ttft is None:
-        raise RuntimeError("the answer held no content")
-    return ttft, "".join(text)
+                tokens.extend(ids)
+    if ttft is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
+    return ttft, tokens
 
 
 async def one_round(url: str, model: str, r: int, a: argparse.Namespace
-                    ) -> tuple[float, list[float], list[str]]:
+                    ) -> tuple[float, list[float], list[list[int]]]:
     video = video_part(sample_frames(10_000 + r, FRAMES))
     images = [image_part(sample_image_png(100_000 + 100 * r + i)) for i in range(a.images)]
     async with httpx.AsyncClient(timeout=300) as client:
