@@ -181,6 +181,11 @@ def main() -> int:
                                   f"got {got.status} {got.token_ids[:8]} {got.text[:40]!r} "
                                   f"{got.error or ''}", flush=True)
                     print(f"{name:18s} {path:9s} {cell[0]}/{cell[1]} equal", flush=True)
+                if STACKS[name][0] == "pool":  # proof the pool's videos went in chunks
+                    r = client.get(f"http://127.0.0.1:{stack.port + 1}/v1/stats")
+                    st = r.json() if r.status_code == 200 else {}
+                    print(f"  pool: {st.get('chunked_items', 0)} videos encoded in "
+                          f"{st.get('chunks', 0)} chunks", flush=True)
                 if stack.failover_url:
                     text = client.get(stack.failover_url + "/metrics").text
                     resumed = metric_value(

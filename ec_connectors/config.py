@@ -219,6 +219,8 @@ class ProducerSettings(_Settings):
     """ec_producer instances (encoders): the queue of saves to the transport."""
 
     max_pending_saves: int = Field(default=16, ge=1)
+    # host copies queued for the transport, in bytes (a 4 s video's embedding is ~125 MB)
+    max_pending_save_bytes: int = Field(default=1 * GiB, gt=0)
     save_queue_timeout_s: float = Field(default=10.0, gt=0)
 
 

@@ -10,7 +10,7 @@ import msgspec
 from ec_connectors.channel import encode as encode  # the shared encoder, re-exported
 from ec_connectors.protocol.items import ItemInfo
 
-Stats = dict[str, dict[str, float | list[float]]]  # EPDStats.data
+Stats = dict[str, dict[str, float | list[float] | dict[str, float]]]  # EPDStats.data
 
 
 class Hello(msgspec.Struct, tag=True):

@@ -63,8 +63,12 @@ GAUGES = {
     "feature_bytes": ("Consumer: bytes of features per lifecycle state (loading and staged: "
                       "held by the connector, budget max_staged_bytes; merged and prefilled: "
                       "in vLLM's encoder cache)", "state"),
+    "producer_feature_bytes": ("Producer: bytes of encoder outputs per lifecycle state "
+                               "(encoded_cpu: host copies queued for or being written to the "
+                               "transport, budget max_pending_save_bytes)", "state"),
 }
-GAUGE_LABELS = {"feature_bytes": [s.value for s in FeatureState]}
+GAUGE_LABELS = {"feature_bytes": [s.value for s in FeatureState],
+                "producer_feature_bytes": ["encoded_cpu"]}
 # One request's path, stage by stage (producer: save_wait, save; consumer: loader_wait, get,
 # load = prefetch -> staged on every rank, staged_to_scheduled, defer = the whole wait).
 LATENCIES = {

@@ -34,6 +34,7 @@ from ec_connectors.messages import (
     WorkerStats,
 )
 from ec_connectors.metadata import InlineItem
+from ec_connectors.save_queue import SaveQueue
 from ec_connectors.stats import COUNTERS, StatsRecorder
 from ec_connectors.transports.base import Transport, Want, dtype_from_name
 
@@ -70,7 +71,7 @@ class EPDWorker:
         self._events_seen: dict[str, int] = {}
         self._wanted: list[tuple[Prefetch, float]] = []  # (prefetch, received) not yet loading
         self._drain_queued = False
-        self._save_slots = threading.BoundedSemaphore(config.max_pending_saves)
+        self._saves = SaveQueue(config.max_pending_saves, config.max_pending_save_bytes)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-writer")
         self._loaders = ThreadPoolExecutor(config.load_threads, thread_name_prefix="epd-loader")
         self.channel = ControlEndpoint(address, bind=False, on_message=self._on_control,
@@ -79,8 +80,9 @@ class EPDWorker:
 
     # -- producer --------------------------------------------------------------------------
     def save(self, item_id: str, tensor: torch.Tensor) -> None:
-        """Queue one encoder output for writing. Blocks only when `max_pending_saves`
-        writes are queued (backpressure), at most `save_queue_timeout_s`."""
+        """Queue one encoder output for writing. Blocks only while the save queue is full
+        (`max_pending_saves` items or `max_pending_save_bytes`: backpressure), at most
+        `save_queue_timeout_s`; then the save fails (consumers encode the item)."""
         if not self._ids.vouched(item_id):
             # A client chose this id (not signed by a gateway holding the deployment secret):
             # encoded for its own request only, never shared under a name it picked.
@@ -88,17 +90,20 @@ class EPDWorker:
             self._reply(Saved(item_id=item_id, rank=self.rank, ok=False,
                               error="id not vouched for by the deployment"))
             return
-        # A device tensor may be freed or reused by vLLM: copy it to host now. A CPU tensor
-        # is a fresh encoder output that vLLM never mutates: keep a reference, no copy.
-        tensor = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()
-        if not self._save_slots.acquire(timeout=self.config.save_queue_timeout_s):
-            self.stats.inc("save_failures")
-            logger.warning("EPD: save queue full for %.1f s; not storing item %r (consumers "
-                           "will encode it locally). Raise max_pending_saves or check the "
-                           "storage.", self.config.save_queue_timeout_s, item_id)
+        nbytes = tensor.nbytes
+        if not self._saves.enter(nbytes, self.config.save_queue_timeout_s):
+            logger.warning("EPD: save queue full (%d items, %d bytes) for %.1f s; not storing "
+                           "item %r (consumers will encode it locally). Raise "
+                           "max_pending_saves / max_pending_save_bytes or check the storage.",
+                           self._saves.items, self._saves.bytes,
+                           self.config.save_queue_timeout_s, item_id)
             self._failed(item_id, "save queue full")
             return
-        if tensor.nbytes <= self.config.inline_max_bytes and self.transport.writes_fast:
+        # ENCODED_CPU from here. A device tensor may be freed or reused by vLLM: copy it to
+        # host now. A CPU tensor is a fresh encoder output vLLM never mutates: no copy.
+        tensor = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()
+        self._held_changed()
+        if nbytes <= self.config.inline_max_bytes and self.transport.writes_fast:
             # A small local write (~0.1 ms) costs less than a hand-off to the writer thread,
             # which would take this core and the GIL from the model runner anyway.
             self._write(item_id, tensor, time.perf_counter())
@@ -106,7 +111,11 @@ class EPDWorker:
         try:
             self._writer.submit(self._write, item_id, tensor, time.perf_counter())
         except RuntimeError:  # shutting down
-            self._save_slots.release()
+            self._saves.leave(nbytes)
+            self._held_changed()
+
+    def _held_changed(self) -> None:
+        self.stats.gauge("producer_feature_bytes", {"encoded_cpu": self._saves.bytes})
 
     def _write(self, item_id: str, tensor: torch.Tensor, queued_at: float) -> None:
         t0 = time.perf_counter()
@@ -117,8 +126,9 @@ class EPDWorker:
             logger.error("EPD: failed to store item %r: %s", item_id, exc)
             self._failed(item_id, str(exc))
             return
-        finally:
-            self._save_slots.release()
+        finally:  # -> DISCARDED: the transport holds the item now (or nobody does)
+            self._saves.leave(tensor.nbytes)
+            self._held_changed()
         self.stats.inc("saves")
         self.stats.inc("save_bytes", info.nbytes)
         self.stats.observe("save_s", time.perf_counter() - t0)
@@ -138,17 +148,7 @@ class EPDWorker:
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        taken = 0
-        try:
-            while taken < self.config.max_pending_saves:
-                if not self._save_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                    return False
-                taken += 1
-            return True
-        finally:
-            for _ in range(taken):
-                self._save_slots.release()
+        return self._saves.drain(timeout_s)
 
     # -- consumer --------------------------------------------------------------------------
     def _on_control(self, msg: ControlMessage, _peer: bytes | None, _payload: list) -> None:

@@ -5,6 +5,7 @@ by a small stand-in: this tests the logic around vLLM, the e2e tests prove it in
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -535,6 +536,38 @@ def test_an_idle_step_waits_for_news_and_no_longer(pair_factory, monkeypatch):
         saver.join()
     cons.step_until_ready(req)
     assert torch.equal(cons.schedule(req)[1]["img"], x)
+
+
+def test_a_producer_holds_at_most_its_save_byte_budget(pair_factory):
+    """ENCODED_CPU on a producer: host copies waiting for the transport. Past
+    max_pending_save_bytes a save waits (backpressure) and then fails loudly (consumers
+    encode the item): memory stays bounded whatever the items' sizes. The held bytes are a
+    gauge, back to zero once written."""
+    x = torch.randn(NUM_EMBEDS, 64)  # 4 KiB per item at NUM_EMBEDS 16
+    prod = pair_factory("producer", max_pending_save_bytes=x.nbytes + 1,
+                        save_queue_timeout_s=0.2)
+    release = threading.Event()
+    put = prod.worker.transport.put
+
+    def slow_put(item_id, tensor):
+        release.wait(10)
+        return put(item_id, tensor)
+
+    prod.worker.transport.put = slow_put
+    prod.worker.save("a", x)  # held by the writer
+    t0 = time.monotonic()
+    prod.worker.save("b", x.clone())  # no room: waits 0.2 s, then fails
+    assert time.monotonic() - t0 >= 0.15
+    wait_until(lambda: prod.sched.stats.totals.get("save_failures") == 1)  # reported
+    held = prod.sched.stats.take().data["gauges"]["producer_feature_bytes"]
+    assert held == {"encoded_cpu": x.nbytes}  # a alone: b never took host memory
+    release.set()
+    assert prod.worker.flush()
+    wait_until(lambda: prod.sched.stats.totals.get("saves") == 1)
+    assert prod.sched.stats.take().data["gauges"]["producer_feature_bytes"] == {
+        "encoded_cpu": 0}
+    wait_until(lambda: prod.sched.has_cache_item("a"))
+    assert not prod.sched.has_cache_item("b")
 
 
 def test_a_producer_asks_for_steps_until_its_saves_are_published(pair_factory):
