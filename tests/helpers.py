@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import uvicorn
 
+from ec_connectors import child_process
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
 from encoder_service.local.workdir import work_dir
@@ -88,6 +92,41 @@ def stop_all(servers: Iterable) -> None:
     if servers:
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(lambda s: s.stop(), servers))
+
+
+@contextlib.contextmanager
+def epd_up(conf: dict, work: Path, also_ready: Callable[[], bool] = lambda: True,
+           timeout: float = 420.0, interval: float = 0.5, stop_timeout: float = 90.0):
+    """`epd up --config <work>/up.json` (`conf`) as a child process, its output in
+    <work>/epd-up.log and its work dir `work`; yields (process, gateway URL, log path) once
+    the gateway answers /health and `also_ready()` holds; SIGTERM and wait after. An `epd
+    up` that exits while starting fails the wait with its log's tail."""
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "up.json").write_text(json.dumps(conf))
+    gw = f"http://{conf.get('host', '127.0.0.1')}:{conf['base_port']}"
+    log_path = work / "epd-up.log"
+    with open(log_path, "wb") as log:
+        up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up",
+                                  "--config", str(work / "up.json")], cwd=ROOT, stdout=log,
+                                 stderr=subprocess.STDOUT,
+                                 env=dict(os.environ, EPD_WORK_DIR=str(work)))
+
+    def ready() -> bool:
+        if up.poll() is not None:
+            raise RuntimeError(f"epd up exited: {log_path.read_text()[-3000:]}")
+        try:
+            return also_ready() and httpx.get(gw + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        assert wait_for(ready, timeout=timeout, interval=interval), \
+            f"epd up not ready in {timeout:.0f} s (log {log_path})"
+        yield up, gw, log_path
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(timeout=stop_timeout)
 
 
 class Served:

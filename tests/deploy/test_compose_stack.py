@@ -16,14 +16,11 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-from ec_connectors import child_process
 from ec_connectors.protocol.secret import api_key, read_secret
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import (
@@ -37,7 +34,7 @@ from encoder_service.local.requests import (
 )
 from encoder_service.local.testmodels import SPECS
 from tests.deploy import engine
-from tests.helpers import ROOT, wait_for
+from tests.helpers import epd_up, wait_for
 
 PUBLISHED = 18750  # the gateway on the host (127.0.0.1)
 UP_PORT = 18770  # the `epd up` reference: gateway; its encoder +1, decode instance +2
@@ -112,30 +109,12 @@ def model_dir(prepared):
 @pytest.fixture(scope="module")
 def reference(model_dir, secret, client):
     """The same requests through `epd up` (the project's local stack) on the same model."""
-    work = engine.DEPLOY_WORK / "epd-up"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "up.json").write_text(json.dumps({
-        "model": str(model_dir), "served_name": MODEL.model_name, "base_port": UP_PORT,
-        "cpu_cores": [0, 1], "secret_file": str(secret)}))
-    log_path = work / "epd-up.log"
-    with open(log_path, "wb") as log:
-        up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up",
-                                  "--config", str(work / "up.json")], cwd=ROOT, stdout=log,
-                                 stderr=subprocess.STDOUT,
-                                 env=dict(os.environ, EPD_WORK_DIR=str(work)))
+    conf = {"model": str(model_dir), "served_name": MODEL.model_name, "base_port": UP_PORT,
+            "cpu_cores": [0, 1], "secret_file": str(secret)}
     url = f"http://127.0.0.1:{UP_PORT}"
-    try:
-        def ready() -> bool:
-            if up.poll() is not None:
-                raise RuntimeError(f"epd up exited: {log_path.read_text()[-3000:]}")
-            return healthy(client, url)
-
-        assert wait_for(ready, timeout=420, interval=1.0), "epd up not ready in 420 s"
+    with epd_up(conf, engine.DEPLOY_WORK / "epd-up", also_ready=lambda: healthy(client, url),
+                interval=1.0, stop_timeout=120):
         return {kind: ask(client, url, kind) for kind in REQUESTS}
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=120)
 
 
 def containers() -> dict[str, dict]:

@@ -25,7 +25,7 @@ from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from tests.e2e.client import MODEL_NAME
-from tests.helpers import ROOT, WORK, alive, descendants, wait_for
+from tests.helpers import ROOT, WORK, alive, descendants, epd_up, wait_for
 
 PROMPT = "what is in this picture"
 UP_PORT = 18570  # up: gateway 18570, encoder 18571, decode 18572
@@ -37,39 +37,15 @@ GW = f"http://127.0.0.1:{UP_PORT}"
 def cluster(tmp_path_factory, aggregated):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     work = WORK / "test-gateway-e2e"
-    conf = tmp_path_factory.mktemp("up") / "up.json"
     storage = tmp_path_factory.mktemp("ec-store")
-    conf.write_text(json.dumps({
-        "model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
-        "storage_path": str(storage), "transport": "safetensors",  # tests read its files
-        # no probes: the tests count the encoder's finished requests
-        "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}))
-    agg = aggregated
-    work.mkdir(parents=True, exist_ok=True)
-    up_log = open(work / "epd-up.log", "wb")  # noqa: SIM115 - closed at teardown
-    up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
-                              str(conf)], cwd=ROOT, stdout=up_log, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, EPD_WORK_DIR=str(work)))
-    client = httpx.Client(timeout=120)
-
-    def ready() -> bool:
-        if up.poll() is not None:
-            raise RuntimeError(f"epd up exited: {(work / 'epd-up.log').read_text()[-3000:]}")
-        try:
-            return agg.healthy() and client.get(GW + "/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        assert wait_for(ready, timeout=420, interval=0.2), "cluster not ready in 420 s"
-        yield {"agg": agg, "up": up, "client": client, "log": work / "epd-up.log",
+    conf = {"model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
+            "storage_path": str(storage), "transport": "safetensors",  # tests read its files
+            # no probes: the tests count the encoder's finished requests
+            "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}
+    with epd_up(conf, work, also_ready=aggregated.healthy, interval=0.2) as (up, _gw, log), \
+            httpx.Client(timeout=120) as client:
+        yield {"agg": aggregated, "up": up, "client": client, "log": log,
                "storage": storage, "work": work}
-    finally:
-        client.close()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=90)
-        up_log.close()
 
 
 def ask(c, url, image, max_tokens=8, **extra):

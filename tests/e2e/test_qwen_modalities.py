@@ -12,9 +12,6 @@ import base64
 import copy
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -22,7 +19,6 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from ec_connectors import child_process
 from ec_connectors.protocol.keys import item_key
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import (
@@ -35,7 +31,7 @@ from encoder_service.local.requests import (
     video_part,
 )
 from encoder_service.local.testmodels import SPECS, build
-from tests.helpers import ROOT, WORK, wait_for
+from tests.helpers import WORK, epd_up
 from tests.hostile import HUGE_GRID, grid_part, hostile_request
 
 SPEC = SPECS["qwen-omni"]
@@ -56,40 +52,19 @@ LOAD_TIMEOUT_S = 4  # a promised item that never lands fails its request after t
 def cluster(tmp_path_factory):
     model = build(WORK / "models" / MODEL, SPEC)
     work = WORK / "test-qwen-e2e"
-    conf = tmp_path_factory.mktemp("up") / "up.json"
     storage = tmp_path_factory.mktemp("ec-store")
-    conf.write_text(json.dumps({
-        "model": "qwen-omni", "base_port": UP_PORT, "cpu_cores": [0, 1],
-        "storage_path": str(storage), "transport": "safetensors",  # tests read its files
-        "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
-        "vllm_args": TRUST_KWARGS, "gateway": {"timeouts": {"encoder_s": 30}}}))
+    conf = {"model": "qwen-omni", "base_port": UP_PORT, "cpu_cores": [0, 1],
+            "storage_path": str(storage), "transport": "safetensors",  # tests read its files
+            "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
+            "vllm_args": TRUST_KWARGS, "gateway": {"timeouts": {"encoder_s": 30}}}
     agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0,
                      served_name=MODEL, extra_args=TRUST_KWARGS).start()
-    work.mkdir(parents=True, exist_ok=True)
-    up_log = open(work / "epd-up.log", "wb")  # noqa: SIM115 - closed at teardown
-    up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up", "--config",
-                              str(conf)], cwd=ROOT, stdout=up_log, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, EPD_WORK_DIR=str(work)))
-    client = httpx.Client(timeout=120)
-
-    def ready() -> bool:
-        if up.poll() is not None:
-            raise RuntimeError(f"epd up exited: {(work / 'epd-up.log').read_text()[-3000:]}")
-        try:
-            return agg.healthy() and client.get(GW + "/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        assert wait_for(ready, timeout=420, interval=1.0), "cluster not ready in 420 s"
-        yield {"agg": agg, "client": client, "storage": storage}
+        with epd_up(conf, work, also_ready=agg.healthy, interval=1.0), \
+                httpx.Client(timeout=120) as client:
+            yield {"agg": agg, "client": client, "storage": storage}
     finally:
-        client.close()
         agg.stop()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=90)
-        up_log.close()
 
 
 def post(c, url, parts, **extra) -> httpx.Response:

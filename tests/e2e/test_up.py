@@ -18,25 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
-from ec_connectors import child_process
 from ec_connectors.protocol.secret import api_key, read_secret
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from tests.e2e.client import MODEL_NAME
-from tests.helpers import ROOT, WORK, alive, descendants, wait_for
+from tests.helpers import WORK, alive, descendants, epd_up, wait_for
 
 pytest.importorskip("mooncake.engine")
 PROMPT = "what is in this picture"
@@ -66,37 +61,14 @@ def agg(aggregated):
 
 
 @contextlib.contextmanager
-def epd_up(name: str, conf: dict, client: httpx.Client, agg: VllmServer):
+def deployment(name: str, conf: dict, agg: VllmServer):
     work = WORK / "test-up-mooncake" / name
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "up.json").write_text(json.dumps(conf))
-    gw = f"http://127.0.0.1:{conf['base_port']}"
-    log_path = work / "epd-up.log"
-    with open(log_path, "wb") as log:
-        up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up",
-                                  "--config", str(work / "up.json")], cwd=ROOT, stdout=log,
-                                 stderr=subprocess.STDOUT,
-                                 env=dict(os.environ, EPD_WORK_DIR=str(work)))
-
-    def ready() -> bool:
-        if up.poll() is not None:
-            raise RuntimeError(f"epd up exited: {log_path.read_text()[-3000:]}")
-        try:
-            return agg.healthy() and client.get(gw + "/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
     procs: set[int] = set()
-    try:
-        assert wait_for(ready, timeout=300, interval=0.5), "deployment not ready in 300 s"
+    with epd_up(conf, work, also_ready=agg.healthy) as (up, gw, log_path):
         procs = descendants(up.pid)
         yield {"gw": gw, "enc": f"http://127.0.0.1:{conf['base_port'] + 1}",
                "dec": f"http://127.0.0.1:{conf['base_port'] + 2}", "log": log_path,
                "work": work, "procs": procs, "up_pid": up.pid}
-    finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=90)
     assert up.returncode == 0, log_path.read_text()[-3000:]
     assert wait_for(lambda: not any(alive(p) for p in procs), timeout=10), "left behind"
 
@@ -211,7 +183,7 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
     secret = secret_file("pool")
     conf = config(model, POOL_UP, POOL_MC, encoder_backend="pool", secret_file=str(secret),
                   pool={"max_wait_ms": 1, "cpu_budget_bytes": 64 << 20})
-    with epd_up("pool", conf, client, agg) as d:
+    with deployment("pool", conf, agg) as d:
         assert_keyed(client, d, secret, pool=True)
         assert_listeners(d)
         image = sample_image_png(seed=702)
@@ -247,7 +219,7 @@ def test_epd_up_tiered_vllm_encoder_starts_the_store_master_first_and_stops_it(
     conf = config(model, TIERED_UP, TIERED_MC, transport="tiered", master_port=TIERED_MASTER,
                   secret_file=str(secret))
     master_metrics = f"http://127.0.0.1:{TIERED_MASTER + 2}"
-    with epd_up("tiered", conf, client, agg) as d:
+    with deployment("tiered", conf, agg) as d:
         (master,) = [p for p in d["procs"] if b"mooncake_master" in _cmdline(p)]
         assert_keyed(client, d, secret)
         # the Store clients' engines too; the master's RPC and metrics ports on loopback, its
