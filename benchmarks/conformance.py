@@ -46,7 +46,10 @@ STACKS = {  # name: (encoder backend, transport, decoders)
 }
 # pools encode every video of two or more temporal groups in chunks of one group
 POOL = {"video_chunk_tokens": 1}
-AGG_PORT, BASE_PORT = 18880, 18840
+# the aggregated server below every stack's ports (a stack takes base .. base + 31: gateway,
+# encoder, decoders, failover gateway, cutting proxies); it once sat on stack 1's gateway
+# port, where that stack's `epd up` could not start and its requests reached the reference
+AGG_PORT, BASE_PORT, STACK_PORTS = 18800, 18840, 40
 
 
 def wait(pred, timeout: float, what: str, proc=None) -> None:
@@ -92,8 +95,11 @@ class Stack:
         self.gw2 = None
 
     def wait(self, client: httpx.Client) -> None:
-        wait(lambda: client.get(self.url + "/health").status_code == 200, 600,
-             f"stack {self.name} (log {self.work / 'epd-up.log'})", self.proc)
+        def up() -> bool:  # this stack's gateway (it names its decoders), not another server
+            r = client.get(self.url + "/health")
+            return r.status_code == 200 and "decoders" in r.json() and self.proc.poll() is None
+
+        wait(up, 600, f"stack {self.name} (log {self.work / 'epd-up.log'})", self.proc)
         if self.decoders < 2:
             return
         decs = [f"http://127.0.0.1:{self.port + 2 + i}" for i in range(self.decoders)]
@@ -158,7 +164,7 @@ def main() -> int:
                 print(f"  refused by aggregated: seed={c.seed} {c.kinds}: {r.status} "
                       f"{r.error}", flush=True)
         for i, name in enumerate(args.stacks):
-            stack = Stack(name, BASE_PORT + 40 * i, spec.model_name, work, args.model)
+            stack = Stack(name, BASE_PORT + STACK_PORTS * i, spec.model_name, work, args.model)
             try:
                 stack.wait(client)
                 paths = {"first": stack.url, "hit": stack.url}

@@ -115,7 +115,9 @@ def epd_up(conf: dict, work: Path, also_ready: Callable[[], bool] = lambda: True
         if up.poll() is not None:
             raise RuntimeError(f"epd up exited: {log_path.read_text()[-3000:]}")
         try:
-            return also_ready() and httpx.get(gw + "/health", timeout=5).status_code == 200
+            r = httpx.get(gw + "/health", timeout=5)
+            # this deployment's gateway (it names its decoders), not whatever holds the port
+            return also_ready() and r.status_code == 200 and "decoders" in r.json()
         except httpx.HTTPError:
             return False
 
