@@ -55,7 +55,8 @@ class PoolCollector(Collector):
             ("epd_pool_items_encoded", "Items encoded", stats.items_encoded),
             ("epd_pool_oom_failures", "Items out of memory even when encoded alone",
              stats.oom_failures),
-            ("epd_pool_reuse_hits", "Items served from memory without encoding",
+            ("epd_pool_reuse_hits", "Items answered without encoding (in memory, or "
+             "published and still stored)",
              stats.reuse_hits),
             ("epd_pool_chunked_items", "Videos encoded in chunks of temporal groups",
              stats.chunked_items),

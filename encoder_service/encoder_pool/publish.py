@@ -41,6 +41,12 @@ class Publisher:
         self._known[item_id] = info
         return info
 
+    def stored(self, item_id: str) -> ItemInfo | None:
+        """What this pool published under `item_id`, if the transport still holds it
+        (blocking: may touch the medium)."""
+        info = self._known.get(item_id)
+        return info if info is not None and self.transport.exists(item_id) else None
+
     async def publish(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
         return await asyncio.get_running_loop().run_in_executor(
             self._executor, self._put, item_id, tensor)

@@ -143,12 +143,14 @@ class EncodeHandler:
         timeout = req.timeout_s or self.config.item_timeout_s
         try:
             items, bad = await self.door(req, policy)
-            self.admit(items)
-            futures = self.submit(items, timeout, req.keep)
+            stored = await asyncio.to_thread(self._stored, items)
+            todo = [it for it in items if it.item_id not in stored]
+            self.admit(todo)
+            futures = self.submit(todo, timeout, req.keep)
         except _Refused as refused:
             return refused.response
         failures = {k: ("bad_media", e.reason) for k, e in bad.items()}
-        infos = await self.publish(futures, timeout, failures)
+        infos = {**stored, **await self.publish(futures, timeout, failures)}
         return self.answer([it.id for it in req.items], items, infos, failures, policy)
 
     # -- the steps ---------------------------------------------------------------------------
@@ -202,6 +204,19 @@ class EncodeHandler:
             except BadMedia as exc:
                 bad[it.id] = exc
         return items, bad
+
+    def _stored(self, items: list[MediaItem]) -> dict[str, ItemInfo]:
+        """Items this pool published that the transport still holds: answered without an
+        encode (a transport the gateway cannot see into, shm or the store, sends every
+        repeat here). Items in memory are the batcher's (`EncoderPool.submit`)."""
+        out = {}
+        for it in items:
+            if self.pool.store.get(it.item_id) is None:
+                info = self.publisher.stored(it.item_id)
+                if info is not None:
+                    out[it.item_id] = info
+        self.pool.stats.reuse_hits += len(out)
+        return out
 
     def admit(self, items: list[MediaItem]) -> None:
         """All or nothing for the queue: every modality's queue must hold its items."""

@@ -84,6 +84,20 @@ def test_encode_publishes_what_the_encoder_computes(pool_server, model):
     after = s.client.get("/v1/stats").json()
     assert r.status_code == 200 and after["items_encoded"] == before["items_encoded"]
     assert after["reuse_hits"] == before["reuse_hits"] + 1
+    # released (gone from memory) but still stored: answered from the transport, no encode
+    assert s.client.post("/v1/release", json={"item_ids": ["img-0"]}).json() == {
+        "img-0": "discarded"}
+    r = s.client.post("/v1/encode", json={"items": [{"id": "img-0", "data": b64(imgs["img-0"])}]})
+    again = s.client.get("/v1/stats").json()
+    assert r.status_code == 200 and r.json()["items"]["img-0"]["status"] == "ok"
+    assert r.json()["items"]["img-0"]["checksum"] == body["items"]["img-0"]["checksum"]
+    assert again["items_encoded"] == before["items_encoded"]
+    assert again["reuse_hits"] == after["reuse_hits"] + 1
+    # gone from the transport too: encoded again
+    assert reader.delete("img-0")
+    r = s.client.post("/v1/encode", json={"items": [{"id": "img-0", "data": b64(imgs["img-0"])}]})
+    assert r.status_code == 200 and r.json()["items"]["img-0"]["status"] == "ok"
+    assert s.client.get("/v1/stats").json()["items_encoded"] == before["items_encoded"] + 1
 
 
 def test_hostile_ids_stay_inside_the_storage_dir(pool_server, tmp_path):
