@@ -22,8 +22,8 @@ Contract of `EncoderPool`:
   over `video_chunk_tokens` rows is queued as chunks of whole temporal groups (chunking.py):
   each chunk is a job of its own (a queue slot), and a video batch holds at most that many
   rows (chunks and short videos of any request together), so other batches run between a
-  long video's; the item resolves once every chunk has been
-  placed into its embedding, and fails as a whole (its other chunks are then not encoded).
+  long video's. The item resolves once every chunk has been placed into its embedding, and
+  fails as a whole (its other chunks are then not encoded).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_service.encoder_pool.chunking import Assembly, split_video
+from encoder_service.encoder_pool.chunking import Assembly, Chunk, split_video
 from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
 from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
@@ -195,7 +195,7 @@ class EncoderPool:
     def free_slots(self, modality: str) -> int:
         return self.max_queue_items - self.queue_depth(modality)
 
-    def split(self, item: MediaItem):
+    def split(self, item: MediaItem) -> list[Chunk]:
         """The chunks `item` is queued as ([]: one job), chunking.split_video's."""
         if not (self.video_chunk_tokens and getattr(self.workers[0].encoder, "chunks_video",
                                                     False)):
