@@ -8,7 +8,7 @@ the `qwen-vl-heavy` test model, whose vision tower takes over a second for a 120
 112 px video on one CPU core (the tiny models take 0.1 s: nothing would wait behind them).
 It is started once per mode: `whole` (video_chunk_tokens 0: the video is one batch) and
 `chunked` (`--chunk-tokens` rows per batch: 8 chunks of 8 temporal groups). Every server
-keeps 120 frames (`--media-io-kwargs`, the same for pool and vLLM). Each round sends a new
+keeps 120 frames (`media_io_kwargs`: the same for pool and vLLM). Each round sends a new
 video, then `--lag-ms` later 16 new images at once, all streamed, greedy, `--max-tokens`;
 the first round of each mode warms the servers and is not counted. Both modes get the same
 media, so the answers are compared too (token ids, chunked vs whole).
@@ -75,11 +75,9 @@ async def one_round(url: str, model: str, r: int, a: argparse.Namespace
 
 
 def measure(mode: str, chunk_tokens: int, a: argparse.Namespace) -> dict:
-    media = json.dumps({"video": {"num_frames": FRAMES}})
     cfg = UpConfig(model=MODEL, encoder_backend="pool", base_port=a.base_port,
-                   pool={"video_chunk_tokens": chunk_tokens,
-                         "media_io_kwargs": {"video": {"num_frames": FRAMES}}},
-                   vllm_args=["--media-io-kwargs", media])
+                   pool={"video_chunk_tokens": chunk_tokens},
+                   media_io_kwargs={"video": {"num_frames": FRAMES}})
     out: dict = {}
 
     def bench(dep) -> int:

@@ -18,6 +18,7 @@ handled; its servers then get their parent-death signal and go too
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -112,6 +113,9 @@ class Deployment:
         env[API_KEY_ENV] = "" if secret is None else api_key(secret)
         if secret is not None:
             env[SECRET_ENV] = str(cfg.secret_path)
+        media = {"media_io_kwargs": cfg.media_io_kwargs} if cfg.media_io_kwargs else {}
+        media_args = (["--media-io-kwargs", json.dumps(cfg.media_io_kwargs)]
+                      if cfg.media_io_kwargs else [])
         for i in range(n):
             core = cores[i] if cores else i % ncpu
             if i < cfg.encoders:
@@ -120,7 +124,8 @@ class Deployment:
                     self.encoders.append(PoolServer(
                         f"encoder-{i}", model, port + i, logs, cpu_core=core,
                         served_name=cfg.served_model_name, env=dict(env), pool_config={
-                            **cfg.pool, "transport": {"storage_path": str(storage), **extra}}))
+                            **media, **cfg.pool,
+                            "transport": {"storage_path": str(storage), **extra}}))
                     continue
                 role, name = "ec_producer", f"encoder-{i}"
             else:
@@ -128,7 +133,8 @@ class Deployment:
                 role, name = "ec_consumer", f"decode-{i - cfg.encoders}"
             # decode instances serve vLLM's token-in API (render + generate): the gateway
             # continues a broken stream there token for token (gateway/failover.py)
-            args = list(cfg.vllm_args) + ([] if i < cfg.encoders else DECODE_ARGS)
+            args = (list(cfg.vllm_args) + media_args
+                    + ([] if i < cfg.encoders else DECODE_ARGS))
             s = VllmServer(name, model, port + i, logs, epd_config(role, storage, extra),
                            cpu_core=core, served_name=cfg.served_model_name,
                            extra_args=args, env=dict(env))

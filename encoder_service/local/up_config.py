@@ -91,6 +91,10 @@ class UpConfig(BaseModel):
                                         "processes, runs on its core; default: spread over "
                                         "this machine's cores")
     vllm_args: list[str] = Field(default_factory=list)
+    media_io_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="vLLM's --media-io-kwargs for every server and "
+        "encoder pool alike (e.g. {\"video\": {\"num_frames\": 120}}: the frames kept "
+        "decide the embedding, so encoders and decode instances must agree)")
     startup_timeout_s: float = Field(420.0, gt=0)
     clear_cache: bool = Field(True, description="empty the storage directory at start")
     gateway: dict[str, Any] = Field(default_factory=dict,

@@ -103,6 +103,25 @@ def test_plan_pool_backend_starts_epd_encoder_processes(tmp_path):
     assert pc.transport_config().transport == "mooncake" and pc.namespace == "tiny-llava"
 
 
+def test_media_io_kwargs_reach_every_server_and_pool_alike(tmp_path):
+    """The frames a video keeps decide its embedding: one setting for encoders and decode
+    instances, vLLM servers and pools alike."""
+    media = {"video": {"num_frames": 120}}
+    for backend in ("vllm", "pool"):
+        dep = Deployment(UpConfig(base_port=18630, encoder_backend=backend,
+                                  media_io_kwargs=media, transport="safetensors"), tmp_path)
+        dep.plan(tmp_path / "model")
+        (enc,), (dec,) = dep.encoders, dep.decoders
+        for server in (dec, enc) if backend == "vllm" else (dec,):
+            args = server.extra_args
+            assert json.loads(args[args.index("--media-io-kwargs") + 1]) == media
+        if backend == "pool":
+            assert enc.pool_config["media_io_kwargs"] == media
+    dep = Deployment(UpConfig(base_port=18630, transport="safetensors"), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert "--media-io-kwargs" not in dep.decoders[0].extra_args
+
+
 def test_a_taken_mooncake_port_fails_fast(tmp_path):
     dep = Deployment(UpConfig(base_port=18630, transport="mooncake", mooncake_base_port=16675),
                      tmp_path)
