@@ -42,6 +42,7 @@ from ec_connectors.config_files import read_config_file
 from ec_connectors.protocol.http_api import UPSTREAM_ERROR, RequireKey, error_type
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
+from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.secret import server_api_key
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
@@ -56,7 +57,7 @@ from encoder_service.encoder_pool.media import (
 )
 from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
-from encoder_service.encoder_pool.publish import Publisher
+from encoder_service.encoder_pool.publish import MAX_REMEMBERED, Publisher
 
 if TYPE_CHECKING:
     from ec_connectors.config import EPDConfig
@@ -137,29 +138,31 @@ class EncodeHandler:
         self.encoder = pool.workers[0].encoder  # preprocessing is the same on every device
         # picks vLLM's video loader
         self.video_processor = getattr(self.encoder, "video_processor", None)
+        self._answered: BoundedLRU[str, MediaItem] = BoundedLRU(MAX_REMEMBERED)
 
     async def __call__(self, req: EncodeRequest) -> JSONResponse:
         policy = req.on_failure or self.config.on_failure
         timeout = req.timeout_s or self.config.item_timeout_s
         try:
-            items, bad = await self.door(req, policy)
-            stored = await asyncio.to_thread(self._stored, items)
-            todo = [it for it in items if it.item_id not in stored]
-            self.admit(todo)
-            futures = self.submit(todo, timeout, req.keep)
+            self._check_ids(req)
+            stored = await asyncio.to_thread(self._stored, req)
+            items, bad = await self.door(req, policy, skip=stored)
+            self.admit(items)
+            futures = self.submit(items, timeout, req.keep)
         except _Refused as refused:
             return refused.response
         failures = {k: ("bad_media", e.reason) for k, e in bad.items()}
-        infos = {**stored, **await self.publish(futures, timeout, failures)}
-        return self.answer([it.id for it in req.items], items, infos, failures, policy)
+        infos = {k: info for k, (_, info) in stored.items()}
+        infos.update(await self.publish(futures, timeout, failures))
+        return self.answer([it.id for it in req.items],
+                           [*items, *(it for it, _ in stored.values())], infos, failures, policy)
 
     # -- the steps ---------------------------------------------------------------------------
-    async def door(self, req: EncodeRequest, policy: str
+    async def door(self, req: EncodeRequest, policy: str, skip: dict | None = None
                    ) -> tuple[list[MediaItem], dict[str, BadMedia]]:
-        """The request's items decoded and prepared, and the media refused item by item (under
-        on_failure=fail, any of those refuses the request)."""
-        self._check_ids(req)
-        items, bad = await asyncio.to_thread(self._decode, req)
+        """The request's items decoded and prepared (but those in `skip`), and the media
+        refused item by item (under on_failure=fail, any of those refuses the request)."""
+        items, bad = await asyncio.to_thread(self._decode, req, skip or {})
         if bad and policy == "fail":
             raise _Refused(_error(400, "bad_media", "; ".join(str(e) for e in bad.values()),
                                   items={k: e.reason for k, e in bad.items()}))
@@ -183,11 +186,15 @@ class EncodeHandler:
                                       "signed with the deployment secret (the gateway signs "
                                       "the ids it derives)"))
 
-    def _decode(self, req: EncodeRequest) -> tuple[list[MediaItem], dict[str, BadMedia]]:
-        """Runs in a thread: decoding and vLLM's preprocessing take milliseconds per item."""
+    def _decode(self, req: EncodeRequest, skip: dict
+                ) -> tuple[list[MediaItem], dict[str, BadMedia]]:
+        """Runs in a thread: decoding and vLLM's preprocessing take milliseconds per item
+        (a long video: hundreds)."""
         config, modalities = self.config, self.pool.modalities
         items, bad = [], {}
         for it in req.items:
+            if it.id in skip:
+                continue
             try:
                 if it.modality not in modalities:
                     raise BadMedia(it.id, f"modality {it.modality!r} is not served "
@@ -205,16 +212,19 @@ class EncodeHandler:
                 bad[it.id] = exc
         return items, bad
 
-    def _stored(self, items: list[MediaItem]) -> dict[str, ItemInfo]:
-        """Items this pool published that the transport still holds: answered without an
-        encode (a transport the gateway cannot see into, shm or the store, sends every
-        repeat here). Items in memory are the batcher's (`EncoderPool.submit`)."""
+    def _stored(self, req: EncodeRequest) -> dict[str, tuple[MediaItem, ItemInfo]]:
+        """Items this pool published and answered before that the transport still holds:
+        answered again without decoding or encoding (a transport the gateway cannot see
+        into, shm or the store, sends every repeat here; ids are the gateway's signed
+        content ids, so the same id is the same media and settings). Blocking."""
         out = {}
-        for it in items:
-            if self.pool.store.get(it.item_id) is None:
-                info = self.publisher.stored(it.item_id)
-                if info is not None:
-                    out[it.item_id] = info
+        for it in req.items:
+            known = self._answered.get(it.id)
+            if known is None or known.modality != it.modality:
+                continue
+            info = self.publisher.stored(it.id)
+            if info is not None:
+                out[it.id] = (known, info)
         self.pool.stats.reuse_hits += len(out)
         return out
 
@@ -280,9 +290,15 @@ class EncodeHandler:
         params = self.publisher.params(infos)
         describe = self.encoder.placeholder_metadata
         for it in items:  # metadata-only requests to the consumer (Qwen family)
-            meta = describe(it) if it.item_id in infos else None
+            if it.item_id not in infos:
+                continue
+            meta = describe(it)
             if meta:
                 params.items[it.item_id] = params.items[it.item_id].with_metadata(meta)
+            # what a repeat is answered with (`_stored`): the item without its media
+            self._answered[it.item_id] = MediaItem(it.item_id, it.modality,
+                                                   num_embeds=it.num_embeds,
+                                                   metadata=dict(meta or {}))
         out_items: dict[str, Any] = {}
         for item_id in ids:
             if item_id in infos:

@@ -93,6 +93,10 @@ def test_encode_publishes_what_the_encoder_computes(pool_server, model):
     assert r.json()["items"]["img-0"]["checksum"] == body["items"]["img-0"]["checksum"]
     assert again["items_encoded"] == before["items_encoded"]
     assert again["reuse_hits"] == after["reuse_hits"] + 1
+    # nor decoded: its id (the gateway's signed content id) names its media, so the bytes are
+    # not read again (a long video's decoding and preprocessing cost hundreds of ms)
+    r = s.client.post("/v1/encode", json={"items": [{"id": "img-0", "data": "AA=="}]})
+    assert r.status_code == 200 and r.json()["items"]["img-0"]["status"] == "ok"
     # gone from the transport too: encoded again
     assert reader.delete("img-0")
     r = s.client.post("/v1/encode", json={"items": [{"id": "img-0", "data": b64(imgs["img-0"])}]})
