@@ -145,7 +145,8 @@ class EncodeHandler:
         timeout = req.timeout_s or self.config.item_timeout_s
         try:
             self._check_ids(req)
-            stored = await asyncio.to_thread(self._stored, req)
+            stored = await asyncio.to_thread(self._stored, self._answered_before(req))
+            self.pool.stats.reuse_hits += len(stored)
             items, bad = await self.door(req, policy, skip=stored)
             self.admit(items)
             futures = self.submit(items, timeout, req.keep)
@@ -212,20 +213,26 @@ class EncodeHandler:
                 bad[it.id] = exc
         return items, bad
 
-    def _stored(self, req: EncodeRequest) -> dict[str, tuple[MediaItem, ItemInfo]]:
-        """Items this pool published and answered before that the transport still holds:
-        answered again without decoding or encoding (a transport the gateway cannot see
-        into, shm or the store, sends every repeat here; ids are the gateway's signed
-        content ids, so the same id is the same media and settings). Blocking."""
+    def _answered_before(self, req: EncodeRequest) -> dict[str, MediaItem]:
+        """The request's items this pool published and answered before (event loop: the
+        table is the loop's)."""
         out = {}
         for it in req.items:
             known = self._answered.get(it.id)
-            if known is None or known.modality != it.modality:
-                continue
-            info = self.publisher.stored(it.id)
+            if known is not None and known.modality == it.modality:
+                out[it.id] = known
+        return out
+
+    def _stored(self, known: dict[str, MediaItem]) -> dict[str, tuple[MediaItem, ItemInfo]]:
+        """Of `known`, those the transport still holds: answered again without decoding or
+        encoding (a transport the gateway cannot see into, shm or the store, sends every
+        repeat here; ids are the gateway's signed content ids, so the same id is the same
+        media and settings). Runs in a thread (may touch the medium)."""
+        out = {}
+        for item_id, item in known.items():
+            info = self.publisher.stored(item_id)
             if info is not None:
-                out[it.id] = (known, info)
-        self.pool.stats.reuse_hits += len(out)
+                out[item_id] = (item, info)
         return out
 
     def admit(self, items: list[MediaItem]) -> None:
