@@ -67,6 +67,21 @@ def test_a_frame_list_keeps_the_frames_vllm_keeps_and_checks_each_frames_pixels(
         decode_video("mixed", mixed["video_url"]["url"], BIG, BIG)
 
 
+@pytest.mark.parametrize("num_frames", [40, -1])
+def test_server_media_io_kwargs_keep_the_frames_vllm_keeps_with_them(num_frames):
+    """A server given --media-io-kwargs keeps other frames than 32: the pool, given the
+    same, keeps the same ones (-1: every frame), each frame's pixels checked."""
+    kwargs = {"video": {"num_frames": num_frames}}
+    url = video_part(sample_frames(5, 48, size=32))["video_url"]["url"]
+    frames, meta = decode_video("long", url, BIG, BIG, None, kwargs).media.media
+    theirs, their_meta = MediaConnector(media_io_kwargs=kwargs).fetch_video(url).media
+    assert len(frames) == len(theirs) == (48 if num_frames < 0 else num_frames)
+    assert np.array_equal(frames, theirs) and meta == their_meta
+    with pytest.raises(BadMedia, match="pixels"):  # the 40th frame is checked too
+        decode_video("big", video_part(sample_frames(3, 39, size=32) + sample_frames(
+            4, 1, size=64))["video_url"]["url"], BIG, 32 * 32, None, kwargs)
+
+
 AUDIO = [(8000, 1, "WAV"), (8000, 2, "OGG"), (16000, 1, "FLAC"), (16000, 2, "MP3"),
          (22050, 1, "OGG"), (22050, 2, "WAV"), (44100, 1, "MP3"), (44100, 2, "FLAC"),
          (48000, 1, "WAV"), (48000, 2, "OGG")]
