@@ -99,6 +99,10 @@ class EPDWorker:
                            self.config.save_queue_timeout_s, item_id)
             self._failed(item_id, "save queue full")
             return
+        try:  # peers asking for it before it is stored are told to wait, not "unknown"
+            self.transport.expect(item_id)
+        except Exception as exc:  # noqa: BLE001 - a hint only: the save goes on
+            logger.warning("EPD: transport.expect(%r) failed: %s", item_id, exc)
         # ENCODED_CPU from here. A device tensor may be freed or reused by vLLM: copy it to
         # host now. A CPU tensor is a fresh encoder output vLLM never mutates: no copy.
         tensor = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()

@@ -10,6 +10,7 @@
     {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
     {"op": "tamper", "id": "img-1"}         (mooncake_store: flip one stored payload byte)
     {"op": "save_failed", "id": "img-1"}    (announce a failed save, as the worker does)
+    {"op": "expect", "id": "img-1"}         (a save is queued, as the worker's save() says)
     {"op": "health"}
     {"op": "quit"}
 
@@ -94,6 +95,9 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         return {"found": found, "exists": transport.exists(cmd["id"])}
     if op == "save_failed":
         transport.save_failed(cmd["id"], cmd.get("reason", "test"))
+        return {}
+    if op == "expect":
+        transport.expect(cmd["id"])
         return {}
     if op == "tamper":
         return {"tampered": _tamper(transport, cmd["id"])}

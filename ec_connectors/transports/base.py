@@ -198,6 +198,12 @@ class Transport(ABC):
         """A consumer is being promised this stored item again: keep it (no-op by default)."""
         return None
 
+    def expect(self, item_id: str) -> None:
+        """Producer: the item's save is queued (a `put` or a `save_failed` follows), so a
+        peer asking for it now is told to wait rather than that it is unknown. No-op by
+        default (transports whose readers wait for an item to appear)."""
+        return None
+
     def save_failed(self, item_id: str, reason: str) -> None:
         """The producer could not store `item_id`: tell consumers waiting for it, where the
         transport can, so they stop waiting (local encode) instead of running out their

@@ -193,6 +193,10 @@ class TieredTransport(Transport):
         for tier in self.tiers:
             tier.renew(item_id)
 
+    def expect(self, item_id: str) -> None:
+        for tier in self.tiers:
+            tier.expect(item_id)
+
     def save_failed(self, item_id: str, reason: str) -> None:
         for tier in self.tiers:
             tier.save_failed(item_id, reason)

@@ -35,7 +35,7 @@ from ec_connectors.transports.mooncake_te.messages import (
 
 logger = get_logger(__name__)
 
-_UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save may still be queued
+_UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save is queued ("pending")
 
 
 @dataclass
@@ -252,6 +252,7 @@ class Puller:
             return None
         backoff = _UNKNOWN_RETRY_S[0]
         i = 0
+        unknown_at: set[str] = set()  # producers that neither hold it nor are saving it
         while time.monotonic() < deadline:
             endpoint = sources[i % len(sources)]
             outcome, tensor, nbytes = self._pull_once(endpoint, key, deadline, nbytes)
@@ -265,9 +266,14 @@ class Puller:
                            "unreachable", "unregistered") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
-            if not wait and outcome == "unknown" and i >= len(sources):
-                break  # asked every producer once: not stored anywhere right now
-            if outcome in ("unknown", "disconnected", "transfer", "busy") \
+            if outcome == "unknown":
+                unknown_at.add(endpoint)
+            if len(unknown_at) == len(sources) or (not wait and outcome == "unknown"
+                                                   and i >= len(sources)):
+                # every producer said so: none holds it nor has its save queued (a stale
+                # hint, a restarted producer): a miss now, not at the deadline
+                break
+            if outcome in ("unknown", "pending", "disconnected", "transfer", "busy") \
                     and i % len(sources) == 0:
                 # Maybe still in the producer's save queue, or it restarts: retry until the
                 # deadline, backing off.
@@ -336,9 +342,9 @@ class Puller:
             # producer is asked, never this one again in a hot loop
             return ("ok" if tensor is not None else "corrupt"), tensor
         if isinstance(reply, PullFailed):
-            self.stats[{"unknown": "unknown", "evicted": "evicted"}.get(
+            self.stats[{"unknown": "unknown", "pending": "unknown", "evicted": "evicted"}.get(
                 reply.code, "transfer_errors")] += 1
-            if reply.code not in ("unknown",):
+            if reply.code not in ("unknown", "pending"):
                 logger.warning("EPD: pull of %s from %s failed: %s %s", key, endpoint,
                                reply.code, reply.error)
             return reply.code, None

@@ -53,7 +53,8 @@ class Pulled(msgspec.Struct, tag=True):
 
 
 class PullFailed(msgspec.Struct, tag=True):
-    """producer -> consumer. code: unknown | evicted | too_small (info says the size) |
+    """producer -> consumer. code: unknown (not here, and no save of it queued here) |
+    pending (its save is queued here: ask again) | evicted | too_small (info says the size) |
     transfer | bad_request | namespace (the item belongs to another model) | expired (the
     pull's deadline passed before or while it was served: nothing more is written) |
     unregistered (the destination is not inside a range this connection registered and

@@ -62,6 +62,8 @@ class ProducerStore:
         self._lock = threading.Lock()
         self.recently_evicted: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)
         self.recently_failed: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)  # saves
+        # saves queued in this process, not stored yet: pulls are told to wait ("pending")
+        self.expected: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)
 
     def get(self, key: str) -> Held | None:
         with self._lock:
@@ -92,17 +94,32 @@ class ProducerStore:
             self._items.move_to_end(key)
             return True
 
+    def expect(self, key: str) -> None:
+        with self._lock:
+            if key not in self._items:
+                self.expected[key] = None
+
     def add(self, info: ItemInfo, buf: PoolBuffer) -> None:
         with self._lock:
             self._items[info.key] = Held(info, buf, time.monotonic() + self.lease_ttl_s)
             self.recently_evicted.pop(info.key, None)
             self.recently_failed.pop(info.key, None)
+            self.expected.pop(info.key, None)
 
     def failed(self, key: str) -> None:
         with self._lock:
+            self.expected.pop(key, None)
             if key in self._items:
                 return  # stored before: still served
             self.recently_failed[key] = None
+
+    def absent(self, key: str) -> str:
+        """Why a key is not held: failed | evicted | pending (its save is queued here) |
+        unknown (never here, or gone long ago)."""
+        with self._lock:
+            return ("failed" if key in self.recently_failed else
+                    "evicted" if key in self.recently_evicted else
+                    "pending" if key in self.expected else "unknown")
 
     def evict_one(self) -> Held | None:
         """Release the least recently used unleased, unpinned item; None if there is none."""
@@ -380,8 +397,7 @@ class PullServer:
             return
         held = self.store.pin(msg.key)
         if held is None:
-            code = ("failed" if msg.key in self.store.recently_failed else
-                    "evicted" if msg.key in self.store.recently_evicted else "unknown")
+            code = self.store.absent(msg.key)
             self._reply(peer, PullFailed(pull_id=msg.pull_id, code=code,
                                          error=f"item {msg.key} is {code} at {self.endpoint}"))
             return

@@ -186,6 +186,10 @@ class MooncakeTransport(Transport):
         if self.store is not None:
             self.store.renew(item_key(item_id))
 
+    def expect(self, item_id: str) -> None:
+        if self.store is not None:  # pulls of it are answered "pending" until put or failed
+            self.store.expect(item_key(item_id))
+
     def save_failed(self, item_id: str, reason: str) -> None:
         if self.store is not None:  # pulls of it are answered "failed" from now on
             self.store.failed(item_key(item_id))

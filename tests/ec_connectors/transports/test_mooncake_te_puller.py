@@ -27,7 +27,7 @@ peers = forked_peers.fixture()  # peers forked warm, killed after the test
 _ports = base_ports(1)
 
 
-def test_small_items_ride_inline_and_unknown_items_miss_by_the_deadline(peers):
+def test_small_items_ride_inline_and_unknown_items_miss_at_once(peers):
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base))
     cons = peers.start(CONSUMER, **mc_config(base))
@@ -38,10 +38,10 @@ def test_small_items_ride_inline_and_unknown_items_miss_by_the_deadline(peers):
     assert got["found"] and got["checksum"] == put["checksum"]
     assert health(cons)["inline"] == 1
     t0 = time.monotonic()
-    miss = cons.call({"op": "get", "id": "never-stored", "timeout_s": 1.0,
+    miss = cons.call({"op": "get", "id": "never-stored", "timeout_s": 5.0,
                       "location": endpoint})
     assert not miss["found"]
-    assert 0.9 < time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 1.0  # no save of it queued there: a miss now
     h = health(cons)
     assert h["unknown"] >= 1 and h["pool_used_bytes"] == 0
 

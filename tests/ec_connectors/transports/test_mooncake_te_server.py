@@ -185,14 +185,23 @@ def test_a_pull_past_its_deadline_is_dropped_and_frees_the_consumers_buffer(peer
 
 
 def test_a_failed_save_is_answered_so_the_consumer_stops_waiting(peers):
+    """Unknown (no save of it queued there: a stale hint, a restarted producer) and failed
+    are misses at once; pending (its save is queued) is waited for, until it lands."""
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base))
     cons = peers.start(CONSUMER, **mc_config(base))
     endpoint = prod.info["endpoint"]
     t0 = time.monotonic()
-    got = cons.call({"op": "get", "id": "never", "timeout_s": 1.0, "location": endpoint})
-    waited = time.monotonic() - t0
-    assert not got["found"] and waited >= 0.9  # unknown: maybe still queued, so it waits
+    got = cons.call({"op": "get", "id": "never", "timeout_s": 5.0, "location": endpoint})
+    assert not got["found"] and time.monotonic() - t0 < 1.0  # unknown: no 5 s wait
+    prod.call({"op": "expect", "id": "queued"})
+    t0 = time.monotonic()
+    got = cons.call({"op": "get", "id": "queued", "timeout_s": 1.0, "location": endpoint})
+    assert not got["found"] and time.monotonic() - t0 >= 0.9  # pending: waited it out
+    cons.send({"op": "get", "id": "queued", "timeout_s": 10.0, "location": endpoint})
+    time.sleep(0.3)
+    prod.call({"op": "put", "id": "queued", "seed": 3, "shape": [64, 64], "dtype": "bfloat16"})
+    assert cons.result(15)["found"]  # landed while the consumer waited
     prod.call({"op": "save_failed", "id": "gone"})
     t0 = time.monotonic()
     got = cons.call({"op": "get", "id": "gone", "timeout_s": 5.0, "location": endpoint})
