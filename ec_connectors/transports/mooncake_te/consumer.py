@@ -252,7 +252,6 @@ class Puller:
             return None
         backoff = _UNKNOWN_RETRY_S[0]
         i = 0
-        unknown_at: set[str] = set()  # producers that neither hold it nor are saving it
         while time.monotonic() < deadline:
             endpoint = sources[i % len(sources)]
             outcome, tensor, nbytes = self._pull_once(endpoint, key, deadline, nbytes)
@@ -266,13 +265,13 @@ class Puller:
                            "unreachable", "unregistered") and len(sources) == 1:
                 break  # a frozen producer would only cost more quarantined buffers
             i += 1
-            if outcome == "unknown":
-                unknown_at.add(endpoint)
-            if len(unknown_at) == len(sources) or (not wait and outcome == "unknown"
-                                                   and i >= len(sources)):
-                # every producer said so: none holds it nor has its save queued (a stale
-                # hint, a restarted producer): a miss now, not at the deadline
+            if outcome == "unknown" and location:
+                # the producer named as holding it neither holds it nor has its save queued
+                # (a stale hint, a restarted producer): a miss now, not at the deadline.
+                # Asked without a location, it may not be made yet: that waits, as below.
                 break
+            if not wait and outcome == "unknown" and i >= len(sources):
+                break  # asked every producer once: not stored anywhere right now
             if outcome in ("unknown", "pending", "disconnected", "transfer", "busy") \
                     and i % len(sources) == 0:
                 # Maybe still in the producer's save queue, or it restarts: retry until the

@@ -42,6 +42,10 @@ def test_small_items_ride_inline_and_unknown_items_miss_at_once(peers):
                       "location": endpoint})
     assert not miss["found"]
     assert time.monotonic() - t0 < 1.0  # no save of it queued there: a miss now
+    asks_all = peers.start(CONSUMER, **mc_config(base, producers=[endpoint]))
+    t0 = time.monotonic()  # asked with no location, it may not be made yet: waited for
+    miss = asks_all.call({"op": "get", "id": "never-stored", "timeout_s": 1.0})
+    assert not miss["found"] and 0.9 < time.monotonic() - t0 < 5
     h = health(cons)
     assert h["unknown"] >= 1 and h["pool_used_bytes"] == 0
 

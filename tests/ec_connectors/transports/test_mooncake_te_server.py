@@ -185,8 +185,9 @@ def test_a_pull_past_its_deadline_is_dropped_and_frees_the_consumers_buffer(peer
 
 
 def test_a_failed_save_is_answered_so_the_consumer_stops_waiting(peers):
-    """Unknown (no save of it queued there: a stale hint, a restarted producer) and failed
-    are misses at once; pending (its save is queued) is waited for, until it lands."""
+    """Asked where it should be: unknown there (no save of it queued: a stale hint, a
+    restarted producer) and failed are misses at once; pending (its save is queued) is
+    waited for, until it lands."""
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base))
     cons = peers.start(CONSUMER, **mc_config(base))
