@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,6 +93,17 @@ def stop_all(servers: Iterable) -> None:
     if servers:
         with ThreadPoolExecutor(len(servers)) as pool:
             list(pool.map(lambda s: s.stop(), servers))
+
+
+def run_pool(coro_fn: Callable[[], Awaitable], pool):
+    """`coro_fn()` on a new event loop with the encoder pool `pool` started, then stopped."""
+    async def main():
+        await pool.start()
+        try:
+            return await coro_fn()
+        finally:
+            await pool.stop()
+    return asyncio.run(main())
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from encoder_service.encoder_pool.chunking import Assembly, Chunk, split_video
+from encoder_service.encoder_pool.chunking import Assembly, Chunk, chunk_count, split_video
 from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
 from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
@@ -195,16 +195,19 @@ class EncoderPool:
     def free_slots(self, modality: str) -> int:
         return self.max_queue_items - self.queue_depth(modality)
 
+    @property
+    def _chunk_rows(self) -> int:
+        """Rows per video chunk; 0 when this pool's encoder may not split videos."""
+        chunks = getattr(self.workers[0].encoder, "chunks_video", False)
+        return self.video_chunk_tokens if chunks else 0
+
     def split(self, item: MediaItem) -> list[Chunk]:
         """The chunks `item` is queued as ([]: one job), chunking.split_video's."""
-        if not (self.video_chunk_tokens and getattr(self.workers[0].encoder, "chunks_video",
-                                                    False)):
-            return []
-        return split_video(item, self.video_chunk_tokens)
+        return split_video(item, self._chunk_rows) if self._chunk_rows else []
 
     def slots(self, item: MediaItem) -> int:
-        """Queue slots `item` takes: one per chunk."""
-        return len(self.split(item)) or 1
+        """Queue slots `item` takes: one per chunk (counted, not cut)."""
+        return (chunk_count(item, self._chunk_rows) if self._chunk_rows else 0) or 1
 
     # -- admission ---------------------------------------------------------------------
     def estimate_bytes(self, item: MediaItem) -> tuple[int, int]:

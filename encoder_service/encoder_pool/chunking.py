@@ -43,25 +43,44 @@ class Chunk:
     item: MediaItem
 
 
-def split_video(item: MediaItem, max_rows: int) -> list[Chunk]:
-    """The video's chunks, each of whole temporal groups and at most `max_rows` embedding
-    rows (at least one group); [] when the item is not split (not a prepared video with a
-    temporal grid, or it fits one chunk)."""
-    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
-
+def _groups_per_chunk(item: MediaItem, max_rows: int) -> int:
+    """Whole temporal groups per chunk of `item` (at most `max_rows` rows, at least one
+    group); 0 when it is not split (not a prepared video with a temporal grid in the layout
+    this split knows, or it fits one chunk)."""
     kwargs = item.prepared
     if item.modality != "video" or max_rows <= 0 or kwargs is None:
-        return []
+        return 0
     grid, pixels = kwargs.get(_GRID), kwargs.get(_PIXELS)
     if grid is None or pixels is None or not isinstance(pixels.data, torch.Tensor):
-        return []
+        return 0
     t, h, w = (int(x) for x in grid.data.reshape(-1).tolist())
     if t <= 1 or item.num_embeds % t or pixels.data.shape[0] != t * h * w:
-        return []  # not the layout this split knows: encode whole
-    rows_per_group, patches_per_group = item.num_embeds // t, h * w
-    groups = max(1, max_rows // rows_per_group)
-    if groups >= t:
+        return 0  # not the layout this split knows: encode whole
+    groups = max(1, max_rows // (item.num_embeds // t))
+    return groups if groups < t else 0
+
+
+def chunk_count(item: MediaItem, max_rows: int) -> int:
+    """How many chunks `split_video` cuts `item` into (0: not split), without cutting."""
+    groups = _groups_per_chunk(item, max_rows)
+    if not groups:
+        return 0
+    t = int(item.prepared[_GRID].data.reshape(-1)[0])
+    return -(-t // groups)
+
+
+def split_video(item: MediaItem, max_rows: int) -> list[Chunk]:
+    """The video's chunks, each of whole temporal groups and at most `max_rows` embedding
+    rows (at least one group); [] when the item is not split (`_groups_per_chunk`)."""
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
+
+    groups = _groups_per_chunk(item, max_rows)
+    if not groups:
         return []
+    kwargs = item.prepared
+    grid, pixels = kwargs[_GRID], kwargs[_PIXELS]
+    t, h, w = (int(x) for x in grid.data.reshape(-1).tolist())
+    rows_per_group, patches_per_group = item.num_embeds // t, h * w
     chunks = []
     for index, g0 in enumerate(range(0, t, groups)):
         n = min(groups, t - g0)

@@ -32,8 +32,8 @@ class Publisher:
         self.published_bytes = 0
 
     def _put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
-        info = self._known.get(item_id)
-        if info is not None and self.transport.exists(item_id):
+        info = self.stored(item_id)
+        if info is not None:
             return info
         info = self.transport.put(item_id, tensor)
         self.published += 1

@@ -15,6 +15,7 @@ from PIL import Image
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureState, FeatureStore
 from encoder_service.encoder_pool.media import MediaItem
+from tests.helpers import run_pool as run
 
 TOKENS, DIM = 3, 4
 ITEM_BYTES = TOKENS * DIM * 4
@@ -61,16 +62,6 @@ def image(item_id: str, side: int = 64) -> MediaItem:
 def make_pool(*encoders, budget=1 << 20, **kw) -> EncoderPool:
     workers = [Worker(e, name=f"w{i}") for i, e in enumerate(encoders)]
     return EncoderPool(workers, FeatureStore(budget), **kw)
-
-
-def run(coro_fn, pool):
-    async def main():
-        await pool.start()
-        try:
-            return await coro_fn()
-        finally:
-            await pool.stop()
-    return asyncio.run(main())
 
 
 def test_concurrent_items_form_full_batches():

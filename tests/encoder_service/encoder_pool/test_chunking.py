@@ -22,9 +22,10 @@ from vllm.multimodal.inputs import (
 )
 
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
-from encoder_service.encoder_pool.chunking import Assembly, split_video
+from encoder_service.encoder_pool.chunking import Assembly, chunk_count, split_video
 from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
 from encoder_service.encoder_pool.media import MediaItem
+from tests.helpers import run_pool
 
 MERGE = 4  # pixel rows per embedding row (a 2x2 spatial merge)
 DIM = 3
@@ -90,6 +91,7 @@ def test_chunks_cover_the_video_in_whole_groups(t, hw, max_rows):
     item = video("v", t, h, w)
     per_group = h * w // MERGE
     chunks = split_video(item, max_rows)
+    assert chunk_count(item, max_rows) == len(chunks)  # counted without cutting, the same
     if max_rows == 0 or t == 1 or max_rows // per_group >= t:
         assert chunks == []
         return
@@ -138,16 +140,6 @@ def test_assembly_in_any_order_is_the_whole_embedding():
         b.place(0, torch.zeros(parts[0].shape[0] + 1, DIM))
 
 
-def run(pool: EncoderPool, coro_fn):
-    async def main():
-        await pool.start()
-        try:
-            return await coro_fn()
-        finally:
-            await pool.stop()
-    return asyncio.run(main())
-
-
 def pool_of(tower, **kw) -> EncoderPool:
     kw.setdefault("max_wait_ms", 1)
     return EncoderPool([Worker(tower)], FeatureStore(1 << 24), **kw)
@@ -161,7 +153,7 @@ def test_pool_encodes_a_long_video_in_chunks_equal_to_the_whole():
     async def go():
         return await pool.encode(item, 10)
 
-    out = run(pool, go)
+    out = run_pool(go, pool)
     assert torch.equal(out, whole_embedding(item))
     assert [b for b in tower.log] == [[f"v#{i}"] for i in range(6)]  # 2 groups = 8 rows each
     assert pool.stats.chunked_items == 1 and pool.stats.chunks == 6
@@ -179,7 +171,7 @@ def test_a_video_batch_holds_at_most_the_chunk_rows():
         await asyncio.gather(pool.encode(video("v", 6), 10), pool.encode(video("a", 1), 10),
                              pool.encode(video("b", 1), 10))
 
-    run(pool, go)
+    run_pool(go, pool)
     assert [b for b in tower.log if b[0].startswith("v")] == [["v#0"], ["v#1"], ["v#2"]]
     assert ["a", "b"] in tower.log
 
@@ -200,7 +192,7 @@ def test_images_run_between_a_videos_chunks():
             await vid
             return done_when_image_done, tower.log
 
-        return run(pool, go)
+        return run_pool(go, pool)
 
     video_done, log = order(8)
     assert not video_done
@@ -220,7 +212,7 @@ def test_a_failing_chunk_fails_the_item_once_and_skips_the_rest():
         await asyncio.sleep(0.05)
         return err.value
 
-    err = run(pool, go)
+    err = run_pool(go, pool)
     assert err.item_id == "v" and err.code == "encode_error" and "chunk 1" in err.reason
     encoded = [i for batch in tower.log for i in batch]
     assert "v#7" not in encoded  # queued chunks of a failed item are not encoded
@@ -238,4 +230,4 @@ def test_a_chunked_video_takes_a_queue_slot_per_chunk():
         assert pool.store.get("v") is None  # refused before anything was reserved
         return await pool.encode(video("s", 2), 10)
 
-    assert run(pool, go).shape == (8, DIM)
+    assert run_pool(go, pool).shape == (8, DIM)
