@@ -36,7 +36,7 @@ from ec_connectors.messages import (
 from ec_connectors.metadata import InlineItem
 from ec_connectors.save_queue import SaveQueue
 from ec_connectors.stats import COUNTERS, StatsRecorder
-from ec_connectors.transports.base import Transport, Want, dtype_from_name
+from ec_connectors.transports.base import Transport, Want, dtype_from_name, host_copy
 
 logger = get_logger(__name__)
 _REAP_MARGIN_S = 10.0  # the worker drops an unplaced copy this long after the scheduler would
@@ -105,7 +105,7 @@ class EPDWorker:
             logger.warning("EPD: transport.expect(%r) failed: %s", item_id, exc)
         # ENCODED_CPU from here. A device tensor may be freed or reused by vLLM: copy it to
         # host now. A CPU tensor is a fresh encoder output vLLM never mutates: no copy.
-        tensor = tensor.detach().to("cpu") if tensor.device.type != "cpu" else tensor.detach()
+        tensor = host_copy(tensor)
         self._held_changed()
         if nbytes <= self.config.inline_max_bytes and self.transport.writes_fast:
             # A small local write (~0.1 ms) costs less than a hand-off to the writer thread,

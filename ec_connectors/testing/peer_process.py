@@ -4,7 +4,9 @@
     {"op": "init", "config": {"transport": "mooncake", "host": "127.0.0.1"},
      "placement": {"is_producer": true, "is_consumer": false}}
     {"op": "put", "id": "img-1", "seed": 1, "shape": [4096, 4096], "dtype": "bfloat16"}
+        (+ "device": "cuda", "pinned": bool: the item starts on the GPU, host copy timed)
     {"op": "get", "id": "img-1", "timeout_s": 5, "location": "127.0.0.1:15500"}
+        (+ "to_device": "cuda": then copied to the GPU, timed apart as to_device_s)
     {"op": "get_many", "ids": ["img-1", "img-2"], "timeout_s": 5}
     {"op": "get_small", "id": "img-1", "max_bytes": 262144}   (a consumer scheduler's read)
     {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
@@ -35,7 +37,13 @@ import torch
 from ec_connectors import child_process
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports import Placement, Transport, make_transport
-from ec_connectors.transports.base import Want, checksum, dtype_from_name, tensor_bytes
+from ec_connectors.transports.base import (
+    Want,
+    checksum,
+    dtype_from_name,
+    host_copy,
+    tensor_bytes,
+)
 
 
 def seeded_tensor(seed: int, shape: list[int], dtype: str) -> torch.Tensor:
@@ -47,6 +55,40 @@ def seeded_tensor(seed: int, shape: list[int], dtype: str) -> torch.Tensor:
     raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype_from_name(dtype))
                                  .element_size(),), dtype=torch.uint8, generator=g)
     return raw.view(dtype_from_name(dtype)).view(shape)
+
+
+def _put(transport: Transport, cmd: dict[str, Any]) -> dict[str, Any]:
+    tensor = seeded_tensor(cmd["seed"], cmd["shape"], cmd["dtype"])
+    if cmd.get("device"):  # an encoder output on a GPU: the worker's host copy is timed
+        tensor = tensor.to(cmd["device"])
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if cmd.get("device"):
+        tensor = host_copy(tensor, pinned=cmd.get("pinned", True))
+    t1 = time.perf_counter()
+    info = transport.put(cmd["id"], tensor)
+    t2 = time.perf_counter()
+    return {"put_s": t2 - t0, "host_copy_s": t1 - t0, "nbytes": info.nbytes,
+            "checksum": info.checksum, "location": info.location}
+
+
+def _get(transport: Transport, cmd: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = transport.get(cmd["id"], time.monotonic() + cmd.get("timeout_s", 5.0),
+                        location=cmd.get("location", ""), nbytes=cmd.get("nbytes", 0))
+    elapsed = time.perf_counter() - t0
+    if out is None:
+        return {"found": False, "get_s": elapsed}
+    to_device_s = 0.0
+    if cmd.get("to_device"):  # what the worker's staging does on a GPU consumer
+        t1 = time.perf_counter()
+        out = out.to(cmd["to_device"])
+        torch.cuda.synchronize()
+        to_device_s = time.perf_counter() - t1
+    return {"found": True, "get_s": elapsed, "to_device_s": to_device_s,
+            "shape": list(out.shape),
+            "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
+            "checksum": checksum(tensor_bytes(out.cpu()))}
 
 
 def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
@@ -61,21 +103,9 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
     if transport is None:
         raise RuntimeError("send init first")
     if op == "put":
-        tensor = seeded_tensor(cmd["seed"], cmd["shape"], cmd["dtype"])
-        t0 = time.perf_counter()
-        info = transport.put(cmd["id"], tensor)
-        return {"put_s": time.perf_counter() - t0, "nbytes": info.nbytes,
-                "checksum": info.checksum, "location": info.location}
+        return _put(transport, cmd)
     if op == "get":
-        t0 = time.perf_counter()
-        out = transport.get(cmd["id"], time.monotonic() + cmd.get("timeout_s", 5.0),
-                            location=cmd.get("location", ""), nbytes=cmd.get("nbytes", 0))
-        elapsed = time.perf_counter() - t0
-        if out is None:
-            return {"found": False, "get_s": elapsed}
-        return {"found": True, "get_s": elapsed, "shape": list(out.shape),
-                "dtype": str(out.dtype).removeprefix("torch."), "device": str(out.device),
-                "checksum": checksum(tensor_bytes(out.cpu()))}
+        return _get(transport, cmd)
     if op == "get_many":
         t0 = time.perf_counter()
         outs = transport.get_many([Want(i) for i in cmd["ids"]],

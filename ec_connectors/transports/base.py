@@ -25,6 +25,23 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
+def host_copy(tensor: torch.Tensor, pinned: bool = True) -> torch.Tensor:
+    """A host copy of a device tensor (a CPU tensor is returned as it is). `pinned`: into
+    page-locked memory from torch's caching host allocator, so the device copies by DMA at
+    full link speed with no fresh allocation per item; a pageable destination makes the
+    driver stage every byte through its own bounce buffer (docs/transports.md, GPU)."""
+    import torch
+
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor
+    if not pinned:
+        return tensor.to("cpu")
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    out.copy_(tensor)  # synchronous: the bytes are on the host when this returns
+    return out
+
+
 def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 

@@ -35,6 +35,7 @@ from ec_connectors.transports.base import (
     checksum,
     dtype_from_name,
     dtype_name,
+    host_copy,
     tensor_bytes,
 )
 from ec_connectors.transports.dir_watch import DirWatch
@@ -143,8 +144,7 @@ class SafetensorsTransport(Transport):
     # -- write ---------------------------------------------------------------------------
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
         key = item_key(item_id)
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
+        tensor = host_copy(tensor)
         name = dtype_name(tensor.dtype)
         if name not in _ST_DTYPES:
             raise ValueError(f"dtype {name} cannot be stored in safetensors")

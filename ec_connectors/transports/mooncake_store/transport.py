@@ -45,6 +45,7 @@ from ec_connectors.transports.base import (
     checksum,
     describe,
     dtype_name,
+    host_copy,
     tensor_bytes,
 )
 from ec_connectors.transports.mooncake_store.client import (
@@ -115,10 +116,7 @@ class MooncakeStoreTransport(Transport):
 
         if self.pool is None:
             raise RuntimeError("the scheduler-side store client does not store items")
-        tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
-        tensor = tensor.contiguous()
+        tensor = host_copy(tensor).contiguous()
         key = self.key(item_id)
         if self.placement.rank != 0:
             # Every tensor-parallel rank saves the same item: one copy in the store is enough.

@@ -47,6 +47,7 @@ from ec_connectors.transports.base import (
     Transport,
     checksum,
     dtype_name,
+    host_copy,
     tensor_bytes,
 )
 from ec_connectors.transports.memory import MemoryPool
@@ -155,7 +156,7 @@ class MooncakeTransport(Transport):
         if held is not None:  # same content id, same bytes: renew the promise, store nothing
             self.store.renew(key)
             return held.info
-        host_view = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        host_view = host_copy(tensor)
         data = tensor_bytes(host_view)
         deadline = time.monotonic() + self.config.save_queue_timeout_s
         buf, evicted = self.store.reserve(len(data), deadline)

@@ -25,7 +25,13 @@ from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.secret import identity, read_secret
-from ec_connectors.transports.base import Placement, Transport, dtype_from_name, dtype_name
+from ec_connectors.transports.base import (
+    Placement,
+    Transport,
+    dtype_from_name,
+    dtype_name,
+    host_copy,
+)
 from ec_connectors.transports.dir_watch import DirWatch
 from ec_connectors.transports.shm.arena import (
     BLOCK_HEADER,
@@ -110,10 +116,7 @@ class ShmTransport(Transport):
         import torch
 
         key = item_key(item_id)
-        tensor = tensor.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.to("cpu")
-        tensor = tensor.contiguous()
+        tensor = host_copy(tensor).contiguous()
         dtype, shape, nbytes = dtype_name(tensor.dtype), tuple(tensor.shape), tensor.nbytes
         if self.arena is None:
             if self.placement.role == "worker" and self.placement.is_producer:

@@ -161,3 +161,20 @@ def test_cuda_pool_views_stay_on_the_device():
         buf.hand_over(torch.bfloat16, (64, 64))
     buf.release()
     assert pool.used_bytes == 0
+
+
+def test_host_copy_keeps_cpu_tensors_and_copies_device_ones_exactly():
+    from ec_connectors.transports.base import host_copy
+
+    cpu = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
+    assert host_copy(cpu).data_ptr() == cpu.data_ptr()  # already on the host: no copy
+    if not torch.cuda.is_available():
+        pytest.skip("the device branch needs CUDA (benchmarks/gpu_path_bench.py runs it)")
+    dev = torch.randn(300, 4096, device="cuda").to(torch.bfloat16)
+    for pinned in (True, False):
+        out = host_copy(dev, pinned=pinned)
+        assert out.device.type == "cpu" and out.is_pinned() == pinned
+        assert out.dtype == dev.dtype and out.shape == dev.shape
+        assert torch.equal(out, dev.cpu())
+        dev.add_(1)  # the device tensor is reused by vLLM: the copy must not follow it
+        assert not torch.equal(out, dev.cpu())
