@@ -37,7 +37,10 @@ def host_copy(tensor: torch.Tensor, pinned: bool = True) -> torch.Tensor:
         return tensor
     if not pinned:
         return tensor.to("cpu")
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    try:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    except RuntimeError:  # an accelerator torch cannot pin host memory for
+        return tensor.to("cpu")
     out.copy_(tensor)  # synchronous: the bytes are on the host when this returns
     return out
 
