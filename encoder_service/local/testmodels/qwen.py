@@ -69,16 +69,22 @@ def _vocab(tokenizer) -> int:
 
 def _text_kwargs(spec: ModelSpec, tokenizer) -> dict:
     return dict(
-        hidden_size=spec.lm_hidden, intermediate_size=spec.lm_hidden * 2,
+        hidden_size=spec.lm_hidden, intermediate_size=spec.lm_intermediate or spec.lm_hidden * 2,
         num_hidden_layers=spec.lm_layers, num_attention_heads=spec.lm_heads,
         num_key_value_heads=spec.lm_heads, vocab_size=_vocab(tokenizer),
         max_position_embeddings=spec.max_positions, tie_word_embeddings=False,
-        # mrope sections sum to head_dim / 2 (head_dim = lm_hidden / lm_heads)
+        # mrope sections sum to head_dim / 2
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
-                         "mrope_section": _mrope(spec.lm_hidden // spec.lm_heads)},
+                         "mrope_section": _mrope(_head_dim(spec))},
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+
+
+def _head_dim(spec: ModelSpec) -> int:
+    if spec.lm_head_dim and spec.family != "qwen3_vl":
+        raise ValueError("lm_head_dim: only Qwen3-VL's LM reads head_dim from its config")
+    return spec.lm_head_dim or spec.lm_hidden // spec.lm_heads
 
 
 def _mrope(head_dim: int) -> list[int]:
@@ -98,13 +104,13 @@ def _vision_kwargs(spec: ModelSpec) -> dict:
     )
 
 
-def _image_processors(patch_size: int = 14):
+def _image_processors(patch_size: int = 14, max_pixels: int = _MAX_PIXELS):
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    size = {"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS}
-    image = Qwen2VLImageProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS,
+    size = {"shortest_edge": _MIN_PIXELS, "longest_edge": max_pixels}
+    image = Qwen2VLImageProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=max_pixels,
                                   patch_size=patch_size)
-    video = Qwen2VLVideoProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=_MAX_PIXELS,
+    video = Qwen2VLVideoProcessor(size=size, min_pixels=_MIN_PIXELS, max_pixels=max_pixels,
                                   min_frames=2, max_frames=8, fps=2.0, do_sample_frames=False,
                                   patch_size=patch_size)
     return image, video
@@ -129,7 +135,7 @@ def _qwen3_vl(spec: ModelSpec, tokenizer, ids: dict[str, int], image_proc) -> _P
     )
 
     text = _text_kwargs(spec, tokenizer)
-    text["head_dim"] = spec.lm_hidden // spec.lm_heads
+    text["head_dim"] = _head_dim(spec)
     text["rope_parameters"]["mrope_interleaved"] = True
     vision = {k: v for k, v in _vision_kwargs(spec).items()
               if k not in ("window_size", "fullatt_block_indexes")}
@@ -145,8 +151,10 @@ def _qwen3_vl(spec: ModelSpec, tokenizer, ids: dict[str, int], image_proc) -> _P
     config.architectures = ["Qwen3VLForConditionalGeneration"]
     model = Qwen3VLForConditionalGeneration(config)
     video_proc = Qwen3VLVideoProcessor(
-        size={"shortest_edge": _MIN_PIXELS, "longest_edge": _MAX_PIXELS},
-        patch_size=spec.patch_size, min_frames=2, max_frames=8, do_sample_frames=False)
+        size={"shortest_edge": _MIN_PIXELS,
+              "longest_edge": spec.max_video_pixels or spec.max_pixels},
+        patch_size=spec.patch_size, min_frames=2, max_frames=spec.max_frames,
+        fps=spec.video_fps, do_sample_frames=False)
     processor = Qwen3VLProcessor(image_processor=image_proc, video_processor=video_proc,
                                  tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     return _Parts(config, model, "", processor)
@@ -221,7 +229,7 @@ def build_qwen(tmp: Path, spec: ModelSpec) -> None:
     ids["vision_start"] = tokenizer.convert_tokens_to_ids("<|vision_start|>")
     ids["vision_end"] = tokenizer.convert_tokens_to_ids("<|vision_end|>")
     torch.manual_seed(spec.seed)  # the weights: same seed, same model
-    image_proc, video_proc = _image_processors(spec.patch_size)
+    image_proc, video_proc = _image_processors(spec.patch_size, spec.max_pixels)
     if spec.family == "qwen3_vl":
         parts = _qwen3_vl(spec, tokenizer, ids, image_proc)
     elif spec.family == "qwen2_5_vl":

@@ -29,6 +29,17 @@ class ModelSpec:
     vocab_size: int = 512
     max_positions: int = 2048
     seed: int = 1234
+    # Qwen3-VL only (its LM reads head_dim from the config): 0 = lm_hidden / lm_heads. A wide
+    # LM with narrow attention and MLP gives real embedding sizes (bytes per row) at a
+    # prefill cost the CPU can pay for thousands of rows.
+    lm_head_dim: int = 0
+    lm_intermediate: int = 0  # 0 = 2 * lm_hidden
+    max_pixels: int = 224 * 224  # Qwen processors: the largest image or frame, in pixels
+    max_video_pixels: int = 0  # Qwen3-VL: a whole video's pixel budget (0 = max_pixels)
+    # Qwen3-VL: where its processor samples a container's frames, at this rate, at most this
+    # many (vLLM keeps `--media-io-kwargs` num_frames first)
+    video_fps: float = 2.0
+    max_frames: int = 8
 
     @property
     def image_tokens(self) -> int:
@@ -78,4 +89,13 @@ SPECS = {
                                vision_hidden=512, vision_layers=8, vision_heads=8),
     # 16 px patches; a 128 px image -> 16 tokens, each 256 wide (DeepStack) for a 128-wide LM
     "qwen3-vl": ModelSpec(name="qwen3-vl", family="qwen3_vl", lm_heads=2, patch_size=16),
+    # Video at real sizes: Qwen3-VL with a 2048-wide LM (one layer, one 64-wide head, a
+    # 64-wide MLP) and DeepStack, so a 512 px frame pair is 256 rows of 2 x 2048 bf16 = 2 MiB:
+    # 6 frames ~6 MB, 30 frames ~31 MB, 120 frames (4 s at 30 fps) ~126 MB, as the real
+    # models' items are, at a prefill cost one CPU core pays (benchmarks/video_serve_bench.py)
+    "qwen3-vl-video": ModelSpec(
+        name="qwen3-vl-video", family="qwen3_vl", patch_size=16, lm_hidden=2048, lm_layers=1,
+        lm_heads=1, lm_head_dim=64, lm_intermediate=64, max_positions=32768,
+        max_pixels=512 * 512, max_video_pixels=128 * 512 * 512, video_fps=30.0,
+        max_frames=128),
 }

@@ -156,9 +156,14 @@ def test_not_json_is_bad_params():
     ({"image_grid_thw": [1, 4, 4]}, True),
     ({"audio_num_tokens": 32}, True),
     ({"second_per_grid_ts": [0.5, 1.0]}, True),
+    # Qwen3-VL video: a timestamp per temporal group (120 frames at 30 fps; 1024 frames)
+    ({"video_grid_thw": [60, 32, 32], "timestamps": [(2 * i + 0.5) / 30 for i in range(60)]},
+     True),
+    ({"video_grid_thw": [512, 4, 4], "timestamps": [(2 * i + 0.5) / 7 for i in range(512)]},
+     True),
     ({}, False), ("x", False), ([1], False), (None, False),
     ({"a": []}, False), ({"a": [[1, 2]]}, False), ({"a": True}, False), ({"a": "1"}, False),
-    ({"a": list(range(MAX_METADATA_BYTES))}, False),  # over 1 KiB as JSON
+    ({"a": list(range(MAX_METADATA_BYTES))}, False),  # over the bound as JSON
 ])
 def test_placeholder_metadata_is_kept_only_when_small_and_numbers_only(meta, ok):
     assert (valid_metadata(meta) is not None) is ok

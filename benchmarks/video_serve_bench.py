@@ -1,0 +1,238 @@
+"""Video at real sizes, served four ways on the same servers and the same requests: the
+latency of one heavy request, whole (TTFT and end to end), per clip size.
+
+    flock /tmp/epd-vllm.lock .venv/bin/python benchmarks/video_serve_bench.py \
+        [--frames 6 30 120] [--rounds 3] [--deployments ...] [--json FILE]
+
+Model: the `qwen3-vl-video` test model (Qwen3-VL: a 2048-wide language model with one
+narrow layer, DeepStack), so a 512 px frame pair is 256 embedding rows of 2 x 2048 bf16:
+clips of 6, 30 and 120 frames (512 x 512 JPEG frame lists) are items of 6.3, 31.5 and 125.8 MB,
+the sizes real Qwen-VL encoders emit for them. Every vLLM server keeps every frame
+(`--media-io-kwargs` num_frames 128) and takes 20k-token prompts.
+
+Deployments (started one after another, each on this machine's two cores):
+  aggregated    one vLLM server: encoder and prefill/decode in one process, both cores
+  epd-shm       `epd up`: vLLM encoder (core 0) + vLLM prefill/decode (core 1), EPDConnector
+                over shared memory, the gateway sending metadata-only parts
+  epd-mooncake  the same over Mooncake Transfer Engine (TCP on loopback)
+  example       the same two vLLM servers and gateway with vLLM's ECExampleConnector
+                (safetensors files on /dev/shm, no availability lookup, no overlap)
+Each round sends one new clip of each size alone (streamed, greedy, `--max-tokens`; no
+repeats: vLLM's prefix cache would answer those without moving the item). The first round
+warms the servers and is not counted. Token ids are compared with the
+aggregated server's for every request. Prints medians per deployment and clip, and each
+EPD deployment's TTFT against aggregated and against vLLM's example connector.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.serve_processes import GatewayProcess  # noqa: E402
+from encoder_service.local.processes import VllmServer, start_all  # noqa: E402
+from encoder_service.local.requests import sample_frames, video_part  # noqa: E402
+from encoder_service.local.testmodels import SPECS, build  # noqa: E402
+from encoder_service.local.up import run_up  # noqa: E402
+from encoder_service.local.up_config import UpConfig  # noqa: E402
+from encoder_service.local.workdir import work_dir  # noqa: E402
+
+SPEC = SPECS["qwen3-vl-video"]
+MODEL = SPEC.model_name
+SIDE = 512
+# a 120-frame clip of 512 px JPEG frames is ~19 MB decoded: above the gateway's default
+# 16 MiB per media item, so every gateway here takes larger ones
+GATEWAY = {"limits": {"max_media_bytes": 64 << 20, "max_request_bytes": 96 << 20}}
+DEPLOYMENTS = ("aggregated", "epd-shm", "epd-mooncake", "example")
+VLLM_ARGS = ["--max-model-len", "20000", "--limit-mm-per-prompt", '{"image": 1, "video": 1}']
+MEDIA_IO = {"video": {"num_frames": 128}}
+ROW_BYTES = 2 * SPEC.lm_hidden * 2  # DeepStack doubles the width; bf16
+
+
+def say(msg: str) -> None:
+    print(f"[video-bench] {msg}", flush=True)
+
+
+def clip(seed: int, frames: int) -> dict:
+    """The frames a client sampled itself (`data:video/jpeg;base64,...`: every frame is kept,
+    as vLLM keeps a frame list); 120 frames of 512 px are ~19 MB of JPEG."""
+    return video_part(sample_frames(seed, frames, SIDE))
+
+
+async def stream(client: httpx.AsyncClient, url: str, part: dict, max_tokens: int
+                 ) -> tuple[float, float, list[int], int]:
+    """(TTFT s, end-to-end s, token ids, prompt tokens) of one streamed greedy request."""
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0, "return_token_ids": True, "messages": [{"role": "user",
+            "content": [part, {"type": "text", "text": "what happens in this clip?"}]}]}
+    t0, ttft, tokens, prompt = time.perf_counter(), None, [], 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            prompt = (chunk.get("usage") or {}).get("prompt_tokens") or prompt
+            choice = (chunk.get("choices") or [{}])[0]
+            ids = choice.get("token_ids") or []
+            if ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens.extend(ids)
+    if ttft is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
+    return ttft, time.perf_counter() - t0, tokens, prompt
+
+
+def workload(url: str, a: argparse.Namespace) -> dict:
+    """{frames: [(ttft, e2e, tokens, prompt tokens) per counted round]}."""
+    out: dict = {n: [] for n in a.frames}
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for r in range(a.rounds + 1):
+                for n in a.frames:
+                    res = await stream(client, url, clip(1000 * r + n, n), a.max_tokens)
+                    if r:
+                        out[n].append(res)
+                    say(f"round {r}{' (warm-up)' if not r else ''}: {n} frames "
+                        f"({res[3]} prompt tokens): TTFT {res[0] * 1000:.0f} ms, total "
+                        f"{res[1] * 1000:.0f} ms")
+
+    asyncio.run(go())
+    return out
+
+
+def run_aggregated(a: argparse.Namespace, model: Path, work: Path) -> dict:
+    server = VllmServer("video-aggregated", model, a.base_port, work, None, served_name=MODEL,
+                        extra_args=[*VLLM_ARGS, "--media-io-kwargs", json.dumps(MEDIA_IO)])
+    start_all([server], progress=say)
+    try:
+        return workload(server.url, a)
+    finally:
+        server.stop()
+
+
+def run_up_stack(a: argparse.Namespace, transport: str) -> dict:
+    cfg = UpConfig(model=SPEC.name, transport=transport, base_port=a.base_port + 10,
+                   vllm_args=VLLM_ARGS, media_io_kwargs=MEDIA_IO, gateway=GATEWAY)
+    out: dict = {}
+
+    def demo(dep) -> int:
+        out.update(workload(dep.url, a))
+        return 0
+
+    if run_up(cfg, work_dir(ROOT), demo=demo) != 0 or not out:
+        raise SystemExit(f"epd-{transport}: the stack did not run (see the lines above)")
+    return out
+
+
+def run_example(a: argparse.Namespace, model: Path, work: Path) -> dict:
+    storage = Path(tempfile.mkdtemp(prefix="epd-video-example-", dir="/dev/shm"))
+    extra = [*VLLM_ARGS, "--media-io-kwargs", json.dumps(MEDIA_IO)]
+
+    def cfg(role: str) -> dict:
+        return {"ec_connector": "ECExampleConnector", "ec_role": role,
+                "ec_buffer_device": "cpu",
+                "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+    port = a.base_port + 30
+    enc = VllmServer("video-example-encoder", model, port + 1, work, cfg("ec_producer"),
+                     cpu_core=0, served_name=MODEL, extra_args=extra)
+    dec = VllmServer("video-example-decode", model, port + 2, work, cfg("ec_consumer"),
+                     cpu_core=1, served_name=MODEL, extra_args=extra)
+    gw = None
+    try:
+        start_all([enc, dec], progress=say)
+        # vLLM's connectors have no availability lookup: the gateway cannot skip stored
+        # items or overlap encodes with the decode request (serve_bench does the same)
+        gw = GatewayProcess(port, [enc.url], [dec.url], None,
+                            work / "logs" / "video-example-gateway.log",
+                            config={"routing": {"overlap": "off"}, **GATEWAY}, model=MODEL)
+        return workload(gw.url, a)
+    finally:
+        if gw is not None:
+            gw.stop()
+        enc.stop()
+        dec.stop()
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def summarize(runs: dict[str, dict], frames: list[int]) -> dict:
+    table: dict = {}
+    for dep, res in runs.items():
+        for n in frames:
+            rows = res[n]
+            table.setdefault(dep, {})[str(n)] = {
+                "ttft_ms": statistics.median(r[0] for r in rows) * 1000,
+                "e2e_ms": statistics.median(r[1] for r in rows) * 1000,
+                "prompt_tokens": rows[0][3]}
+    equal = {dep: all(r[2] == ref[2] for n in frames
+                      for r, ref in zip(res[n], runs["aggregated"][n], strict=True))
+             for dep, res in runs.items()} if "aggregated" in runs else {}
+    return {"ms": table, "answers_equal_to_aggregated": equal}
+
+
+def report(summary: dict, frames: list[int]) -> None:
+    table = summary["ms"]
+    print(f"\n{'deployment':<13} {'clip':>14} {'item MB':>8} {'TTFT':>8} {'e2e':>8} "
+          f"{'agg/this':>9} {'example/this':>13}")
+    for dep, per in table.items():
+        for n in frames:
+            row = per[str(n)]
+            mb = (n // 2) * (SIDE // 32) ** 2 * ROW_BYTES / 1e6
+            agg = table.get("aggregated", {}).get(str(n), {}).get("ttft_ms")
+            ex = table.get("example", {}).get(str(n), {}).get("ttft_ms")
+            ttft = row["ttft_ms"]
+            print(f"{dep:<13} {n:>4} fr {SIDE}px {mb:>8.1f} {ttft:>6.0f}ms "
+                  f"{row['e2e_ms']:>6.0f}ms {(agg / ttft if agg else float('nan')):>8.2f}x "
+                  f"{(ex / ttft if ex else float('nan')):>12.2f}x")
+    if summary["answers_equal_to_aggregated"]:
+        print(f"token ids equal to aggregated: {summary['answers_equal_to_aggregated']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, nargs="+", default=[6, 30, 120])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS, default=list(DEPLOYMENTS))
+    p.add_argument("--base-port", type=int, default=18700)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    if any(not 2 <= n <= 128 for n in a.frames):
+        p.error("--frames: 2 to 128 frames per clip (the servers keep 128)")
+    work = work_dir(ROOT) / "video-bench"
+    model = build(work_dir(ROOT) / "models" / MODEL, SPEC)
+    runs: dict[str, dict] = {}
+    for dep in a.deployments:
+        say(f"{dep}: starting")
+        if dep == "aggregated":
+            runs[dep] = run_aggregated(a, model, work)
+        elif dep == "example":
+            runs[dep] = run_example(a, model, work)
+        else:
+            runs[dep] = run_up_stack(a, dep.removeprefix("epd-"))
+    summary = summarize(runs, a.frames)
+    report(summary, a.frames)
+    if a.json:
+        a.json.write_text(json.dumps({**summary, "args": {k: str(v) for k, v in
+                                                          vars(a).items()}}, indent=1))
+    return 0 if all(summary["answers_equal_to_aggregated"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
