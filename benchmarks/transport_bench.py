@@ -3,12 +3,15 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
-        [--paths shm shm_blake3 mooncake_te mooncake_store safetensors] [--secret]
+        [--paths shm shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors]
+        [--secret]
         [--json FILE]
 
 Each path runs a producer and a consumer `peer_process` (ec_connectors/testing), built with
 `make_transport` as a vLLM worker would be (`shm_blake3`: shm verified with blake3 instead
-of xxh3; `--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
+of xxh3; `mooncake_te`: the Transfer Engine transport over TCP with its default data path, a
+socket stream; `mooncake_te_engine`: the same with `te_data_path` engine, the engine's writes;
+`--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
 One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
 byte verified, the transport's own way); `ms` is put + get as each process timed it
 (median; the first rep of each size is a warm-up). memcpy and raw TCP are measured again
@@ -45,17 +48,19 @@ from encoder_service.local.workdir import work_dir
 
 HIDDEN = 4096
 MiB = 1 << 20
-PATHS = ("shm", "shm_blake3", "mooncake_te", "mooncake_store", "safetensors")
+PATHS = ("shm", "shm_blake3", "mooncake_te", "mooncake_te_engine", "mooncake_store",
+         "safetensors")
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
 
 
 def free_port(start: int, span: int = 1, step: int = 10) -> int:
-    """The first port from `start` with `span` free ports (and +1000 for announcements)."""
+    """The first port from `start` with `span` free ports (and +1000 for announcements, +2000
+    for data connections)."""
     for port in range(start, start + 2000, step):
         if not any(port_open("127.0.0.1", p, timeout_s=0.05)
-                   for q in range(port, port + span) for p in (q, q + 1000)):
+                   for q in range(port, port + span) for p in (q, q + 1000, q + 2000)):
             return port
     raise RuntimeError(f"no free ports from {start}")
 
@@ -75,11 +80,12 @@ class Path_:
                     "shm_arena_bytes": 3 * max_bytes + 16 * MiB,
                     "shm_consumer_pool_bytes": 2 * max_bytes + 16 * MiB}
             self.prod, self.cons = base, base
-        elif name == "mooncake_te":
+        elif name in ("mooncake_te", "mooncake_te_engine"):
             port = free_port(23500)
             base = {"transport": "mooncake", "protocol": "tcp", "host": "127.0.0.1",
                     "base_port": port, "lease_ttl_s": 0.05,
-                    "memory_pool_bytes": 3 * max_bytes + 16 * MiB}
+                    "memory_pool_bytes": 3 * max_bytes + 16 * MiB,
+                    "te_data_path": "engine" if name == "mooncake_te_engine" else "auto"}
             self.prod, self.cons = base, {**base, "producers": [f"127.0.0.1:{port}"]}
         elif name == "mooncake_store":
             from encoder_service.local.mooncake_master import master_server
@@ -204,16 +210,16 @@ def main() -> int:
     print(f"producer process -> consumer process, verified; bf16 [rows, {HIDDEN}]; median "
           f"of {args.reps}; {'with' if secret else 'no'} deployment secret; load "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"{'MiB':>5} {'path':<15} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
+    print(f"{'MiB':>5} {'path':<18} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
           f"{'put ms':>8} {'get ms':>8} {'(memcpy':>8} {'raw TCP)':>8}")
     for mb, row in result.items():
-        print(f"{mb:>5} {'memcpy':<15} {row['memcpy_ms']:>8.1f}  (median of the run)")
-        print(f"{mb:>5} {'raw TCP':<15} {row['raw_tcp_ms']:>8.1f}  (median of the run)")
+        print(f"{mb:>5} {'memcpy':<18} {row['memcpy_ms']:>8.1f}  (median of the run)")
+        print(f"{mb:>5} {'raw TCP':<18} {row['raw_tcp_ms']:>8.1f}  (median of the run)")
         for name, p in row["paths"].items():
             if "error" in p:
-                print(f"{mb:>5} {name:<15} not measured ({p['error'][:60]})")
+                print(f"{mb:>5} {name:<18} not measured ({p['error'][:60]})")
                 continue
-            print(f"{mb:>5} {name:<15} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
+            print(f"{mb:>5} {name:<18} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
                   f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f} "
                   f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}")
     if args.json:

@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol import ports
@@ -127,13 +127,22 @@ class MooncakeSettings(_Settings):
     host: str = "auto"  # this node's address for peers: "auto" = probe, hostname, 127.0.0.1
     device_name: str | None = None  # RDMA device(s); default $RDMA_DEVICE_NAME, else all
     # Producer side-channel port = base_port + stage_offset + dp_rank * world + rank;
-    # announcements on that + 1000 (the port scheme: ec_connectors/protocol/ports.py).
-    base_port: int = Field(default=ports.MOONCAKE_BASE_PORT, ge=1024, le=64000)
+    # announcements on that + 1000, data connections (te_data_path socket) on that + 2000
+    # (the port scheme: ec_connectors/protocol/ports.py).
+    base_port: int = Field(default=ports.MOONCAKE_BASE_PORT, ge=1024,
+                           le=65535 - ports.PURPOSE_STREAM - ports.MAX_RANKS_PER_NODE + 1)
     stage_offset: int = Field(default=0, ge=0, le=999)
     # Producer side channels ("host:port") a consumer subscribes to and pulls from when a
     # request carries no location; with a list, params may only name these producers.
     producers: EndpointList = Field(default_factory=list)
     memory_pool_device: Literal["cpu", "cuda"] = "cpu"
+    # How an item's bytes move: "engine" = the transfer engine writes them into the
+    # consumer's pool (RDMA: the network card, no socket copy on either host); "socket" = the
+    # producer streams them over a TCP connection the consumer opened with a one-time ticket
+    # (mooncake_te/stream.py; over TCP 2x the engine's TCP transport, docs/transports.md);
+    # "auto" = socket when protocol is tcp and the pool on the host, else engine. A consumer
+    # falls back to the engine for a producer that has no stream listener.
+    te_data_path: Literal["auto", "engine", "socket"] = "auto"
     # Producer: the byte budget of held items (LRU eviction of unleased items, then
     # backpressure). Consumer: room for pulls in flight.
     memory_pool_bytes: int = Field(default=2 * GiB, ge=1 * MiB)
@@ -155,6 +164,20 @@ class MooncakeSettings(_Settings):
     # A pull that timed out may still be written by a frozen producer: its buffer is held
     # until the producer answers or disconnects, at most this long.
     quarantine_ttl_s: float = Field(default=300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _socket_needs_a_host_pool(self) -> MooncakeSettings:
+        if self.te_data_path == "socket" and self.memory_pool_device != "cpu":
+            raise ValueError("te_data_path 'socket' receives into host memory: it needs "
+                             "memory_pool_device 'cpu' (use 'engine' or 'auto' with 'cuda')")
+        return self
+
+    @property
+    def te_socket(self) -> bool:
+        """Whether items move over the socket data path (te_data_path, resolved)."""
+        if self.te_data_path == "auto":
+            return self.protocol == "tcp" and self.memory_pool_device == "cpu"
+        return self.te_data_path == "socket"
 
 
 class StoreSettings(_Settings):

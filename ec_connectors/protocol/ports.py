@@ -15,6 +15,7 @@ MOONCAKE_BASE_PORT = 15500  # EPDConfig.base_port's default; `epd up` mooncake_b
 MOONCAKE_ENCODER_STRIDE = 10  # `epd up`: encoder i uses base + 10 * i (its ranks stay below)
 PURPOSE_SERVE = 0  # side channel: pull requests and replies (ZMQ ROUTER on the producer)
 PURPOSE_ANNOUNCE = 1000  # announcements of stored items (ZMQ PUB on the producer)
+PURPOSE_STREAM = 2000  # data connections of the socket data path (TCP listener on the producer)
 MAX_RANKS_PER_NODE = 1000  # stage_offset + dp_rank * world + rank must stay below this
 
 # --- the Mooncake Store master (`epd master`, `epd up` with mooncake_store or tiered) ---
@@ -46,6 +47,11 @@ def announce_endpoint(serve_endpoint: str) -> str:
     """A producer's announcement address from its side-channel address."""
     host, port = parse_endpoint(serve_endpoint)
     return f"{host}:{announce_port(port)}"
+
+
+def stream_port(serve_port: int) -> int:
+    """A producer's stream port (`te_data_path` socket) from its side-channel port."""
+    return serve_port + PURPOSE_STREAM - PURPOSE_SERVE
 
 
 def encoder_base_port(mooncake_base_port: int, index: int) -> int:

@@ -201,8 +201,8 @@ class Deployment:
         if self.cfg.uses_te:
             for i in range(self.cfg.encoders):
                 port = ports.encoder_base_port(self.cfg.mooncake_base_port, i)
-                wanted += [("127.0.0.1", port, "mooncake_base_port"),
-                           ("127.0.0.1", ports.announce_port(port), "mooncake_base_port")]
+                wanted += [("127.0.0.1", p, "mooncake_base_port")
+                           for p in (port, ports.announce_port(port), ports.stream_port(port))]
         if self.master is not None:
             m = self.master
             wanted += [(m.host, p, "master_port") for p in (m.port, m.http_port, m.metrics_port)]

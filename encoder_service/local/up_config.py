@@ -76,7 +76,8 @@ class UpConfig(BaseModel):
     storage_path: str | None = Field(None, description="default: <work dir>/up/ec-cache")
     mooncake_base_port: int = Field(ports.MOONCAKE_BASE_PORT, ge=1024, le=60000,
                                     description="encoder i's side channel: this + 10 * i; "
-                                    "its announcements: that + 1000")
+                                    "its announcements: that + 1000, its data connections: "
+                                    "that + 2000")
     master_port: int = Field(ports.MASTER_RPC_PORT, ge=1024, le=65000,
                              description="Mooncake Store master (mooncake_store, tiered): "
                              "RPC here, HTTP metadata on +1, metrics on +2")

@@ -23,11 +23,24 @@ def test_unknown_key_is_a_clear_error():
     {"load_timeout_s": -1},
     {"on_unavailable": "pray"},
     {"max_pending_saves": "many"},
+    {"te_data_path": "pigeon"},
 ])
 def test_bad_values_are_rejected(extra):
     with pytest.raises(ConfigError) as exc:
         EPDConfig.from_dict(extra)
     assert next(iter(extra)) in str(exc.value)
+
+
+def test_te_data_path_resolves_by_protocol_and_pool():
+    def socket(**extra) -> bool:
+        return EPDConfig.from_dict({"transport": "mooncake", **extra}).te_socket
+
+    assert socket() and socket(protocol="tcp", te_data_path="socket")
+    assert not socket(protocol="rdma") and not socket(te_data_path="engine")
+    assert socket(protocol="rdma", te_data_path="socket")
+    assert not socket(memory_pool_device="cuda")  # auto: the engine for a device pool
+    with pytest.raises(ConfigError, match="te_data_path 'socket' receives into host memory"):
+        EPDConfig.from_dict({"te_data_path": "socket", "memory_pool_device": "cuda"})
 
 
 # -- the groups ------------------------------------------------------------------------------

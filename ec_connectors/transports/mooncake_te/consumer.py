@@ -1,11 +1,13 @@
 """Consumer side of the Mooncake TE transport: the side channel to one producer with its pulls
-in flight and quarantined buffers, the checksum computed while chunks land, and the Puller that
+in flight and quarantined buffers (and, on the socket data path, the data connection each pull
+reads its bytes from: stream.py), the checksum computed while chunks land, and the Puller that
 asks producers for an item (retries across them) and verifies what landed."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,10 +22,11 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.net import parse_endpoint
+from ec_connectors.protocol.ports import stream_port
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.base import TransportEvents, checksum, describe
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
-from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te import messages, stream
 from ec_connectors.transports.mooncake_te.messages import (
     PeerMessage,
     Progress,
@@ -36,6 +39,8 @@ from ec_connectors.transports.mooncake_te.messages import (
 logger = get_logger(__name__)
 
 _UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save is queued ("pending")
+_CONNECT_S = 2.0  # a data connection to a producer's stream port opens within this
+_REPLY_AFTER_STREAM_S = 1.0  # a stream that broke: the producer's word on why, at most this
 
 
 @dataclass
@@ -47,24 +52,36 @@ class PendingPull:
     reply: PeerMessage | None = None
     payload: bytes | None = None
     error: str = ""
+    stream: socket.socket | None = None  # the data connection being read (socket path)
+    stream_error: str = ""  # why the data connection failed ("" if it did not)
+    streamed: bool = False  # the bytes came over a data connection
 
     def finish(self, reply: PeerMessage | None = None, payload: bytes | None = None,
                error: str = "") -> None:
         with self.cond:
             self.reply, self.payload, self.error = reply, payload, error or self.error
             self.finished = True
+            if self.stream is not None and not isinstance(reply, Pulled):
+                # failed (refused, disconnected, closed): stop reading now, not at the deadline
+                with contextlib.suppress(OSError):
+                    self.stream.shutdown(socket.SHUT_RDWR)
             self.cond.notify_all()
 
 
 class PeerLink:
     """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
     flight to it and the buffers it may still write into. `hello` (messages.Register) opens
-    every connection: the producer writes only into the range it names and proves."""
+    every connection: the producer writes only into the range it names and proves. `stream`
+    (te_data_path socket): each pull into a buffer asks for its bytes on a data connection of
+    its own to the producer's stream port (stream.py); a producer without a stream listener
+    writes them with the engine, as without `stream`."""
 
     def __init__(self, endpoint: str, context: zmq.Context,
-                 curve: CurveKeys | None = None, hello: Register | None = None) -> None:
+                 curve: CurveKeys | None = None, hello: Register | None = None,
+                 stream: bool = False) -> None:
         host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
+        self._stream_to = (host, stream_port(port)) if stream else None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, PendingPull] = {}
@@ -85,11 +102,19 @@ class PeerLink:
         pending = PendingPull(buf)
         with self._lock:
             self._pending[pull_id] = pending
+        ticket = stream.ticket() if self._stream_to is not None and buf is not None else b""
         self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
                                dst_addr=buf.addr if buf else 0,
                                capacity=buf.nbytes if buf else 0, namespace=namespace,
-                               timeout_s=max(0.001, timeout_s)))
+                               timeout_s=max(0.001, timeout_s), stream_ticket=ticket))
         deadline = time.monotonic() + max(0.0, timeout_s)
+        if ticket and not pending.finished:
+            conn = stream.connect(*self._stream_to, ticket,
+                                  min(deadline, time.monotonic() + _CONNECT_S))
+            if conn is not None:  # the producer streams: nothing writes into buf from outside
+                return self._read_stream(pull_id, pending, conn, deadline, timeout_s,
+                                         on_progress)
+            # nobody listens there (an engine-path producer): it writes with the engine
         seen = 0
         while True:
             with pending.cond:
@@ -111,6 +136,41 @@ class PeerLink:
                     pending.buf = None
                 pending.finish(error=f"no answer from producer {self.endpoint} in "
                                      f"{timeout_s:.2f} s")
+        return pending
+
+    def _read_stream(self, pull_id: int, pending: PendingPull, conn: socket.socket,
+                     deadline: float, timeout_s: float,
+                     on_chunk: Callable[[int], None] | None) -> PendingPull:
+        """Read the pull's bytes from its data connection into its buffer, then take the
+        producer's reply; a failed stream fails the pull (`stream_error`), whatever the
+        reply. Nothing can write into the buffer once this returns: never quarantined."""
+        got, pending.streamed = 0, True
+        with pending.cond:
+            failed = pending.finished and not isinstance(pending.reply, Pulled)
+            pending.stream = None if failed else conn
+        try:
+            if not failed:
+                got = stream.receive(conn, pending.buf, deadline, on_chunk)
+        except (OSError, stream.StreamError) as exc:
+            pending.stream_error = f"stream from {self.endpoint}: {exc}"
+        finally:
+            with pending.cond:
+                pending.stream = None
+                conn.close()
+        wait_until = deadline if not pending.stream_error else \
+            min(deadline, time.monotonic() + _REPLY_AFTER_STREAM_S)
+        with pending.cond:
+            pending.cond.wait_for(lambda: pending.finished,
+                                  max(0.0, wait_until - time.monotonic()))
+        with self._lock:
+            unanswered = self._pending.pop(pull_id, None) is not None
+        if unanswered:
+            pending.finish(error=f"no answer from producer {self.endpoint} in "
+                                 f"{timeout_s:.2f} s")
+        elif isinstance(pending.reply, Pulled) and not pending.stream_error \
+                and got != pending.reply.info.nbytes:
+            pending.stream_error = (f"stream from {self.endpoint}: {got} bytes, the reply "
+                                    f"says {pending.reply.info.nbytes}")
         return pending
 
     def _on_message(self, msg: PeerMessage, _peer: bytes | None, payload: list[bytes]) -> None:
@@ -231,7 +291,8 @@ class Puller:
                 link = None
             if link is None:
                 link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self._curve,
-                                                        hello=self._hello)
+                                                        hello=self._hello,
+                                                        stream=self.config.te_socket)
             return link
 
     def _sources(self, location: str) -> list[str]:
@@ -329,6 +390,14 @@ class Puller:
                  verifier: StreamVerifier | None) -> tuple[str, torch.Tensor | None]:
         """What a finished pull (other than a size answer) came to."""
         reply = p.reply
+        if p.stream_error and not p.error and not isinstance(reply, PullFailed):
+            # the producer's bytes did not all arrive (its word, PullFailed, says why if any)
+            logger.warning("EPD: pull of %s: %s", key, p.stream_error)
+            if "timed out" in p.stream_error:
+                self.events.pull_timeouts += 1
+                return "timeout", None
+            self.events.corrupt += 1
+            return "corrupt", None
         if isinstance(reply, Pulled):
             if reply.info.key != key:  # a peer's word: the item asked for, nothing else
                 self.events.corrupt += 1
@@ -336,6 +405,8 @@ class Puller:
                                endpoint, key, reply.info.key)
                 return "corrupt", None
             tensor = self._receive(reply, p, verifier)
+            if tensor is not None and p.streamed:
+                self.stats["streamed"] += 1
             # bytes that fail verification (damaged, or written by an outsider into a
             # registered pool: docs/trust.md) are this producer's corrupt copy: the next
             # producer is asked, never this one again in a hot loop

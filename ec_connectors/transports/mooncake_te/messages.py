@@ -8,8 +8,9 @@ import msgspec
 from ec_connectors.protocol.items import ItemInfo
 
 # --- Peer side channel (Mooncake TE transport): consumer worker <-> producer worker ---------
-# Control only: the bytes of an item move through the transfer engine, except items up to
-# `inline_max_bytes`, which ride as one raw frame after the header (no pickle, ever).
+# Control only: the bytes of an item move through the transfer engine or a data connection of
+# their own (stream.py), except items up to `inline_max_bytes`, which ride as one raw frame
+# after the header (no pickle, ever).
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -18,7 +19,10 @@ class Pull(msgspec.Struct, tag=True):
     capacity 0 asks for the item's metadata first (or the item inline, if it is small).
     `timeout_s`: the consumer waits this long; the producer drops the pull once it has
     passed (answering `expired`, so the consumer's buffer is free again) and never writes
-    after that."""
+    after that. `stream_ticket` (te_data_path socket): the one-time ticket the consumer
+    presents on its data connection to the producer's stream port; a producer with a stream
+    listener sends the item's bytes there instead of writing them (mooncake_te/stream.py).
+    Older producers ignore it and write with the engine."""
 
     pull_id: int
     key: str
@@ -27,6 +31,7 @@ class Pull(msgspec.Struct, tag=True):
     capacity: int
     namespace: str = ""  # the model the item must belong to ("" = do not check)
     timeout_s: float = 0.0  # 0: no deadline (older consumers)
+    stream_ticket: bytes = b""  # b"": the engine writes the item (older consumers, engine path)
 
 
 class Register(msgspec.Struct, tag=True):

@@ -1,7 +1,7 @@
 """Producer side of the Mooncake TE transport: the items a worker holds in its registered pool
 (leases, pins, LRU, backpressure), the ZMQ PUB that announces them to catalogs, the ranges
 consumers proved are theirs (the only places pulls are written to), and the side channel that
-serves pulls (PullServer)."""
+serves pulls (PullServer: with the engine, or over a consumer's data connection, stream.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ import zmq
 
 from ec_connectors.channel import Channel, encode
 from ec_connectors.config import EPDConfig
+from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
-from ec_connectors.transports.mooncake_te import messages
+from ec_connectors.transports.mooncake_te import messages, stream
 from ec_connectors.transports.mooncake_te.messages import (
     Announce,
     Evicted,
@@ -38,10 +39,13 @@ from ec_connectors.transports.mooncake_te.messages import (
     Snapshot,
 )
 
+logger = get_logger(__name__)
+
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 _REGISTER_WAIT_S = 5.0  # a pull waits this long at most for its connection's Register
 _CHUNKS_AHEAD = 2  # chunk writes submitted and not yet seen landed, per pull
 _POLL_S = 0.0002  # between checks of a chunk write in flight
+_STREAM_WAIT_S = 5.0  # a streamed pull waits this long at most for its data connection
 
 
 @dataclass
@@ -319,14 +323,18 @@ class PullServer:
     of its own; a `Pull` is queued (at most `max_queued_pulls`, else answered `busy`) for the
     serve threads, which answer it inline when the item is small, or write it with the
     transfer engine into the range that connection proved, chunk by chunk (`Progress`), and
-    stop once the pull's deadline passed. `stats`: the transport's pull counters."""
+    stop once the pull's deadline passed. With `streams` (te_data_path socket), a pull that
+    carries a ticket gets the item's bytes over the data connection that presented it
+    instead, never through the engine. `stats`: the transport's pull counters."""
 
     def __init__(self, address: str, endpoint: str, store: ProducerStore,
                  ranges: ConsumerRanges, engine, config: EPDConfig, namespace: str,
                  stats: dict[str, int], context: zmq.Context,
-                 curve: CurveKeys | None = None) -> None:
+                 curve: CurveKeys | None = None,
+                 streams: stream.StreamServer | None = None) -> None:
         self.endpoint = endpoint
         self.store, self.ranges, self.engine = store, ranges, engine
+        self.streams = streams
         self.config, self.namespace, self.stats = config, namespace, stats
         self._queued = 0  # pulls accepted and not yet served
         self._lock = threading.Lock()
@@ -364,12 +372,19 @@ class PullServer:
                                                f"{self.config.max_queued_pulls} pulls queued"))
             return
         expires = time.monotonic() + msg.timeout_s if msg.timeout_s > 0 else float("inf")
+        if self._streamed(msg):  # live now: its data connection may arrive before a thread
+            self.streams.expect(msg.stream_ticket, expires)
         self._serve.submit(self._serve_queued, msg, peer, expires)
+
+    def _streamed(self, msg: Pull) -> bool:
+        return self.streams is not None and bool(msg.stream_ticket)
 
     def _serve_queued(self, msg: Pull, peer: bytes, expires: float) -> None:
         try:
             self._serve_pull(msg, peer, expires)
         finally:
+            if self._streamed(msg):
+                self.streams.drop(msg.stream_ticket)
             with self._lock:
                 self._queued -= 1
 
@@ -411,6 +426,9 @@ class PullServer:
                 self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
                                              error=f"needs {info.nbytes} bytes"))
                 return
+            if self._streamed(msg):  # nothing is written into the consumer: no range check
+                self._stream(msg, peer, held, expires)
+                return
             refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
                                         min(expires, time.monotonic() + _REGISTER_WAIT_S))
             if refused:
@@ -422,6 +440,29 @@ class PullServer:
                 self._reply(peer, Pulled(pull_id=msg.pull_id, info=info))
         finally:
             self.store.unpin(held)
+
+    def _stream(self, msg: Pull, peer: bytes, held: Held, expires: float) -> None:
+        """The item over the data connection that presented the pull's ticket. `Pulled` (the
+        digest) goes out first, so it travels while the bytes do; a send that fails after
+        it ends the stream short, which the consumer counts as a failed pull."""
+        conn = self.streams.take(msg.stream_ticket,
+                                 min(expires, time.monotonic() + _STREAM_WAIT_S))
+        if conn is None:
+            if not self._expired(msg, peer, expires):
+                self._reply(peer, PullFailed(
+                    pull_id=msg.pull_id, code="transfer",
+                    error=f"no data connection presented the pull's ticket at "
+                          f"{self.streams.address[0]}:{self.streams.address[1]} in time"))
+            return
+        try:
+            self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info))
+            stream.send(conn, held.buf, held.info.nbytes,
+                        min(expires, time.monotonic() + self._give_up_s(held.info.nbytes)))
+        except (OSError, stream.StreamError) as exc:
+            self.stats["stream_errors"] += 1
+            logger.warning("EPD: streaming %s to a consumer failed: %s", held.info.key, exc)
+        finally:
+            self.streams.release(conn)
 
     def _write(self, msg: Pull, peer: bytes, held: Held, expires: float) -> bool:
         """The item into the puller's buffer, chunk by chunk; False once a reply ended it.
@@ -495,5 +536,7 @@ class PullServer:
         """Stop answering, then let the serve threads finish (queued pulls are dropped)."""
         if self.channel is not None:
             self.channel.close()
+        if self.streams is not None:  # a send in flight fails at once
+            self.streams.close()
         self._serve.shutdown(wait=True, cancel_futures=True)
         self._prove.shutdown(wait=True, cancel_futures=True)

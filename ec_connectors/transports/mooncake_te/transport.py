@@ -40,7 +40,12 @@ from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.net import resolve_host
-from ec_connectors.protocol.ports import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for
+from ec_connectors.protocol.ports import (
+    PURPOSE_ANNOUNCE,
+    PURPOSE_SERVE,
+    PURPOSE_STREAM,
+    port_for,
+)
 from ec_connectors.protocol.secret import SECRET_ENV, data_plane_host
 from ec_connectors.transports.base import (
     Placement,
@@ -60,6 +65,7 @@ from ec_connectors.transports.mooncake_te.producer import (
     ProducerStore,
     PullServer,
 )
+from ec_connectors.transports.mooncake_te.stream import StreamServer
 
 logger = get_logger(__name__)
 
@@ -100,7 +106,8 @@ class MooncakeTransport(Transport):
         self._endpoint = ""
         # one set of pull counters: the consumer's pulls and the producer's refusals
         self.pull_stats = {"pulls": 0, "inline": 0, "unknown": 0, "evicted": 0,
-                           "transfer_errors": 0, "expired": 0, "unregistered": 0}
+                           "transfer_errors": 0, "expired": 0, "unregistered": 0,
+                           "streamed": 0, "stream_errors": 0}
         hello = Register(session=self.session, base=self.pool.base_addr,
                          length=self.pool.capacity, proof_addr=self._own.data_ptr(),
                          nonce=nonce)
@@ -127,25 +134,31 @@ class MooncakeTransport(Transport):
     def _start_producer(self) -> None:
         p, c = self.placement, self.config
         ports = [port_for(c.base_port, purpose, c.stage_offset, p.dp_rank, p.world_size, p.rank)
-                 for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE)]
+                 for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE, PURPOSE_STREAM)]
         self._endpoint = f"{self.host}:{ports[0]}"
         self.store = ProducerStore(self.pool, c.lease_ttl_s)
         ranges = ConsumerRanges(self.engine.transfer_sync_read, memoryview(self._own.numpy()),
                                 self._own.data_ptr())
+        streams = None
         try:
+            if c.te_socket:  # first: a port taken fails the start before any thread runs
+                streams = StreamServer(self.host, ports[2])
             self.server = PullServer(f"tcp://{self.host}:{ports[0]}", self.endpoint, self.store,
                                      ranges, self.engine, c, self.namespace, self.pull_stats,
-                                     self._zmq, curve=self.curve)
+                                     self._zmq, curve=self.curve, streams=streams)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
                                        self.store, c.announce_interval_s, self._zmq,
                                        self.namespace, curve=self.curve)
-        except (RuntimeError, zmq.ZMQError) as exc:
+        except (OSError, RuntimeError, zmq.ZMQError) as exc:
+            if streams is not None:
+                streams.close()
             raise TransferEngineUnavailable(
-                f"cannot listen on {self.host}:{ports[0]}/{ports[1]} ({exc}); another process "
-                f"uses the port: set base_port or stage_offset") from exc
-        logger.info("EPD mooncake producer: side channel %s, announcements :%d, engine %s, "
-                    "pool %d MiB on %s", self.endpoint, ports[1], self.session,
-                    self.pool.capacity >> 20, c.memory_pool_device)
+                f"cannot listen on {self.host}:{'/'.join(map(str, ports))} ({exc}); another "
+                f"process uses the port: set base_port or stage_offset") from exc
+        logger.info("EPD mooncake producer: side channel %s, announcements :%d, %s, engine "
+                    "%s, pool %d MiB on %s", self.endpoint, ports[1],
+                    f"data connections :{ports[2]}" if streams else "engine writes",
+                    self.session, self.pool.capacity >> 20, c.memory_pool_device)
 
     # -- producer ------------------------------------------------------------------------------
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:

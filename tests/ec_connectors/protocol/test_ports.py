@@ -38,6 +38,15 @@ def test_epd_up_wiring_uses_the_scheme():
     assert extra["store_metadata"] == "http://127.0.0.1:17001/metadata"
     assert ports.announce_endpoint("h:16020") == "h:17020"
     assert ports.port_for(16020, ports.PURPOSE_ANNOUNCE, 0, 0, 1, 0) == 17020
+    assert ports.stream_port(16020) == ports.port_for(16020, ports.PURPOSE_STREAM, 0, 0, 1, 0) \
+        == 18020
+
+
+def test_every_purpose_fits_the_highest_base_port():
+    top = EPDConfig.model_fields["base_port"].metadata
+    highest = next(m.le for m in top if getattr(m, "le", None) is not None)
+    assert ports.port_for(highest, ports.PURPOSE_STREAM, ports.MAX_RANKS_PER_NODE - 1, 0, 1,
+                          0) == 65535
 
 
 def test_command_lines_state_the_defaults():

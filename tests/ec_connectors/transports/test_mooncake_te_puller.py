@@ -1,6 +1,8 @@
 """The pulling side of the Mooncake Transfer Engine transport (mooncake_te/consumer.py: the
 Puller, its deadlines, quarantine and pool) against real producers that miss, refuse, die or
-freeze, over TCP loopback: each peer a `peer_process` running a real TransferEngine."""
+freeze, over TCP loopback: each peer a `peer_process` running a real TransferEngine. Both
+data paths: the socket stream (the default over TCP, mooncake_te/stream.py) and the engine's
+writes (`te_data_path` engine: quarantine is the engine path's)."""
 
 from __future__ import annotations
 
@@ -107,7 +109,9 @@ def test_producer_killed_mid_transfer(peers):
                "nbytes": 16000 * 4096 * 2})
     threading.Timer(0.01, os.killpg, (prod.proc.pid, signal.SIGKILL)).start()
     got = cons.result(30)
-    assert time.monotonic() - t0 < deadline_s + 2  # deadline honoured, no hang
+    # the stream breaks with the process and its side channel: a failure now, not at the
+    # deadline (the next attempt is refused: nobody listens)
+    assert time.monotonic() - t0 < 2
     if got["found"]:  # the transfer won the race: then it must be the right bytes
         assert got["checksum"] == expected(9, shape)
     h = health(cons)
@@ -116,8 +120,8 @@ def test_producer_killed_mid_transfer(peers):
 
 def test_producer_frozen_with_sigstop(peers):
     base = next(_ports)
-    prod = peers.start(PRODUCER, **mc_config(base))
-    cons = peers.start(CONSUMER, **mc_config(base))
+    prod = peers.start(PRODUCER, **mc_config(base, te_data_path="engine"))
+    cons = peers.start(CONSUMER, **mc_config(base, te_data_path="engine"))
     shape = [6144, 4096]
     prod.call({"op": "put", "id": "f", "seed": 4, "shape": shape, "dtype": "bfloat16"})
     endpoint = prod.info["endpoint"]
@@ -141,8 +145,8 @@ def test_producer_frozen_with_sigstop(peers):
 
 def test_frozen_then_killed_producer_releases_quarantine(peers):
     base = next(_ports)
-    prod = peers.start(PRODUCER, **mc_config(base))
-    cons = peers.start(CONSUMER, **mc_config(base))
+    prod = peers.start(PRODUCER, **mc_config(base, te_data_path="engine"))
+    cons = peers.start(CONSUMER, **mc_config(base, te_data_path="engine"))
     prod.call({"op": "put", "id": "z", "seed": 4, "shape": [2048, 4096], "dtype": "bfloat16"})
     endpoint = prod.info["endpoint"]
     warm = cons.call({"op": "get", "id": "z", "timeout_s": 10, "location": endpoint})
@@ -174,3 +178,121 @@ def test_a_dead_producer_costs_a_pull_milliseconds_not_its_deadline(peers):
                          "nbytes": put["nbytes"]})
         assert not got["found"] and time.monotonic() - t0 < 1.5
     assert health(cons)["pool_used_bytes"] == 0
+
+
+def test_a_streamed_pull_arrives_verified_and_outsiders_get_no_bytes(peers):
+    import socket
+
+    from ec_connectors.protocol.net import parse_endpoint
+    from ec_connectors.protocol.ports import stream_port
+
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    shape = [6144, 4096]  # 48 MiB
+    prod.call({"op": "put", "id": "s", "seed": 5, "shape": shape, "dtype": "bfloat16"})
+    host, port = parse_endpoint(prod.info["endpoint"])
+    # an outsider on the stream port: a ticket of its own, or none at all
+    outsiders = [socket.create_connection((host, stream_port(port)), timeout=5)
+                 for _ in range(2)]
+    outsiders[0].sendall(os.urandom(32))
+    for _ in range(2):
+        got = cons.call({"op": "get", "id": "s", "timeout_s": 10,
+                         "location": prod.info["endpoint"], "nbytes": 48 * MiB})
+        assert got["found"] and got["checksum"] == expected(5, shape)
+    for conn in outsiders:
+        conn.settimeout(5)
+        assert conn.recv(1) == b""  # closed without a byte
+    h = health(cons)
+    assert h["streamed"] == 2 and h["pool_used_bytes"] == 0 and h["quarantined"] == 0
+
+
+def test_the_engine_path_still_works_forced_or_with_a_producer_that_has_no_stream(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, te_data_path="engine"))
+    forced = peers.start(CONSUMER, **mc_config(base, te_data_path="engine"))
+    streams = peers.start(CONSUMER, **mc_config(base))  # asks for a stream, gets engine writes
+    shape = [4096, 4096]
+    prod.call({"op": "put", "id": "e", "seed": 6, "shape": shape, "dtype": "bfloat16"})
+    for cons in (forced, streams):
+        got = cons.call({"op": "get", "id": "e", "timeout_s": 10,
+                         "location": prod.info["endpoint"], "nbytes": 32 * MiB})
+        assert got["found"] and got["checksum"] == expected(6, shape)
+        h = health(cons)
+        assert h["streamed"] == 0 and h["pool_used_bytes"] == 0
+
+
+def test_a_frozen_producer_on_the_stream_path_frees_the_block_at_the_deadline(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base))
+    cons = peers.start(CONSUMER, **mc_config(base))
+    shape = [6144, 4096]
+    prod.call({"op": "put", "id": "f", "seed": 4, "shape": shape, "dtype": "bfloat16"})
+    endpoint = prod.info["endpoint"]
+    assert cons.call({"op": "get", "id": "f", "timeout_s": 5, "location": endpoint})["found"]
+    os.killpg(prod.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    got = cons.call({"op": "get", "id": "f", "timeout_s": 1.5, "location": endpoint,
+                     "nbytes": 48 * MiB}, timeout_s=30)
+    assert not got["found"] and 1.4 < time.monotonic() - t0 < 4
+    h = health(cons)  # nothing writes into a consumer's memory on this path: no quarantine
+    assert h["quarantined"] == 0 and h["pool_used_bytes"] == 0
+    os.killpg(prod.proc.pid, signal.SIGCONT)
+    again = cons.call({"op": "get", "id": "f", "timeout_s": 5, "location": endpoint})
+    assert again["found"] and again["checksum"] == expected(4, shape)
+
+
+@pytest.mark.parametrize("how", ["short", "stalls"])
+def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers, how):
+    """A producer (holding the secret, so trusted on the side channel) whose stream ends or
+    stops short of what its `Pulled` says: the pull fails at once (short) or at its deadline
+    (stalls), the block is free again, nothing is quarantined."""
+    import zmq
+
+    from ec_connectors.channel import Channel
+    from ec_connectors.protocol.items import ItemInfo
+    from ec_connectors.protocol.ports import stream_port
+    from ec_connectors.transports.mooncake_te import messages, stream
+    from ec_connectors.transports.mooncake_te.messages import Pull, Pulled
+
+    base = next(_ports)
+    nbytes = 8 * MiB
+    served = threading.Event()
+    streams = stream.StreamServer("127.0.0.1", stream_port(base))
+    ctx = zmq.Context()
+    channel: list[Channel] = []
+
+    def on_message(msg, peer, _payload) -> None:
+        if not isinstance(msg, Pull) or not msg.stream_ticket:
+            return
+        streams.expect(msg.stream_ticket, time.monotonic() + 10)
+        info = ItemInfo(item_id="bad", key=msg.key, shape=(nbytes // 2,), dtype="bfloat16",
+                        nbytes=nbytes, checksum="0" * 16, location=f"127.0.0.1:{base}")
+        channel[0].send(Pulled(pull_id=msg.pull_id, info=info), to=peer)
+
+        def serve() -> None:
+            conn = streams.take(msg.stream_ticket, time.monotonic() + 5)
+            conn.sendall(nbytes.to_bytes(8, "little") + b"x" * (nbytes // 2))
+            if how == "stalls":
+                time.sleep(3)
+            streams.release(conn)
+            served.set()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    channel.append(Channel(f"tcp://127.0.0.1:{base}", bind=True, on_message=on_message,
+                           name="fake-producer", decode=messages.decode_peer, context=ctx))
+    try:
+        cons = peers.start(CONSUMER, **mc_config(base))
+        t0 = time.monotonic()
+        got = cons.call({"op": "get", "id": "bad", "timeout_s": 1.5,
+                         "location": f"127.0.0.1:{base}", "nbytes": nbytes}, timeout_s=30)
+        elapsed = time.monotonic() - t0
+        assert not got["found"] and served.wait(10)
+        assert elapsed < (1.0 if how == "short" else 4)
+        h = health(cons)
+        assert h["pool_used_bytes"] == 0 and h["quarantined"] == 0 and h["streamed"] == 0
+    finally:
+        channel[0].close()
+        streams.close()
+        ctx.destroy(linger=0)

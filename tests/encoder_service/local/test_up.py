@@ -126,10 +126,11 @@ def test_a_taken_mooncake_port_fails_fast(tmp_path):
     dep = Deployment(UpConfig(base_port=18630, transport="mooncake", mooncake_base_port=16675),
                      tmp_path)
     dep.plan(tmp_path / "model")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 17675))  # encoder 0's announcement port
-        with pytest.raises(UpError, match="17675.*mooncake_base_port"):
-            dep.check_ports()
+    for port in (17675, 18675):  # encoder 0's announcement and data connection ports
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", port))
+            with pytest.raises(UpError, match=f"{port}.*mooncake_base_port"):
+                dep.check_ports()
 
 
 STORE_MASTER = 19960  # this module's Mooncake Store master ports: 19960-19962 (never started)
