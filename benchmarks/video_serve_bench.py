@@ -14,7 +14,8 @@ Deployments (started one after another, each on this machine's two cores):
   aggregated    one vLLM server: encoder and prefill/decode in one process, both cores
   epd-shm       `epd up`: vLLM encoder (core 0) + vLLM prefill/decode (core 1), EPDConnector
                 over shared memory, the gateway sending metadata-only parts
-  epd-mooncake  the same over Mooncake Transfer Engine (TCP on loopback)
+  epd-mooncake  the same over the Mooncake TE transport on loopback TCP (its socket data
+                path, `te_data_path` auto); epd-mooncake-engine: through the engine's TCP
   example       the same two vLLM servers and gateway with vLLM's ECExampleConnector
                 (safetensors files on /dev/shm, no availability lookup, no overlap)
 Each round sends one new clip of each size alone (streamed, greedy, `--max-tokens`; no
@@ -55,7 +56,7 @@ SIDE = 512
 # a 120-frame clip of 512 px JPEG frames is ~19 MB decoded: above the gateway's default
 # 16 MiB per media item, so every gateway here takes larger ones
 GATEWAY = {"limits": {"max_media_bytes": 64 << 20, "max_request_bytes": 96 << 20}}
-DEPLOYMENTS = ("aggregated", "epd-shm", "epd-mooncake", "example")
+DEPLOYMENTS = ("aggregated", "epd-shm", "epd-mooncake", "epd-mooncake-engine", "example")
 VLLM_ARGS = ["--max-model-len", "20000", "--limit-mm-per-prompt", '{"image": 1, "video": 1}']
 MEDIA_IO = {"video": {"num_frames": 128}}
 ROW_BYTES = 2 * SPEC.lm_hidden * 2  # DeepStack doubles the width; bf16
@@ -126,17 +127,19 @@ def run_aggregated(a: argparse.Namespace, model: Path, work: Path) -> dict:
         server.stop()
 
 
-def run_up_stack(a: argparse.Namespace, transport: str) -> dict:
+def run_up_stack(a: argparse.Namespace, dep: str) -> dict:
+    transport, _, path = dep.removeprefix("epd-").partition("-")
     cfg = UpConfig(model=SPEC.name, transport=transport, base_port=a.base_port + 10,
-                   vllm_args=VLLM_ARGS, media_io_kwargs=MEDIA_IO, gateway=GATEWAY)
+                   cpu_cores=[0, 1], vllm_args=VLLM_ARGS, media_io_kwargs=MEDIA_IO,
+                   gateway=GATEWAY, connector_extra={"te_data_path": path} if path else {})
     out: dict = {}
 
-    def demo(dep) -> int:
-        out.update(workload(dep.url, a))
+    def demo(stack) -> int:
+        out.update(workload(stack.url, a))
         return 0
 
     if run_up(cfg, work_dir(ROOT), demo=demo) != 0 or not out:
-        raise SystemExit(f"epd-{transport}: the stack did not run (see the lines above)")
+        raise SystemExit(f"{dep}: the stack did not run (see the lines above)")
     return out
 
 
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         elif dep == "example":
             runs[dep] = run_example(a, model, work)
         else:
-            runs[dep] = run_up_stack(a, dep.removeprefix("epd-"))
+            runs[dep] = run_up_stack(a, dep)
     summary = summarize(runs, a.frames)
     report(summary, a.frames)
     if a.json:
