@@ -132,7 +132,8 @@ class StreamServer:
             if slot is None or slot.conn is None:
                 return None
             self._active.add(slot.conn)
-            return slot.conn
+        slot.conn.setblocking(True)  # it was read without blocking; its user sets timeouts
+        return slot.conn
 
     def drop(self, ticket_: bytes) -> None:
         """Kill `ticket_` (its pull is over); a connection that presented it is closed."""
