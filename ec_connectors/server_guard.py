@@ -2,7 +2,7 @@
 ec_connectors.server_guard.ServerGuard` (every server `epd up`, compose and k8s start).
 
 vLLM adds it as an ASGI middleware (`app.add_middleware(ServerGuard)`, the outermost of its
-own), so it sees every request before vLLM reads it, and every answer. It does three things:
+own), so it sees every request before vLLM reads it, and every answer. It does four things:
 
 1. **The deployment key on every route.** vLLM's own `--api-key` check
    (`AuthenticationMiddleware`) guards only /v1, /v2, /inference and /cohere; /pause,
@@ -19,6 +19,9 @@ own), so it sees every request before vLLM reads it, and every answer. It does t
    streamed or not) becomes a 503 with the connector's reason (`refusals.ReasonBoard`):
    `embedding_unavailable`, `embedding_load_failed`, `embedding_timeout`,
    `embedding_mismatch`. docs/errors.md lists them all.
+4. **Items named by their EPD id** on an EPDConnector server (`item_ids.py`): vLLM would
+   name an item sent with media or processor settings by a hash of its uuid and the
+   settings, which neither the gateway nor the other servers know.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ec_connectors.config import GuardSettings
+from ec_connectors.item_ids import keep_item_ids
 from ec_connectors.log import get_logger
+from ec_connectors.plugin import CONNECTOR_NAME
 from ec_connectors.protocol.http_api import KeyCheck, error_type
 from ec_connectors.refusals import ReasonBoard, Refusal, board_dir, error_body
 from ec_connectors.request_checks import Checked, ModelBounds, check_request
@@ -87,9 +92,11 @@ class ServerGuard:
         except Exception:  # noqa: BLE001 - another connector's keys: defaults
             cfg = GuardSettings()
         self._settings = self._settings or cfg
+        renderer = getattr(getattr(state, "engine_client", None), "renderer", None)
+        processor = getattr(renderer, "mm_processor", None)
+        if isinstance(cfg, EPDConfig) and getattr(ec, "ec_connector", None) == CONNECTOR_NAME:
+            keep_item_ids(processor, cfg.ids)  # item_ids.py: the uuid names the item
         if self._bounds is None:
-            renderer = getattr(getattr(state, "engine_client", None), "renderer", None)
-            processor = getattr(renderer, "mm_processor", None)
             self._bounds = ModelBounds.from_vllm(
                 vllm_config.model_config, getattr(processor, "info", None),
                 max_items=self._settings.guard_max_items,

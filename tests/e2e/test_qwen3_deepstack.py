@@ -2,11 +2,16 @@
 DeepStack encoder output is twice as wide as the language model's hidden size, and the
 decode instance gets metadata-only image and video parts (video metadata includes
 timestamps). The reference answer: the consumer itself given the raw media under another id
-(not in the transport: it encodes the item itself, as an aggregated server does)."""
+(not in the transport: it encodes the item itself, as an aggregated server does). Both servers
+run with `--media-io-kwargs` for video, as a deployment serving long clips does: vLLM would
+name such items by a hash of uuid and settings; the server guard keeps the uuid
+(ec_connectors/item_ids.py), so the metadata-only video is found under the id it was sent
+with."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import httpx
 import pytest
@@ -40,13 +45,14 @@ def cluster(tmp_path_factory):
     model = build(WORK / "models" / MODEL, SPEC)
     unused = tmp_path_factory.mktemp("unused")
     logs = WORK / "test-e2e-qwen3"
+    settings = ["--media-io-kwargs", json.dumps({"video": {"num_frames": 16}})]
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
                       epd_config("ec_producer", unused, extra()), cpu_core=0, env=LOOPBACK,
-                      served_name=MODEL)
+                      served_name=MODEL, extra_args=settings)
     cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
                       epd_config("ec_consumer", unused,
                                  extra(producers=[f"127.0.0.1:{MC_BASE_PORT}"])),
-                      cpu_core=1, env=LOOPBACK, served_name=MODEL)
+                      cpu_core=1, env=LOOPBACK, served_name=MODEL, extra_args=settings)
     try:
         start_all([prod, cons], progress=lambda m: print(f"[e2e-q3] {m}", flush=True))
         with httpx.Client(timeout=120) as client:
