@@ -1,13 +1,12 @@
 """Consumer side of the Mooncake TE transport: the side channel to one producer with its pulls
-in flight and quarantined buffers (and, on the socket data path, the data connection each pull
-reads its bytes from: stream.py), the checksum computed while chunks land, and the Puller that
+in flight and quarantined buffers (and, on the socket data path, the warm data connections
+pulls run on instead: stream.py), the checksum computed while chunks land, and the Puller that
 asks producers for an item (retries across them) and verifies what landed."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -34,13 +33,13 @@ from ec_connectors.transports.mooncake_te.messages import (
     Pulled,
     PullFailed,
     Register,
+    StreamOpen,
 )
+from ec_connectors.transports.mooncake_te.stream import Connections
 
 logger = get_logger(__name__)
 
 _UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save is queued ("pending")
-_CONNECT_S = 2.0  # a data connection to a producer's stream port opens within this
-_REPLY_AFTER_STREAM_S = 1.0  # a stream that broke: the producer's word on why, at most this
 
 
 @dataclass
@@ -52,19 +51,15 @@ class PendingPull:
     reply: PeerMessage | None = None
     payload: bytes | None = None
     error: str = ""
-    stream: socket.socket | None = None  # the data connection being read (socket path)
     stream_error: str = ""  # why the data connection failed ("" if it did not)
-    streamed: bool = False  # the bytes came over a data connection
+    streamed: bool = False  # asked on a data connection (socket path)
+    opened: int = 0  # data connections opened for this pull (0: a warm one served it)
 
     def finish(self, reply: PeerMessage | None = None, payload: bytes | None = None,
                error: str = "") -> None:
         with self.cond:
             self.reply, self.payload, self.error = reply, payload, error or self.error
             self.finished = True
-            if self.stream is not None and not isinstance(reply, Pulled):
-                # failed (refused, disconnected, closed): stop reading now, not at the deadline
-                with contextlib.suppress(OSError):
-                    self.stream.shutdown(socket.SHUT_RDWR)
             self.cond.notify_all()
 
 
@@ -72,16 +67,18 @@ class PeerLink:
     """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
     flight to it and the buffers it may still write into. `hello` (messages.Register) opens
     every connection: the producer writes only into the range it names and proves. `stream`
-    (te_data_path socket): each pull into a buffer asks for its bytes on a data connection of
-    its own to the producer's stream port (stream.py); a producer without a stream listener
-    writes them with the engine, as without `stream`."""
+    (te_data_path socket): each pull into a buffer runs on one of a few warm data connections
+    to the producer's stream port (stream.Connections; their tickets go over this channel),
+    request and reply on that socket; a producer without a stream listener writes the bytes
+    with the engine, as without `stream`."""
 
     def __init__(self, endpoint: str, context: zmq.Context,
                  curve: CurveKeys | None = None, hello: Register | None = None,
                  stream: bool = False) -> None:
         host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
-        self._stream_to = (host, stream_port(port)) if stream else None
+        self.streams = Connections(host, stream_port(port), self._open_stream) \
+            if stream else None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, PendingPull] = {}
@@ -98,23 +95,20 @@ class PeerLink:
              ) -> PendingPull:
         """Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
         this thread) as chunks land. The returned pull is finished either way."""
+        if self.streams is not None and buf is not None:
+            pending = self._pull_streamed(key, buf, timeout_s, on_progress, namespace)
+            if pending is not None:
+                return pending
+            # the producer takes no data connection (engine path): it writes with the engine
         pull_id = next(self._ids)
         pending = PendingPull(buf)
         with self._lock:
             self._pending[pull_id] = pending
-        ticket = stream.ticket() if self._stream_to is not None and buf is not None else b""
         self.channel.send(Pull(pull_id=pull_id, key=key, session=session,
                                dst_addr=buf.addr if buf else 0,
                                capacity=buf.nbytes if buf else 0, namespace=namespace,
-                               timeout_s=max(0.001, timeout_s), stream_ticket=ticket))
+                               timeout_s=max(0.001, timeout_s)))
         deadline = time.monotonic() + max(0.0, timeout_s)
-        if ticket and not pending.finished:
-            conn = stream.connect(*self._stream_to, ticket,
-                                  min(deadline, time.monotonic() + _CONNECT_S))
-            if conn is not None:  # the producer streams: nothing writes into buf from outside
-                return self._read_stream(pull_id, pending, conn, deadline, timeout_s,
-                                         on_progress)
-            # nobody listens there (an engine-path producer): it writes with the engine
         seen = 0
         while True:
             with pending.cond:
@@ -138,40 +132,50 @@ class PeerLink:
                                      f"{timeout_s:.2f} s")
         return pending
 
-    def _read_stream(self, pull_id: int, pending: PendingPull, conn: socket.socket,
-                     deadline: float, timeout_s: float,
-                     on_chunk: Callable[[int], None] | None) -> PendingPull:
-        """Read the pull's bytes from its data connection into its buffer, then take the
-        producer's reply; a failed stream fails the pull (`stream_error`), whatever the
-        reply. Nothing can write into the buffer once this returns: never quarantined."""
-        got, pending.streamed = 0, True
-        with pending.cond:
-            failed = pending.finished and not isinstance(pending.reply, Pulled)
-            pending.stream = None if failed else conn
-        try:
-            if not failed:
-                got = stream.receive(conn, pending.buf, deadline, on_chunk)
-        except (OSError, stream.StreamError) as exc:
-            pending.stream_error = f"stream from {self.endpoint}: {exc}"
-        finally:
-            with pending.cond:
-                pending.stream = None
-                conn.close()
-        wait_until = deadline if not pending.stream_error else \
-            min(deadline, time.monotonic() + _REPLY_AFTER_STREAM_S)
-        with pending.cond:
-            pending.cond.wait_for(lambda: pending.finished,
-                                  max(0.0, wait_until - time.monotonic()))
-        with self._lock:
-            unanswered = self._pending.pop(pull_id, None) is not None
-        if unanswered:
-            pending.finish(error=f"no answer from producer {self.endpoint} in "
-                                 f"{timeout_s:.2f} s")
-        elif isinstance(pending.reply, Pulled) and not pending.stream_error \
-                and got != pending.reply.info.nbytes:
-            pending.stream_error = (f"stream from {self.endpoint}: {got} bytes, the reply "
-                                    f"says {pending.reply.info.nbytes}")
+    def _pull_streamed(self, key: str, buf: PoolBuffer, timeout_s: float,
+                       on_chunk: Callable[[int], None] | None, namespace: str
+                       ) -> PendingPull | None:
+        """The pull on a data connection: the request, the reply and the item's bytes into
+        `buf` on one socket, by the deadline; a failure on it fails the pull (`stream_error`)
+        and closes that connection. A warm connection the producer had closed before reading
+        the request is replaced once. None when the producer takes no data connection.
+        Nothing but this thread writes into `buf`: never quarantined."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        request = Pull(pull_id=next(self._ids), key=key, session="", dst_addr=0,
+                       capacity=buf.nbytes, namespace=namespace,
+                       timeout_s=max(0.001, timeout_s))
+        pending = PendingPull(buf, streamed=True)
+        fresh = False
+        while True:
+            try:
+                conn, reused = self.streams.acquire(deadline, fresh=fresh)
+            except stream.StreamError as exc:
+                pending.stream_error = f"stream from {self.endpoint}: {exc}"
+                break
+            if conn is None:
+                return None
+            pending.opened += not reused
+            try:
+                reply, _ = stream.pull(conn, request, buf, deadline, on_chunk)
+            except stream.StreamClosed as exc:
+                self.streams.release(conn, good=False)
+                if reused and not fresh:
+                    fresh = True
+                    continue
+                pending.stream_error = f"stream from {self.endpoint}: {exc}"
+                break
+            except (OSError, stream.StreamError) as exc:
+                self.streams.release(conn, good=False)
+                pending.stream_error = f"stream from {self.endpoint}: {exc}"
+                break
+            self.streams.release(conn, good=True)
+            pending.finish(reply)
+            return pending
+        pending.finish()
         return pending
+
+    def _open_stream(self, ticket: bytes) -> None:
+        self.channel.send(StreamOpen(ticket=ticket))
 
     def _on_message(self, msg: PeerMessage, _peer: bytes | None, payload: list[bytes]) -> None:
         pull_id = getattr(msg, "pull_id", None)
@@ -221,6 +225,8 @@ class PeerLink:
                            self.endpoint, len(pending))
 
     def reap(self, ttl_s: float) -> None:
+        if self.streams is not None:
+            self.streams.reap()
         cutoff = time.monotonic() - ttl_s
         with self._lock:
             stale = [k for k, (_, ts) in self._quarantine.items() if ts < cutoff]
@@ -235,6 +241,8 @@ class PeerLink:
 
     def close(self) -> None:
         self.channel.close()
+        if self.streams is not None:
+            self.streams.close()
         with self._lock:
             quarantined, self._quarantine = self._quarantine, {}
             pending, self._pending = self._pending, {}
@@ -375,6 +383,7 @@ class Puller:
         p = link.pull(key, self.session, buf, timeout,
                       on_progress=verifier.advance if verifier else None,
                       namespace=self.namespace)
+        self.stats["stream_connections"] += p.opened
         try:
             reply = p.reply
             if isinstance(reply, PullFailed) and reply.code == "too_small" \

@@ -19,10 +19,9 @@ class Pull(msgspec.Struct, tag=True):
     capacity 0 asks for the item's metadata first (or the item inline, if it is small).
     `timeout_s`: the consumer waits this long; the producer drops the pull once it has
     passed (answering `expired`, so the consumer's buffer is free again) and never writes
-    after that. `stream_ticket` (te_data_path socket): the one-time ticket the consumer
-    presents on its data connection to the producer's stream port; a producer with a stream
-    listener sends the item's bytes there instead of writing them (mooncake_te/stream.py).
-    Older producers ignore it and write with the engine."""
+    after that. The same message asks for an item on a data connection (te_data_path
+    socket, mooncake_te/stream.py), where `session` and `dst_addr` mean nothing: the reply
+    and the bytes come back on that connection."""
 
     pull_id: int
     key: str
@@ -31,7 +30,15 @@ class Pull(msgspec.Struct, tag=True):
     capacity: int
     namespace: str = ""  # the model the item must belong to ("" = do not check)
     timeout_s: float = 0.0  # 0: no deadline (older consumers)
-    stream_ticket: bytes = b""  # b"": the engine writes the item (older consumers, engine path)
+
+
+class StreamOpen(msgspec.Struct, tag=True):
+    """consumer -> producer (te_data_path socket): `ticket` opens one data connection to the
+    producer's stream port, presented there within a few seconds (mooncake_te/stream.py).
+    The side channel is the only way a ticket travels, so with a deployment secret only
+    holders of it (CURVE) get a connection served."""
+
+    ticket: bytes
 
 
 class Register(msgspec.Struct, tag=True):
@@ -108,7 +115,7 @@ class Snapshot(msgspec.Struct, tag=True):
     namespace: str = ""
 
 
-PeerMessage = (Pull | Register | Pulled | PullFailed | Progress | Announce | Evicted
+PeerMessage = (Pull | Register | StreamOpen | Pulled | PullFailed | Progress | Announce | Evicted
                | Snapshot)
 
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)

@@ -1,12 +1,13 @@
 """Producer side of the Mooncake TE transport: the items a worker holds in its registered pool
 (leases, pins, LRU, backpressure), the ZMQ PUB that announces them to catalogs, the ranges
 consumers proved are theirs (the only places pulls are written to), and the side channel that
-serves pulls (PullServer: with the engine, or over a consumer's data connection, stream.py)."""
+serves pulls (PullServer: with the engine; or on a consumer's data connection, stream.py)."""
 
 from __future__ import annotations
 
 import hmac
 import queue
+import socket
 import threading
 import time
 from collections import OrderedDict, deque
@@ -37,6 +38,7 @@ from ec_connectors.transports.mooncake_te.messages import (
     PullFailed,
     Register,
     Snapshot,
+    StreamOpen,
 )
 
 logger = get_logger(__name__)
@@ -45,7 +47,6 @@ _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 _REGISTER_WAIT_S = 5.0  # a pull waits this long at most for its connection's Register
 _CHUNKS_AHEAD = 2  # chunk writes submitted and not yet seen landed, per pull
 _POLL_S = 0.0002  # between checks of a chunk write in flight
-_STREAM_WAIT_S = 5.0  # a streamed pull waits this long at most for its data connection
 
 
 @dataclass
@@ -323,9 +324,10 @@ class PullServer:
     of its own; a `Pull` is queued (at most `max_queued_pulls`, else answered `busy`) for the
     serve threads, which answer it inline when the item is small, or write it with the
     transfer engine into the range that connection proved, chunk by chunk (`Progress`), and
-    stop once the pull's deadline passed. With `streams` (te_data_path socket), a pull that
-    carries a ticket gets the item's bytes over the data connection that presented it
-    instead, never through the engine. `stats`: the transport's pull counters."""
+    stop once the pull's deadline passed. With `streams` (te_data_path socket), `StreamOpen`
+    makes a data connection's ticket live, and each served data connection's pulls are
+    answered on it by the thread that reads it (`_serve_connection`): the reply, then the
+    item's bytes, never through the engine. `stats`: the transport's pull counters."""
 
     def __init__(self, address: str, endpoint: str, store: ProducerStore,
                  ranges: ConsumerRanges, engine, config: EPDConfig, namespace: str,
@@ -335,6 +337,8 @@ class PullServer:
         self.endpoint = endpoint
         self.store, self.ranges, self.engine = store, ranges, engine
         self.streams = streams
+        if streams is not None:
+            streams.set_serve(self._serve_connection)
         self.config, self.namespace, self.stats = config, namespace, stats
         self._queued = 0  # pulls accepted and not yet served
         self._lock = threading.Lock()
@@ -352,6 +356,10 @@ class PullServer:
             if not claim.done.is_set():
                 self._prove.submit(self.ranges.prove, claim, msg.proof_addr, msg.nonce,
                                    self.config.transfer_timeout_base_s)
+            return
+        if isinstance(msg, StreamOpen):
+            if self.streams is not None:
+                self.streams.expect(msg.ticket)
             return
         if not isinstance(msg, Pull) or peer is None:
             return
@@ -371,32 +379,41 @@ class PullServer:
                                          error=f"{self.endpoint} has "
                                                f"{self.config.max_queued_pulls} pulls queued"))
             return
-        expires = time.monotonic() + msg.timeout_s if msg.timeout_s > 0 else float("inf")
-        if self._streamed(msg):  # live now: its data connection may arrive before a thread
-            self.streams.expect(msg.stream_ticket, expires)
-        self._serve.submit(self._serve_queued, msg, peer, expires)
-
-    def _streamed(self, msg: Pull) -> bool:
-        return self.streams is not None and bool(msg.stream_ticket)
+        self._serve.submit(self._serve_queued, msg, peer, _expires(msg))
 
     def _serve_queued(self, msg: Pull, peer: bytes, expires: float) -> None:
         try:
             self._serve_pull(msg, peer, expires)
         finally:
-            if self._streamed(msg):
-                self.streams.drop(msg.stream_ticket)
             with self._lock:
                 self._queued -= 1
 
     def _expired(self, msg: Pull, peer: bytes, expires: float) -> bool:
         """Past the pull's deadline: say so (the consumer frees its buffer) and stop."""
+        refusal = self._expiry(msg, expires)
+        if refusal is not None:
+            self._reply(peer, refusal)
+        return refusal is not None
+
+    def _expiry(self, msg: Pull, expires: float) -> PullFailed | None:
         if time.monotonic() <= expires:
-            return False
+            return None
         self.stats["expired"] += 1
-        self._reply(peer, PullFailed(pull_id=msg.pull_id, code="expired",
-                                     error=f"the pull's {msg.timeout_s:.3g} s passed at "
-                                           f"{self.endpoint}; nothing more is written"))
-        return True
+        return PullFailed(pull_id=msg.pull_id, code="expired",
+                          error=f"the pull's {msg.timeout_s:.3g} s passed at "
+                                f"{self.endpoint}; nothing more is written")
+
+    def _foreign(self, msg: Pull) -> PullFailed | None:
+        if not msg.namespace or msg.namespace == self.namespace:
+            return None
+        return PullFailed(pull_id=msg.pull_id, code="namespace",
+                          error=f"{self.endpoint} serves model namespace "
+                                f"{self.namespace!r}, not {msg.namespace!r}")
+
+    def _absent(self, msg: Pull) -> PullFailed:
+        code = self.store.absent(msg.key)
+        return PullFailed(pull_id=msg.pull_id, code=code,
+                          error=f"item {msg.key} is {code} at {self.endpoint}")
 
     def _reply(self, peer: bytes, msg: msgspec.Struct, payload: bytes | None = None) -> None:
         if self.channel is not None:
@@ -405,16 +422,13 @@ class PullServer:
     def _serve_pull(self, msg: Pull, peer: bytes, expires: float = float("inf")) -> None:
         if self._expired(msg, peer, expires):
             return
-        if msg.namespace and msg.namespace != self.namespace:
-            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="namespace",
-                                         error=f"{self.endpoint} serves model namespace "
-                                               f"{self.namespace!r}, not {msg.namespace!r}"))
+        refusal = self._foreign(msg)
+        if refusal is not None:
+            self._reply(peer, refusal)
             return
         held = self.store.pin(msg.key)
         if held is None:
-            code = self.store.absent(msg.key)
-            self._reply(peer, PullFailed(pull_id=msg.pull_id, code=code,
-                                         error=f"item {msg.key} is {code} at {self.endpoint}"))
+            self._reply(peer, self._absent(msg))
             return
         try:
             info = held.info
@@ -425,9 +439,6 @@ class PullServer:
             if msg.capacity < info.nbytes:
                 self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
                                              error=f"needs {info.nbytes} bytes"))
-                return
-            if self._streamed(msg):  # nothing is written into the consumer: no range check
-                self._stream(msg, peer, held, expires)
                 return
             refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
                                         min(expires, time.monotonic() + _REGISTER_WAIT_S))
@@ -441,28 +452,45 @@ class PullServer:
         finally:
             self.store.unpin(held)
 
-    def _stream(self, msg: Pull, peer: bytes, held: Held, expires: float) -> None:
-        """The item over the data connection that presented the pull's ticket. `Pulled` (the
-        digest) goes out first, so it travels while the bytes do; a send that fails after
-        it ends the stream short, which the consumer counts as a failed pull."""
-        conn = self.streams.take(msg.stream_ticket,
-                                 min(expires, time.monotonic() + _STREAM_WAIT_S))
-        if conn is None:
-            if not self._expired(msg, peer, expires):
-                self._reply(peer, PullFailed(
-                    pull_id=msg.pull_id, code="transfer",
-                    error=f"no data connection presented the pull's ticket at "
-                          f"{self.streams.address[0]}:{self.streams.address[1]} in time"))
-            return
+    def _serve_connection(self, conn: socket.socket) -> None:
+        """A served data connection (its ticket came over the side channel): `READY`, then
+        its pulls one after another, each answered on it from this thread (nothing is
+        written into the consumer: no range to check). Returns, and the connection is
+        closed, when it is idle, closed, sends garbage or a reply cannot be sent."""
+        conn.settimeout(self.config.transfer_timeout_base_s)
+        conn.sendall(stream.READY)
+        while (msg := stream.read_request(conn)) is not None:
+            try:
+                self._serve_streamed(conn, msg, _expires(msg))
+            except (OSError, stream.StreamError) as exc:
+                self.stats["stream_errors"] += 1
+                logger.warning("EPD: streaming %s to a consumer failed: %s", msg.key, exc)
+                return
+
+    def _serve_streamed(self, conn: socket.socket, msg: Pull, expires: float) -> None:
+        """One pull on a data connection: the same answers as on the side channel (expired,
+        namespace, unknown / pending / evicted / failed, too_small), else `Pulled` (the
+        digest) and the item's bytes in one stream, sent by the pull's deadline."""
+        held = None
+        reply = self._expiry(msg, expires) or self._foreign(msg)
+        if reply is None:
+            held = self.store.pin(msg.key)
+            if held is None:
+                reply = self._absent(msg)
+            elif msg.capacity < held.info.nbytes:
+                reply = PullFailed(pull_id=msg.pull_id, code="too_small", info=held.info,
+                                   error=f"needs {held.info.nbytes} bytes")
         try:
-            self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info))
-            stream.send(conn, held.buf, held.info.nbytes,
-                        min(expires, time.monotonic() + self._give_up_s(held.info.nbytes)))
-        except (OSError, stream.StreamError) as exc:
-            self.stats["stream_errors"] += 1
-            logger.warning("EPD: streaming %s to a consumer failed: %s", held.info.key, exc)
+            if held is None or reply is not None:  # a few bytes, even past the deadline
+                stream.send_reply(conn, reply,
+                                  time.monotonic() + self.config.transfer_timeout_base_s)
+                return
+            stream.send_reply(conn, Pulled(pull_id=msg.pull_id, info=held.info),
+                              min(expires, time.monotonic()
+                                  + self._give_up_s(held.info.nbytes)), held.buf)
         finally:
-            self.streams.release(conn)
+            if held is not None:
+                self.store.unpin(held)
 
     def _write(self, msg: Pull, peer: bytes, held: Held, expires: float) -> bool:
         """The item into the puller's buffer, chunk by chunk; False once a reply ended it.
@@ -540,3 +568,8 @@ class PullServer:
             self.streams.close()
         self._serve.shutdown(wait=True, cancel_futures=True)
         self._prove.shutdown(wait=True, cancel_futures=True)
+
+
+def _expires(msg: Pull) -> float:
+    """When a pull's deadline passes on this host's clock (none for older consumers)."""
+    return time.monotonic() + msg.timeout_s if msg.timeout_s > 0 else float("inf")

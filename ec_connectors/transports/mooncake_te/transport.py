@@ -107,7 +107,8 @@ class MooncakeTransport(Transport):
         # one set of pull counters: the consumer's pulls and the producer's refusals
         self.pull_stats = {"pulls": 0, "inline": 0, "unknown": 0, "evicted": 0,
                            "transfer_errors": 0, "expired": 0, "unregistered": 0,
-                           "streamed": 0, "stream_errors": 0}
+                           "streamed": 0, "stream_errors": 0,
+                           "stream_connections": 0}
         hello = Register(session=self.session, base=self.pool.base_addr,
                          length=self.pool.capacity, proof_addr=self._own.data_ptr(),
                          nonce=nonce)

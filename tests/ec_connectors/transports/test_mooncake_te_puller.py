@@ -205,6 +205,48 @@ def test_a_streamed_pull_arrives_verified_and_outsiders_get_no_bytes(peers):
         assert conn.recv(1) == b""  # closed without a byte
     h = health(cons)
     assert h["streamed"] == 2 and h["pool_used_bytes"] == 0 and h["quarantined"] == 0
+    assert h["stream_connections"] == 1  # the second pull ran on the first one's connection
+
+
+def test_pulls_on_a_warm_connection_get_the_side_channels_answers(peers):
+    """Every answer a pull gets on the side channel, it gets on a data connection too (the
+    size known, so the pull goes there at once): found, unknown, pending then found, failed,
+    another model's; all on one connection, the consumer's pool empty afterwards."""
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **mc_config(base, namespace="model-a"))
+    cons = peers.start(CONSUMER, **mc_config(base, namespace="model-a"))
+    other = peers.start(CONSUMER, **mc_config(base, namespace="model-b"))
+    endpoint = prod.info["endpoint"]
+    shape, nbytes = [1024, 4096], 8 * MiB
+
+    def get(peer, item: str, timeout_s: float = 5) -> tuple[dict, float]:
+        t0 = time.monotonic()
+        got = peer.call({"op": "get", "id": item, "timeout_s": timeout_s,
+                         "location": endpoint, "nbytes": nbytes}, timeout_s=30)
+        return got, time.monotonic() - t0
+
+    prod.call({"op": "put", "id": "w", "seed": 3, "shape": shape, "dtype": "bfloat16"})
+    for _ in range(3):
+        got, _ = get(cons, "w")
+        assert got["found"] and got["checksum"] == expected(3, shape)
+    got, took = get(cons, "never-stored")
+    assert not got["found"] and took < 1.0
+    prod.call({"op": "save_failed", "id": "broken"})
+    got, took = get(cons, "broken")
+    assert not got["found"] and took < 1.0
+    prod.call({"op": "expect", "id": "later"})
+    cons.send({"op": "get", "id": "later", "timeout_s": 5, "location": endpoint,
+               "nbytes": nbytes})
+    time.sleep(0.3)  # asked while its save is queued: "pending", asked again
+    prod.call({"op": "put", "id": "later", "seed": 4, "shape": shape, "dtype": "bfloat16"})
+    got = cons.result(30)
+    assert got["found"] and got["checksum"] == expected(4, shape)
+    got, took = get(other, "w")
+    assert not got["found"] and took < 1.0
+    h = health(cons)
+    assert h["streamed"] == 4 and h["stream_connections"] == 1 and h["unknown"] >= 2
+    assert h["pool_used_bytes"] == 0 and h["quarantined"] == 0
+    assert health(other)["pool_used_bytes"] == 0
 
 
 def test_the_engine_path_still_works_forced_or_with_a_producer_that_has_no_stream(peers):
@@ -242,46 +284,48 @@ def test_a_frozen_producer_on_the_stream_path_frees_the_block_at_the_deadline(pe
     assert again["found"] and again["checksum"] == expected(4, shape)
 
 
-@pytest.mark.parametrize("how", ["short", "stalls"])
+@pytest.mark.parametrize("how", ["short", "stalls", "garbage"])
 def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers, how):
     """A producer (holding the secret, so trusted on the side channel) whose stream ends or
-    stops short of what its `Pulled` says: the pull fails at once (short) or at its deadline
-    (stalls), the block is free again, nothing is quarantined."""
+    stops short of what its `Pulled` says, or that answers with garbage: the pull fails at
+    once (short, garbage) or at its deadline (stalls), the block is free again, nothing is
+    quarantined, and the connection is not used again."""
     import zmq
 
-    from ec_connectors.channel import Channel
+    from ec_connectors.channel import Channel, encode
     from ec_connectors.protocol.items import ItemInfo
     from ec_connectors.protocol.ports import stream_port
     from ec_connectors.transports.mooncake_te import messages, stream
-    from ec_connectors.transports.mooncake_te.messages import Pull, Pulled
+    from ec_connectors.transports.mooncake_te.messages import Pulled, StreamOpen
 
     base = next(_ports)
     nbytes = 8 * MiB
     served = threading.Event()
-    streams = stream.StreamServer("127.0.0.1", stream_port(base))
-    ctx = zmq.Context()
-    channel: list[Channel] = []
+    connections = []
 
-    def on_message(msg, peer, _payload) -> None:
-        if not isinstance(msg, Pull) or not msg.stream_ticket:
-            return
-        streams.expect(msg.stream_ticket, time.monotonic() + 10)
+    def serve(conn) -> None:
+        connections.append(conn)
+        conn.sendall(stream.READY)
+        msg = stream.read_request(conn, idle_s=5)
         info = ItemInfo(item_id="bad", key=msg.key, shape=(nbytes // 2,), dtype="bfloat16",
                         nbytes=nbytes, checksum="0" * 16, location=f"127.0.0.1:{base}")
-        channel[0].send(Pulled(pull_id=msg.pull_id, info=info), to=peer)
+        body = encode(Pulled(pull_id=msg.pull_id, info=info))
+        head = len(body).to_bytes(4, "little") + body
+        conn.sendall(b"\x05\x00\x00\x00garbage" if how == "garbage"
+                     else head + b"x" * (nbytes // 2))
+        if how == "stalls":
+            time.sleep(3)
+        served.set()
 
-        def serve() -> None:
-            conn = streams.take(msg.stream_ticket, time.monotonic() + 5)
-            conn.sendall(nbytes.to_bytes(8, "little") + b"x" * (nbytes // 2))
-            if how == "stalls":
-                time.sleep(3)
-            streams.release(conn)
-            served.set()
+    streams = stream.StreamServer("127.0.0.1", stream_port(base), serve)
+    ctx = zmq.Context()
 
-        threading.Thread(target=serve, daemon=True).start()
+    def on_message(msg, _peer, _payload) -> None:
+        if isinstance(msg, StreamOpen):
+            streams.expect(msg.ticket)
 
-    channel.append(Channel(f"tcp://127.0.0.1:{base}", bind=True, on_message=on_message,
-                           name="fake-producer", decode=messages.decode_peer, context=ctx))
+    channel = Channel(f"tcp://127.0.0.1:{base}", bind=True, on_message=on_message,
+                      name="fake-producer", decode=messages.decode_peer, context=ctx)
     try:
         cons = peers.start(CONSUMER, **mc_config(base))
         t0 = time.monotonic()
@@ -289,10 +333,11 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
                          "location": f"127.0.0.1:{base}", "nbytes": nbytes}, timeout_s=30)
         elapsed = time.monotonic() - t0
         assert not got["found"] and served.wait(10)
-        assert elapsed < (1.0 if how == "short" else 4)
+        assert elapsed < (1.0 if how != "stalls" else 4)
         h = health(cons)
         assert h["pool_used_bytes"] == 0 and h["quarantined"] == 0 and h["streamed"] == 0
+        assert len(connections) == 1 and wait_for(lambda: streams._open == 0)  # closed
     finally:
-        channel[0].close()
+        channel.close()
         streams.close()
         ctx.destroy(linger=0)

@@ -162,11 +162,13 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
 def test_a_pull_past_its_deadline_is_dropped_and_frees_the_consumers_buffer(peers):
     """One serve thread busy with a large transfer; a second consumer's pull with a short
     deadline waits behind it and is answered `expired` (never written): the consumer's
-    buffer is free again at once instead of quarantined for minutes."""
+    buffer is free again at once instead of quarantined for minutes. (The engine path's serve
+    queue: on the socket path each data connection's pulls are served by its own thread.)"""
     base = next(_ports)
-    prod = peers.start(PRODUCER, **mc_config(base, serve_threads=1,
+    prod = peers.start(PRODUCER, **mc_config(base, serve_threads=1, te_data_path="engine",
                                             transfer_chunk_bytes=4 * MiB))
-    big, small = [peers.start(CONSUMER, **mc_config(base)) for _ in range(2)]
+    big, small = [peers.start(CONSUMER, **mc_config(base, te_data_path="engine"))
+                  for _ in range(2)]
     shape = [12288, 4096]  # 96 MiB: keeps the one serve thread busy for a while
     put = prod.call({"op": "put", "id": "big", "seed": 5, "shape": shape, "dtype": "bfloat16"})
     prod.call({"op": "put", "id": "mid", "seed": 6, "shape": [1024, 1024],
