@@ -46,6 +46,7 @@ STACKS = {  # name: (encoder backend, transport, decoders)
 }
 # pools encode every video of two or more temporal groups in chunks of one group
 POOL = {"video_chunk_tokens": 1}
+MEDIA_IO = {"video": {"num_frames": 64}}
 # the aggregated server below every stack's ports (a stack takes base .. base + 31: gateway,
 # encoder, decoders, failover gateway, cutting proxies); it once sat on stack 1's gateway
 # port, where that stack's `epd up` could not start and its requests reached the reference
@@ -69,7 +70,8 @@ def wait(pred, timeout: float, what: str, proc=None) -> None:
 class Stack:
     """One `epd up` run (and, with two decode instances, a failover gateway beside it)."""
 
-    def __init__(self, name: str, port: int, model: str, work: Path, spec_name: str) -> None:
+    def __init__(self, name: str, port: int, model: str, work: Path, spec_name: str,
+                 media_io: dict) -> None:
         backend, transport, decoders = STACKS[name]
         self.name, self.port, self.decoders = name, port, decoders
         self.work = work / name
@@ -80,8 +82,8 @@ class Stack:
             "model": spec_name, "base_port": port, "encoders": 1, "decoders": decoders,
             "encoder_backend": backend, "transport": transport,
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
-            "vllm_args": ["--trust-request-mm-kwargs"], **({"pool": POOL} if backend == "pool"
-                                                            else {}),
+            "vllm_args": ["--trust-request-mm-kwargs"], "media_io_kwargs": media_io,
+            **({"pool": POOL} if backend == "pool" else {}),
             "gateway": {"timeouts": {"encoder_s": 60}}}))
         self.log = open(self.work / "epd-up.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = child_process.popen(
@@ -137,6 +139,11 @@ def main() -> int:
     ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
     ap.add_argument("--model", default="qwen-omni", choices=[n for n in SPECS if n != "large"],
                     help="the test model (cases use the modalities it serves)")
+    ap.add_argument("--media-io-kwargs", type=json.loads, default=MEDIA_IO,
+                    help="vLLM's --media-io-kwargs for every server (and pool) of every stack "
+                    "and the aggregated reference (JSON; default keeps up to 64 video frames: "
+                    "a server setting vLLM hashes into item names, as deployments of long "
+                    "clips have)")
     ap.add_argument("--json", type=Path, default=WORK / "conformance.json")
     args = ap.parse_args()
     spec = SPECS[args.model]
@@ -149,9 +156,11 @@ def main() -> int:
           flush=True)
     agg = VllmServer("aggregated", model_dir, AGG_PORT, work, None, cpu_core=None,
                      served_name=spec.model_name,
-                     extra_args=["--trust-request-mm-kwargs"]).start()
+                     extra_args=["--trust-request-mm-kwargs", "--media-io-kwargs",
+                                 json.dumps(args.media_io_kwargs)]).start()
     table: dict[str, dict[str, list[int]]] = {}  # stack -> path -> [equal, total]
     diffs: list[dict] = []
+    evidence: dict[str, dict[str, int]] = {}  # stack -> the gateway's item outcomes
     try:
         agg.wait()
         refs = []
@@ -164,7 +173,8 @@ def main() -> int:
                 print(f"  refused by aggregated: seed={c.seed} {c.kinds}: {r.status} "
                       f"{r.error}", flush=True)
         for i, name in enumerate(args.stacks):
-            stack = Stack(name, BASE_PORT + STACK_PORTS * i, spec.model_name, work, args.model)
+            stack = Stack(name, BASE_PORT + STACK_PORTS * i, spec.model_name, work, args.model,
+                          args.media_io_kwargs)
             try:
                 stack.wait(client)
                 paths = {"first": stack.url, "hit": stack.url}
@@ -187,6 +197,13 @@ def main() -> int:
                                   f"got {got.status} {got.token_ids[:8]} {got.text[:40]!r} "
                                   f"{got.error or ''}", flush=True)
                     print(f"{name:18s} {path:9s} {cell[0]}/{cell[1]} equal", flush=True)
+                text = client.get(stack.url + "/metrics").text  # proof items went EPD's way
+                items = {o: int(metric_value(text, f'epd_gateway_items_total{{outcome="{o}"}}'))
+                         for o in ("encoded", "cache_hit", "metadata_only", "fallback")}
+                raw = int(metric_value(text, "epd_gateway_raw_retries_total"))
+                print(f"  items: {items}, metadata-only answers retried raw: {raw}",
+                      flush=True)
+                evidence[name] = {**items, "raw_retries": raw}
                 if STACKS[name][0] == "pool":  # proof the pool's videos went in chunks
                     r = client.get(f"http://127.0.0.1:{stack.port + 1}/v1/stats")
                     st = r.json() if r.status_code == 200 else {}
@@ -215,6 +232,8 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"model": args.model, "seed": args.seed,
                                      "cases": len(todo), "table": table,
+                                     "media_io_kwargs": args.media_io_kwargs,
+                                     "items": evidence,
                                      "differences": diffs}, indent=1))
     return 1 if diffs else 0
 
