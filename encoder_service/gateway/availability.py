@@ -6,6 +6,8 @@ where it lives). Both must be cheap (called per request on the event loop); `clo
 Implementations:
 - `SafetensorsAvailability`: the shared directory of the safetensors transport (one stat
   per item, paths built only through `ec_connectors.protocol.keys.item_key`);
+- `ShmAvailability`: the records of the shm transport (the gateway on the servers' host:
+  one stat per item; a record goes when its item is evicted);
 - `MooncakeAvailability`: a `MooncakeCatalog` subscribed to the Mooncake TE producers'
   announcements (a dict lookup per item; the hint names the producer holding it);
 - `NoAvailability`: nothing is ever known (every item is encoded).
@@ -25,6 +27,7 @@ from ec_connectors.protocol.params import ItemEntry
 from encoder_service.gateway.config import GatewayConfig
 
 SUFFIX = ".safetensors"  # ec_connectors.transports.safetensors_fs.SUFFIX (that module needs torch)
+SHM_RECORD_SUFFIX = ".item"  # ec_connectors.transports.shm.layout.RECORD_SUFFIX
 _ASK = ItemEntry()  # no hint: the decode instance's transport finds the item
 
 
@@ -53,15 +56,26 @@ class NoAvailability:
 
 class SafetensorsAvailability(NoAvailability):
     name = "safetensors"
+    suffix = SUFFIX
 
     def __init__(self, storage_path: str | os.PathLike, namespace: str) -> None:
         self.dir = Path(storage_path) / namespace_key(namespace)
 
     def path_for(self, item_id: str) -> str:
-        return os.path.join(self.dir, item_key(item_id) + SUFFIX)
+        return os.path.join(self.dir, item_key(item_id) + self.suffix)
 
     def available(self, item_ids: Iterable[str]) -> set[str]:
-        return {i for i in item_ids if os.path.exists(self.path_for(i))}
+        return {i for i in item_ids if safe_key(i) is not None
+                and os.path.exists(self.path_for(i))}
+
+
+class ShmAvailability(SafetensorsAvailability):
+    """Items whose shm record is in place (`<shm_path>/<namespace>/<key>.item`, the layout
+    of ec_connectors.transports.shm.layout): stored and not evicted. The gateway must run on
+    the servers' host, as the same user (the directory is 0700)."""
+
+    name = "shm"
+    suffix = SHM_RECORD_SUFFIX
 
 
 class MooncakeAvailability(NoAvailability):
@@ -104,6 +118,9 @@ def make_availability(cfg: GatewayConfig) -> Availability:
     if a.kind == "safetensors":
         assert a.storage_path
         return SafetensorsAvailability(a.storage_path, cfg.namespace)
+    if a.kind == "shm":
+        assert a.shm_path
+        return ShmAvailability(a.shm_path, cfg.namespace)
     if a.kind == "mooncake":
         return MooncakeAvailability(a.producers, secret_file=cfg.secret_file)
     return NoAvailability()

@@ -156,12 +156,15 @@ class AvailabilityConfig(_Strict):
     `safetensors`: the shared directory of the safetensors transport (same `storage_path`
     and `namespace` as the vLLM servers' EPDConnector). `mooncake`: the announcements of the
     Mooncake TE producers in `producers` (their side channels, `host:port`, as in the
-    consumers' `producers`). `none`: always encode. (The kinds are transport names,
+    consumers' `producers`). `shm`: the shm transport's records under `shm_path` (same
+    `shm_path` and `namespace` as the servers; the gateway on their host, as their user).
+    `none`: always encode. (The kinds are transport names,
     ec_connectors.protocol.names, with a catalog the gateway can follow; the Mooncake Store
     has none.)"""
 
-    kind: Literal["safetensors", "mooncake", "none"] = "none"
+    kind: Literal["safetensors", "mooncake", "shm", "none"] = "none"
     storage_path: str | None = None
+    shm_path: str | None = None
     namespace: str | None = None
     producers: EndpointList = Field(default_factory=list)
 
@@ -169,6 +172,8 @@ class AvailabilityConfig(_Strict):
     def _needs(self) -> AvailabilityConfig:
         if self.kind == "safetensors" and not self.storage_path:
             raise ValueError("storage_path is required for kind 'safetensors'")
+        if self.kind == "shm" and not self.shm_path:
+            raise ValueError("shm_path is required for kind 'shm'")
         if self.kind == "mooncake" and not self.producers:
             raise ValueError("producers (host:port side channels) are required for kind "
                              "'mooncake'")

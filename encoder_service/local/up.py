@@ -146,13 +146,15 @@ class Deployment:
             except ConfigError as exc:
                 raise UpError(f"connector_extra: {exc}") from None
         # What the gateway can know is already encoded: the TE producers' announcements, else
-        # the shared directory; the store has no catalog to follow (encoders skip the encode
-        # of an item the store holds, the gateway cannot tell beforehand).
+        # the shared directory or the shm records; the store has no catalog to follow
+        # (encoders skip the encode of an item the store holds, the gateway cannot tell).
         availability: dict[str, Any] = {"kind": "none"}
         if cfg.uses_te and self.mooncake_producers:
             availability = {"kind": "mooncake", "producers": self.mooncake_producers}
         elif "safetensors" in cfg.tiers:
             availability = {"kind": "safetensors", "storage_path": str(storage)}
+        elif "shm" in cfg.tiers:  # the gateway runs on this host too
+            availability = {"kind": "shm", "shm_path": cfg.shm_path}
         try:
             self.gateway_cfg = GatewayConfig.build({
                 **cfg.gateway, **({"secret_file": cfg.secret_path} if secret else {}),

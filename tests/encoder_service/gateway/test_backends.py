@@ -364,3 +364,37 @@ def test_only_releasing_encoders_are_held():
     asyncio.run(client.aclose())
     out, _ = asyncio.run(EncoderRouter([Plain()]).encode([MediaPart("i0", "image", 1, {})], "r"))
     assert set(out.hints) == {"i0"} and out.holders == []
+
+
+def test_shm_availability_follows_the_records_of_a_real_shm_producer(tmp_path):
+    import tempfile
+
+    import torch
+
+    from ec_connectors.config import EPDConfig
+    from ec_connectors.transports import Placement, make_transport
+
+    root = tempfile.mkdtemp(prefix="epd-avail-", dir="/dev/shm")
+    prod = make_transport(EPDConfig.from_dict({
+        "transport": "shm", "shm_path": root, "namespace": "tiny-model",
+        "shm_arena_bytes": 4 << 20, "shm_lease_ttl_s": 0.01, "shm_consumer_pool_bytes": 0}),
+        Placement(is_producer=True, is_consumer=False))
+    cfg = GatewayConfig.build({"decoders": ["http://127.0.0.1:1"], "model": "tiny-model",
+                               "availability": {"kind": "shm", "shm_path": root}})
+    avail = make_availability(cfg)
+    try:
+        assert avail.name == "shm" and avail.available(["a"]) == set()
+        prod.put("a", torch.zeros(1 << 20, dtype=torch.uint8))
+        assert avail.available(["a", "b"]) == {"a"} and avail.hint("a") == ItemEntry()
+        time.sleep(0.02)
+        prod.put("b", torch.zeros(3 << 20, dtype=torch.uint8))  # the arena evicts "a"
+        assert avail.available(["a", "b"]) == {"b"}
+        assert avail.available(["", "x" * 5000]) == set()  # unusable ids are misses
+    finally:
+        avail.close()
+        prod.close()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+    with pytest.raises(GatewayConfigError, match="shm_path"):
+        GatewayConfig.build({"decoders": ["http://x:1"], "availability": {"kind": "shm"}})

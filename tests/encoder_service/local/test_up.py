@@ -310,4 +310,6 @@ def test_auto_wires_shared_memory_one_directory_per_deployment(tmp_path):
     assert [e.get("shm_arena_bytes") for e in extra] == [up_config.SHM_ARENA_BYTES] * 2 + [None]
     assert extra[2]["shm_consumer_pool_bytes"] == 64 << 20  # sizes are the user's
     assert all(EPDConfig.from_dict(e).tiers == ["shm"] for e in extra)
-    assert dep.gateway_cfg.availability.kind == "none"  # no catalog of shared memory
+    # the gateway (on this host) follows the shm records of the deployment's directory
+    assert dep.gateway_cfg.availability.kind == "shm"
+    assert dep.gateway_cfg.availability.shm_path == dep.cfg.shm_path
