@@ -458,7 +458,10 @@ class PullServer:
         written into the consumer: no range to check). Returns, and the connection is
         closed, when it is idle, closed, sends garbage or a reply cannot be sent."""
         conn.settimeout(self.config.transfer_timeout_base_s)
-        conn.sendall(stream.READY)
+        try:
+            conn.sendall(stream.READY)
+        except OSError:  # the consumer gave up on it already
+            return
         while (msg := stream.read_request(conn)) is not None:
             try:
                 self._serve_streamed(conn, msg, _expires(msg))
