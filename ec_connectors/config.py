@@ -219,7 +219,11 @@ class ShmSettings(_Settings):
     # Producer: the arena, its byte budget (LRU eviction of unleased, unread items, then
     # backpressure for at most shm_put_timeout_s).
     shm_arena_bytes: int = Field(default=1 * GiB, ge=1 * MiB, le=1 << 40)
-    shm_lease_ttl_s: float = Field(default=60.0, gt=0)  # stored items are never evicted sooner
+    shm_lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, stored items stay this long
+    # An arena full of leased items evicts the one promised longest ago once it was promised
+    # this long ago (a consumer loads an item within load_timeout_s of its promise), rather
+    # than fail new saves for the rest of the lease (a heavy-video burst did, every 4th item)
+    shm_lease_min_s: float = Field(default=10.0, gt=0)
     shm_put_timeout_s: float = Field(default=5.0, gt=0, le=600)
     # Consumer: pre-faulted memory the items are copied into (a fresh allocation page-faults
     # on every item); an item that does not fit gets a fresh allocation.

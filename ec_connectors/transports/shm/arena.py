@@ -85,15 +85,21 @@ class Held:
     nbytes: int  # payload
     gen: int
     lease_until: float
+    promised_at: float  # stored or renewed: a consumer may be about to read it
     current: bool = True  # False: a newer copy of the key replaced it (evict first)
 
 
 class Arena:
     """A producer's arena: created, reserved and mapped at start; removed at close."""
 
-    def __init__(self, shm_dir: ShmDir, capacity: int, lease_ttl_s: float) -> None:
+    def __init__(self, shm_dir: ShmDir, capacity: int, lease_ttl_s: float,
+                 lease_min_s: float | None = None) -> None:
         self.dir = shm_dir
         self.lease_ttl_s = lease_ttl_s
+        # under pressure a lease yields once its item was promised this long ago
+        self.lease_min_s = lease_ttl_s if lease_min_s is None else min(lease_min_s,
+                                                                       lease_ttl_s)
+        self.leases_yielded = 0
         self.name = arena_name()
         self.size = PAGE + (capacity + PAGE - 1) // PAGE * PAGE
         tmp = TMP_PREFIX + self.name
@@ -142,8 +148,10 @@ class Arena:
     # -- blocks ------------------------------------------------------------------------------
     def reserve(self, nbytes: int, deadline: float) -> tuple[int, int]:
         """(offset, generation) of a new block for `nbytes` of payload: free room, else the
-        least recently used unleased block nobody reads is evicted, else wait (backpressure)
-        until `deadline`. Raises ArenaFull."""
+        least recently used unleased block nobody reads is evicted, else the block promised
+        longest ago if that was `lease_min_s` or more ago (its lease yields: consumers load
+        an item within seconds of its promise, and a new item's consumer is about to), else
+        wait (backpressure) until `deadline`. Raises ArenaFull."""
         need = BLOCK_HEADER + nbytes
         if need > self.capacity:
             raise ArenaFull(f"an item of {nbytes} bytes exceeds the whole arena "
@@ -154,8 +162,7 @@ class Arena:
                 if off is not None:
                     self._gen += 1
                     return PAGE + off, self._gen
-                victim = self._evict_one_locked()
-                if victim:
+                if self._evict_one_locked() or self._yield_lease_locked():
                     continue
                 leased = sum(1 for h in self._held.values() if h.lease_until > time.monotonic())
                 soonest = min((h.lease_until for h in self._held.values()),
@@ -183,8 +190,8 @@ class Arena:
                 self._held[old].current = False
                 self._held[old].lease_until = 0.0
                 self._held.move_to_end(old, last=False)
-            self._held[offset] = Held(key, offset, nbytes, gen,
-                                      time.monotonic() + self.lease_ttl_s)
+            now = time.monotonic()
+            self._held[offset] = Held(key, offset, nbytes, gen, now + self.lease_ttl_s, now)
             self._by_key[key] = offset
 
     def renew(self, key: str) -> bool:
@@ -192,7 +199,9 @@ class Arena:
             off = self._by_key.get(key)
             if off is None:
                 return False
-            self._held[off].lease_until = time.monotonic() + self.lease_ttl_s
+            held = self._held[off]
+            held.promised_at = time.monotonic()
+            held.lease_until = held.promised_at + self.lease_ttl_s
             self._held.move_to_end(off)
             return True
 
@@ -209,6 +218,20 @@ class Arena:
         now = time.monotonic()
         for held in list(self._held.values()):
             if held.lease_until <= now and self._evict_locked(held):
+                return True
+        return False
+
+    def _yield_lease_locked(self) -> bool:
+        """Evict the leased block promised longest ago, if `lease_min_s` ago or more."""
+        cutoff = time.monotonic() - self.lease_min_s
+        for held in sorted(self._held.values(), key=lambda h: h.promised_at):
+            if held.promised_at > cutoff:
+                return False
+            if self._evict_locked(held):
+                self.leases_yielded += 1
+                logger.info("EPD: shm arena full: item %s gives up the rest of its lease "
+                            "(promised %.1f s ago) to a new item; raise shm_arena_bytes if "
+                            "consumers miss items", held.key, time.monotonic() - held.promised_at)
                 return True
         return False
 

@@ -107,7 +107,8 @@ class ShmTransport(Transport):
             sweep(self.dir)  # arenas and records of processes that are gone
         if worker and placement.is_producer and placement.rank == 0:
             # every tensor-parallel rank saves the same item: rank 0's copy serves them all
-            self.arena = Arena(self.dir, config.shm_arena_bytes, config.shm_lease_ttl_s)
+            self.arena = Arena(self.dir, config.shm_arena_bytes, config.shm_lease_ttl_s,
+                               config.shm_lease_min_s)
         if worker and placement.is_consumer and not placement.is_producer:
             self._destination_pool()  # pre-faulted now, not on the first load
 

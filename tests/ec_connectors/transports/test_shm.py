@@ -275,6 +275,28 @@ def test_directory_and_files_are_private(root):
 
 
 # -- budget, leases, eviction ------------------------------------------------------------------
+def test_a_full_arena_of_leased_items_yields_the_oldest_promise_not_new_saves(root):
+    item = torch.zeros(3 * MiB // 2, dtype=torch.bfloat16)  # 3 MiB; the arena holds two
+    prod = make(root, PRODUCER, shm_arena_bytes=7 * MiB, shm_lease_ttl_s=60,
+                shm_lease_min_s=0.3, shm_put_timeout_s=0.1)
+    cons = make(root, CONSUMER)
+    try:
+        prod.put("a", item)
+        time.sleep(0.05)
+        prod.put("b", item)
+        with pytest.raises(ArenaFull, match="still leased"):  # both promised just now
+            prod.put("c", item)
+        time.sleep(0.3)
+        prod.renew("a")  # promised again: "b" is now the oldest promise
+        prod.put("c", item)  # 60 s leases, but "b" was promised over lease_min_s ago
+        assert prod.arena.leases_yielded == 1 and prod.events.evictions == 1
+        assert cons.get("b", soon(0.1)) is None  # a miss: its consumer encodes it
+        assert cons.get("a", soon()) is not None and cons.get("c", soon()) is not None
+    finally:
+        prod.close()
+        cons.close()
+
+
 def test_budget_eviction_leases_and_pins(root):
     item = torch.zeros(3 * MiB // 2, dtype=torch.bfloat16)  # 3 MiB; the arena holds two
     prod = make(root, PRODUCER, shm_arena_bytes=7 * MiB, shm_lease_ttl_s=0.3,
