@@ -152,7 +152,10 @@ class MooncakeSettings(_Settings):
     # time within this host's noise once the producer stopped spinning; 8 MiB keeps the
     # verification overlapped.
     transfer_chunk_bytes: int = Field(default=8 * MiB, ge=0)
-    lease_ttl_s: float = Field(default=60.0, gt=0)  # promised items are never evicted sooner
+    lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, promised items stay this long
+    # A pool full of leased items evicts the one promised longest ago once that was this long
+    # ago, rather than fail new saves for the rest of the lease (shm_lease_min_s likewise)
+    lease_min_s: float = Field(default=10.0, gt=0)
     announce_interval_s: float = Field(default=2.0, gt=0, le=60)
     # Size-scaled pull timeout: base + nbytes / rate, capped by the load deadline.
     transfer_timeout_base_s: float = Field(default=2.0, gt=0)

@@ -54,15 +54,22 @@ class Held:
     info: ItemInfo
     buf: PoolBuffer
     lease_until: float
+    promised_at: float  # stored or renewed: a consumer may be about to pull it
     pins: int = 0
 
 
 class ProducerStore:
     """Items held in the registered pool: leases, pins, LRU. Thread-safe."""
 
-    def __init__(self, pool: MemoryPool, lease_ttl_s: float) -> None:
+    def __init__(self, pool: MemoryPool, lease_ttl_s: float,
+                 lease_min_s: float | None = None) -> None:
         self.pool = pool
         self.lease_ttl_s = lease_ttl_s
+        # a full pool takes back the lease of the item promised longest ago once it was
+        # promised this long ago (consumers pull within seconds of a promise)
+        self.lease_min_s = lease_ttl_s if lease_min_s is None else min(lease_min_s,
+                                                                       lease_ttl_s)
+        self.leases_yielded = 0
         self._items: OrderedDict[str, Held] = OrderedDict()  # LRU first
         self._lock = threading.Lock()
         self.recently_evicted: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)
@@ -95,7 +102,8 @@ class ProducerStore:
             held = self._items.get(key)
             if held is None:
                 return False
-            held.lease_until = time.monotonic() + self.lease_ttl_s
+            held.promised_at = time.monotonic()
+            held.lease_until = held.promised_at + self.lease_ttl_s
             self._items.move_to_end(key)
             return True
 
@@ -106,7 +114,8 @@ class ProducerStore:
 
     def add(self, info: ItemInfo, buf: PoolBuffer) -> None:
         with self._lock:
-            self._items[info.key] = Held(info, buf, time.monotonic() + self.lease_ttl_s)
+            now = time.monotonic()
+            self._items[info.key] = Held(info, buf, now + self.lease_ttl_s, now)
             self.recently_evicted.pop(info.key, None)
             self.recently_failed.pop(info.key, None)
             self.expected.pop(info.key, None)
@@ -127,18 +136,26 @@ class ProducerStore:
                     "pending" if key in self.expected else "unknown")
 
     def evict_one(self) -> Held | None:
-        """Release the least recently used unleased, unpinned item; None if there is none."""
+        """Release the least recently used unleased, unpinned item, else the unpinned one
+        promised longest ago if that was `lease_min_s` ago or more (its lease yields to a
+        new item, whose consumer is about to pull); None if there is none."""
         now = time.monotonic()
         with self._lock:
-            for key, held in self._items.items():
-                if held.pins == 0 and held.lease_until <= now:
-                    del self._items[key]
-                    self.recently_evicted[key] = None
-                    break
-            else:
-                return None
-        held.buf.release()
-        return held
+            victim = next((h for h in self._items.values()
+                           if h.pins == 0 and h.lease_until <= now), None)
+            if victim is None:
+                victim = min((h for h in self._items.values() if h.pins == 0),
+                             key=lambda h: h.promised_at, default=None)
+                if victim is None or now - victim.promised_at < self.lease_min_s:
+                    return None
+                self.leases_yielded += 1
+                logger.info("EPD: producer pool full: item %s gives up the rest of its lease "
+                            "(promised %.1f s ago) to a new item; raise memory_pool_bytes if "
+                            "consumers miss items", victim.info.key, now - victim.promised_at)
+            del self._items[victim.info.key]
+            self.recently_evicted[victim.info.key] = None
+        victim.buf.release()
+        return victim
 
     def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[Held]]:
         """A block for a new item: free space, else evict, else wait for leases to lapse or

@@ -137,7 +137,7 @@ class MooncakeTransport(Transport):
         ports = [port_for(c.base_port, purpose, c.stage_offset, p.dp_rank, p.world_size, p.rank)
                  for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE, PURPOSE_STREAM)]
         self._endpoint = f"{self.host}:{ports[0]}"
-        self.store = ProducerStore(self.pool, c.lease_ttl_s)
+        self.store = ProducerStore(self.pool, c.lease_ttl_s, c.lease_min_s)
         ranges = ConsumerRanges(self.engine.transfer_sync_read, memoryview(self._own.numpy()),
                                 self._own.data_ptr())
         streams = None

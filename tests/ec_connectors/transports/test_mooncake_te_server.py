@@ -131,6 +131,35 @@ def test_producer_pool_budget_leases_eviction_and_backpressure(peers):
         assert got["checksum"] == expected(seed, shape)
 
 
+def test_a_full_pool_of_leased_items_yields_the_oldest_promise_not_new_saves():
+    from ec_connectors.protocol.items import ItemInfo
+    from ec_connectors.transports.memory import MemoryPool, PoolExhausted
+    from ec_connectors.transports.mooncake_te.producer import ProducerStore
+
+    store = ProducerStore(MemoryPool(8 * MiB), lease_ttl_s=60, lease_min_s=0.3)
+
+    def save(name: str) -> None:
+        buf, _ = store.reserve(3 * MiB, time.monotonic() + 0.1)
+        store.add(ItemInfo(item_id=name, key=name, shape=(3 * MiB,), dtype="uint8",
+                           nbytes=3 * MiB, checksum=""), buf)
+
+    save("a")
+    time.sleep(0.05)
+    save("b")
+    with pytest.raises(PoolExhausted, match="still leased"):  # both promised just now
+        save("c")
+    time.sleep(0.3)
+    assert store.renew("a")  # promised again: "b" is now the oldest promise
+    held_b = store.pin("b")
+    with pytest.raises(PoolExhausted):  # ... but a pull is reading it: pinned, kept
+        save("c")
+    store.unpin(held_b)
+    save("c")  # 60 s leases, but "b" was promised over lease_min_s ago
+    assert store.leases_yielded == 1 and store.absent("b") == "evicted"
+    assert store.get("a") is not None and store.get("c") is not None
+    store.clear()
+
+
 def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base))
