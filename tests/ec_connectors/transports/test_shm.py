@@ -423,4 +423,6 @@ def test_copy_and_hash_release_the_gil(what):
         t.join()
     finally:
         sys.setswitchinterval(old)
-    assert spins > 1000, spins
+    # holding the GIL, the call would leave this loop 0 or 1 turns; released, it runs
+    # tens of thousands (over 100 even when the machine is busy and deschedules it)
+    assert spins > 100, spins
