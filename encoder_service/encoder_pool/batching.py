@@ -12,7 +12,9 @@ Contract of `EncoderPool`:
   item would take it past `max_batch_tokens` estimated embedding rows (that item opens the
   next batch; an item over the budget alone is a batch of one), or when the oldest queued
   item has waited `max_wait_ms`; it goes to the eligible worker with the least outstanding
-  work, formed batches in the order they started waiting (modalities take turns).
+  work, formed batches shortest remaining work first (rows left of the batch's largest item,
+  a chunked video's whole remainder); a batch passed over for `AGING_S` goes first, in the
+  order such batches started waiting.
 - An item whose deadline passes while queued is failed (`ItemFailed`, code "timeout") without
   being encoded. An exception fails that item only: a failing batch is re-run item by item.
   Out of memory: the batch is split; a single item that still does not fit fails ("oom")
@@ -43,6 +45,9 @@ from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
+# How long a formed batch may be passed over for batches of less remaining work (a long
+# video's chunk behind images arriving): then it goes first, so every item progresses
+AGING_S = 1.0
 
 
 class Overloaded(RuntimeError):
@@ -85,6 +90,27 @@ class _Whole:
     assembly: Assembly
     future: asyncio.Future
     failed: bool = False
+    undispatched: int = 0  # rows of its chunks not handed to a worker yet
+
+
+@dataclass
+class _Waiter:
+    """A formed batch waiting for a worker."""
+
+    modality: str
+    rest: int  # rows still to encode of its largest item
+    since: float
+    ticket: int
+
+    def rank(self, now: float) -> tuple[int, int, int]:
+        """Lower goes first: aged batches in arrival order, then shortest remaining work."""
+        if now - self.since >= AGING_S:
+            return (0, self.ticket, 0)
+        return (1, self.rest, self.ticket)
+
+
+def _rest(jobs: list[_Job]) -> int:
+    return max((j.whole.undispatched if j.whole is not None else j.tokens) for j in jobs)
 
 
 @dataclass
@@ -164,7 +190,7 @@ class EncoderPool:
         self._batch_tasks: set[asyncio.Task] = set()
         self._worker_free: asyncio.Condition | None = None
         self._tickets = itertools.count()
-        self._waiting: dict[int, str] = {}  # ticket -> modality of a batch awaiting a worker
+        self._waiting: dict[int, _Waiter] = {}  # batches awaiting a worker, by ticket
         ref = self.workers[0].encoder
         self.hidden_size, self.dtype = ref.hidden_size, ref.dtype
 
@@ -246,7 +272,8 @@ class EncoderPool:
         if not chunks:
             queue.put_nowait(_Job(item, tokens, now + timeout_s, now, future))
         else:
-            whole = _Whole(item.item_id, Assembly(item.item_id, chunks), future)
+            whole = _Whole(item.item_id, Assembly(item.item_id, chunks), future,
+                           undispatched=sum(c.rows[1] - c.rows[0] for c in chunks))
             for c in chunks:
                 queue.put_nowait(_Job(c.item, c.rows[1] - c.rows[0], now + timeout_s, now,
                                       future, whole, c.index))
@@ -287,10 +314,13 @@ class EncoderPool:
                         forming.add(await asyncio.wait_for(q.get(), remaining))
                     except TimeoutError:
                         break
-                worker = await self._acquire_worker(modality)
+                worker = await self._acquire_worker(modality, _rest(forming.jobs))
                 while forming.open and not q.empty():  # top up while we waited
                     forming.add(q.get_nowait())
                 batch, carry = forming.jobs, forming.carry
+                for job in batch:
+                    if job.whole is not None:
+                        job.whole.undispatched -= job.tokens
                 now = time.monotonic()
                 live = []
                 for job in batch:
@@ -314,20 +344,25 @@ class EncoderPool:
                 self._finish(carry, ItemFailed(carry.item.item_id, "encode_error",
                                                "pool stopped"))
 
-    async def _acquire_worker(self, modality: str) -> Worker:
-        """The least loaded eligible worker, for formed batches in the order they started
-        waiting: a modality whose next batch is formed at once (a video's chunks) would
-        otherwise win every release, asyncio waking its loop first."""
+    async def _acquire_worker(self, modality: str, rest: int) -> Worker:
+        """The least loaded eligible worker, for formed batches shortest remaining work first
+        (`rest`: rows still to encode of the largest item in the batch, a chunked video's
+        whole remainder): the 16 images sent while a video encodes go between its chunks,
+        not after them. A batch passed over for `AGING_S` goes first, in the order such
+        batches started waiting, so a long video always progresses. (Ticket order alone let
+        the video's next chunk, always formed first, win every other release.)"""
         assert self._worker_free is not None
         async with self._worker_free:
             ticket = next(self._tickets)
-            self._waiting[ticket] = modality
+            me = self._waiting[ticket] = _Waiter(modality, rest, time.monotonic(), ticket)
             try:
                 while True:
+                    now = time.monotonic()
                     ready = [w for w in self.workers if w.eligible
                              and modality in w.encoder.modalities
-                             and not any(t < ticket and m in w.encoder.modalities
-                                         for t, m in self._waiting.items())]
+                             and not any(o.rank(now) < me.rank(now)
+                                         and o.modality in w.encoder.modalities
+                                         for o in self._waiting.values() if o is not me)]
                     if ready:
                         w = min(ready, key=lambda w: (w.outstanding_tokens, w.inflight,
                                                       w.batches))

@@ -202,6 +202,66 @@ def test_images_run_between_a_videos_chunks():
     assert video_done and log == [["v"], ["img"]]
 
 
+def _images(n: int, prefix: str = "img") -> list[MediaItem]:
+    return [MediaItem(f"{prefix}{i}", "image", media=Image.new("RGB", (8, 8)), num_embeds=1)
+            for i in range(n)]
+
+
+def test_batches_of_images_all_run_before_a_long_videos_next_chunk():
+    """Shortest remaining work first: two image batches formed while a video encodes both
+    go before the video's next chunk (ticket order put a chunk between them)."""
+    tower = FakeTower(delay_per_row=0.004)
+    pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8, max_batch_size=2)
+
+    async def go():
+        vid = asyncio.ensure_future(pool.encode(video("v", 32), 30))
+        await asyncio.sleep(0.02)  # the video's first chunk is running
+        await asyncio.gather(*(pool.encode(img, 30) for img in _images(4)))
+        await vid
+        return tower.log
+
+    log = run_pool(go, pool)
+    image_batches = [i for i, batch in enumerate(log) if batch[0].startswith("img")]
+    assert len(image_batches) == 2 and image_batches[1] == image_batches[0] + 1, log
+    assert image_batches[0] > 0 and image_batches[1] < len(log) - 1, log
+
+
+@pytest.mark.parametrize("aging_s, progresses", [(0.1, True), (100.0, False)])
+def test_a_passed_over_video_chunk_goes_first_once_aged(monkeypatch, aging_s, progresses):
+    """Images queued without pause would hold a long video back for ever (shortest work
+    first); a chunk passed over for AGING_S goes first, so the video progresses."""
+    from encoder_service.encoder_pool import batching
+
+    monkeypatch.setattr(batching, "AGING_S", aging_s)
+    tower = FakeTower(delay_per_row=0.01)  # a chunk 80 ms, an image 10 ms
+    pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8, max_batch_size=1)
+
+    async def go():
+        vid = asyncio.ensure_future(pool.encode(video("v", 16), 30))  # 8 chunks
+        await asyncio.sleep(0.005)
+        loop = asyncio.get_running_loop()
+        stop, n = loop.time() + 1.5, 0
+
+        async def flood() -> None:  # an image is always queued until `stop`
+            nonlocal n
+            while loop.time() < stop:
+                n += 1
+                await pool.encode(MediaItem(f"i{n}", "image", media=Image.new("RGB", (8, 8)),
+                                            num_embeds=1), 30)
+
+        await asyncio.gather(*(flood() for _ in range(3)))
+        await vid
+        return tower.log
+
+    log = run_pool(go, pool)
+    last_image = max(i for i, batch in enumerate(log) if batch[0].startswith("i"))
+    before = sum(1 for batch in log[:last_image] if batch[0].startswith("v"))
+    if progresses:
+        assert before >= 5, log  # chunks ran while images kept coming
+    else:
+        assert before <= 2, log  # without aging: the one running, at most one more
+
+
 def test_a_failing_chunk_fails_the_item_once_and_skips_the_rest():
     tower = FakeTower(fail={"v#1"})
     pool = pool_of(tower, video_chunk_tokens=4, max_batch_tokens=4)
