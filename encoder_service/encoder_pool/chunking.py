@@ -2,7 +2,7 @@
 
 Why: a video encoded as one block holds its worker for the whole encode (seconds for a long
 clip on a CPU core), and every image queued behind it waits that long for its first token.
-Split into chunks, the video's batches take turns with other batches on the worker.
+Split into chunks, other batches go between the video's on the worker (batching.py).
 
 Why the result is the whole encode's: in Qwen2-VL and Qwen2.5-VL (window and full-attention
 layers alike, and the Qwen2.5-Omni thinker's copy of that tower) attention never crosses a
