@@ -23,12 +23,12 @@ import asyncio
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
+from encoder_service.bench import stream_greedy
 from encoder_service.local.requests import image_part, sample_frames, sample_image_png, video_part
 from encoder_service.local.up import run_up
 from encoder_service.local.up_config import UpConfig
@@ -41,24 +41,8 @@ FRAMES = 120
 async def stream(client: httpx.AsyncClient, url: str, model: str, part: dict,
                  max_tokens: int) -> tuple[float, list[int]]:
     """(seconds to the first token, the answer's token ids) of one streamed request."""
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "return_token_ids": True, "messages": [{"role": "user",
-            "content": [part, {"type": "text", "text": "describe this"}]}]}
-    t0, ttft, tokens = time.perf_counter(), None, []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-            ids = choice.get("token_ids") or []
-            if ids or (choice.get("delta") or {}).get("content"):
-                ttft = ttft if ttft is not None else time.perf_counter() - t0
-                tokens.extend(ids)
-    if ttft is None or len(tokens) != max_tokens:
-        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
-    return ttft, tokens
+    answer = await stream_greedy(client, url, model, part, "describe this", max_tokens)
+    return answer.ttft, answer.token_ids
 
 
 async def one_round(url: str, model: str, r: int, a: argparse.Namespace

@@ -34,7 +34,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess  # noqa: E402
+from encoder_service.bench import stream_greedy  # noqa: E402
 from encoder_service.local.processes import VllmServer, start_all  # noqa: E402
 from encoder_service.local.requests import sample_frames, video_part  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
@@ -72,46 +72,21 @@ def clip(seed: int, frames: int) -> dict:
     return video_part(sample_frames(seed, frames, SIDE))
 
 
-async def stream(client: httpx.AsyncClient, url: str, part: dict, max_tokens: int
-                 ) -> tuple[float, float, list[int], int]:
-    """(TTFT s, end-to-end s, token ids, prompt tokens) of one streamed greedy request."""
-    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-            "temperature": 0.0, "return_token_ids": True, "messages": [{"role": "user",
-            "content": [part, {"type": "text", "text": "what happens in this clip?"}]}]}
-    t0, ttft, tokens, prompt = time.perf_counter(), None, [], 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            prompt = (chunk.get("usage") or {}).get("prompt_tokens") or prompt
-            choice = (chunk.get("choices") or [{}])[0]
-            ids = choice.get("token_ids") or []
-            if ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens.extend(ids)
-    if ttft is None or len(tokens) != max_tokens:
-        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
-    return ttft, time.perf_counter() - t0, tokens, prompt
-
-
 def workload(url: str, a: argparse.Namespace) -> dict:
-    """{frames: [(ttft, e2e, tokens, prompt tokens) per counted round]}."""
+    """{frames: [the Answer of each counted round]}."""
     out: dict = {n: [] for n in a.frames}
 
     async def go() -> None:
         async with httpx.AsyncClient(timeout=600) as client:
             for r in range(a.rounds + 1):
                 for n in a.frames:
-                    res = await stream(client, url, clip(1000 * r + n, n), a.max_tokens)
+                    res = await stream_greedy(client, url, MODEL, clip(1000 * r + n, n),
+                                              "what happens in this clip?", a.max_tokens)
                     if r:
                         out[n].append(res)
                     say(f"round {r}{' (warm-up)' if not r else ''}: {n} frames "
-                        f"({res[3]} prompt tokens): TTFT {res[0] * 1000:.0f} ms, total "
-                        f"{res[1] * 1000:.0f} ms")
+                        f"({res.prompt_tokens} prompt tokens): TTFT "
+                        f"{res.ttft * 1000:.0f} ms, total {res.e2e * 1000:.0f} ms")
 
     asyncio.run(go())
     return out
@@ -180,10 +155,10 @@ def summarize(runs: dict[str, dict], frames: list[int]) -> dict:
         for n in frames:
             rows = res[n]
             table.setdefault(dep, {})[str(n)] = {
-                "ttft_ms": statistics.median(r[0] for r in rows) * 1000,
-                "e2e_ms": statistics.median(r[1] for r in rows) * 1000,
-                "prompt_tokens": rows[0][3]}
-    equal = {dep: all(r[2] == ref[2] for n in frames
+                "ttft_ms": statistics.median(r.ttft for r in rows) * 1000,
+                "e2e_ms": statistics.median(r.e2e for r in rows) * 1000,
+                "prompt_tokens": rows[0].prompt_tokens}
+    equal = {dep: all(r.token_ids == ref.token_ids for n in frames
                       for r, ref in zip(res[n], runs["aggregated"][n], strict=True))
              for dep, res in runs.items()} if "aggregated" in runs else {}
     return {"ms": table, "answers_equal_to_aggregated": equal}

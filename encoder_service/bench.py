@@ -187,6 +187,42 @@ def summarize(records: list[Record], duration_s: float) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class Answer:
+    """One streamed greedy answer, as the comparing benchmarks need it."""
+
+    ttft: float  # seconds to the first token
+    e2e: float  # seconds to the last byte
+    token_ids: list[int]
+    prompt_tokens: int
+
+
+async def stream_greedy(client: httpx.AsyncClient, url: str, model: str, part: dict[str, Any],
+                        prompt: str, max_tokens: int) -> Answer:
+    """`part` and `prompt` streamed greedily to `url` (exactly `max_tokens` tokens, their
+    ids returned: runs compare them). Raises RuntimeError on an error or a short answer."""
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0,
+            "return_token_ids": True, "messages": [{"role": "user", "content": [
+                part, {"type": "text", "text": prompt}]}]}
+    t0, ttft, tokens, prompt_tokens = time.perf_counter(), None, [], 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens") or prompt_tokens
+            ids = ((chunk.get("choices") or [{}])[0].get("token_ids")) or []
+            if ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens.extend(ids)
+    if ttft is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
+    return Answer(ttft, time.perf_counter() - t0, tokens, prompt_tokens)
+
+
 async def _one(client: httpx.AsyncClient, spec: BenchSpec, part: dict[str, Any], idx: int
                ) -> Record:
     body = {"model": spec.model, "stream": True, "stream_options": {"include_usage": True},

@@ -25,7 +25,7 @@ from ec_connectors.protocol.ports import stream_port
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.base import TransportEvents, checksum, describe
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
-from ec_connectors.transports.mooncake_te import messages, stream
+from ec_connectors.transports.mooncake_te import messages, stream, stream_client
 from ec_connectors.transports.mooncake_te.messages import (
     PeerMessage,
     Progress,
@@ -35,7 +35,7 @@ from ec_connectors.transports.mooncake_te.messages import (
     Register,
     StreamOpen,
 )
-from ec_connectors.transports.mooncake_te.stream import Connections
+from ec_connectors.transports.mooncake_te.stream_client import Connections
 
 logger = get_logger(__name__)
 
@@ -68,7 +68,7 @@ class PeerLink:
     flight to it and the buffers it may still write into. `hello` (messages.Register) opens
     every connection: the producer writes only into the range it names and proves. `stream`
     (te_data_path socket): each pull into a buffer runs on one of a few warm data connections
-    to the producer's stream port (stream.Connections; their tickets go over this channel),
+    to the producer's stream port (stream_client.Connections; their tickets go over this channel),
     request and reply on that socket; a producer without a stream listener writes the bytes
     with the engine, as without `stream`."""
 
@@ -156,7 +156,7 @@ class PeerLink:
                 return None
             pending.opened += not reused
             try:
-                reply, _ = stream.pull(conn, request, buf, deadline, on_chunk)
+                reply, _ = stream_client.pull(conn, request, buf, deadline, on_chunk)
             except stream.StreamClosed as exc:
                 self.streams.release(conn, good=False)
                 if reused and not fresh:

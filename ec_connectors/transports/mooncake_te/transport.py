@@ -62,10 +62,10 @@ from ec_connectors.transports.mooncake_te.messages import Register
 from ec_connectors.transports.mooncake_te.producer import (
     Announcer,
     ConsumerRanges,
-    ProducerStore,
     PullServer,
 )
-from ec_connectors.transports.mooncake_te.stream import StreamServer
+from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
+from ec_connectors.transports.mooncake_te.stream_server import StreamServer
 
 logger = get_logger(__name__)
 

@@ -295,7 +295,7 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
     from ec_connectors.channel import Channel, encode
     from ec_connectors.protocol.items import ItemInfo
     from ec_connectors.protocol.ports import stream_port
-    from ec_connectors.transports.mooncake_te import messages, stream
+    from ec_connectors.transports.mooncake_te import messages, stream, stream_server
     from ec_connectors.transports.mooncake_te.messages import Pulled, StreamOpen
 
     base = next(_ports)
@@ -306,7 +306,7 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
     def serve(conn) -> None:
         connections.append(conn)
         conn.sendall(stream.READY)
-        msg = stream.read_request(conn, idle_s=5)
+        msg = stream_server.read_request(conn, idle_s=5)
         info = ItemInfo(item_id="bad", key=msg.key, shape=(nbytes // 2,), dtype="bfloat16",
                         nbytes=nbytes, checksum="0" * 16, location=f"127.0.0.1:{base}")
         body = encode(Pulled(pull_id=msg.pull_id, info=info))
@@ -317,7 +317,7 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
             time.sleep(3)
         served.set()
 
-    streams = stream.StreamServer("127.0.0.1", stream_port(base), serve)
+    streams = stream_server.StreamServer("127.0.0.1", stream_port(base), serve)
     ctx = zmq.Context()
 
     def on_message(msg, _peer, _payload) -> None:

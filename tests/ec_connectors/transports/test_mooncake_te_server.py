@@ -134,7 +134,7 @@ def test_producer_pool_budget_leases_eviction_and_backpressure(peers):
 def test_a_full_pool_of_leased_items_yields_the_oldest_promise_not_new_saves():
     from ec_connectors.protocol.items import ItemInfo
     from ec_connectors.transports.memory import MemoryPool, PoolExhausted
-    from ec_connectors.transports.mooncake_te.producer import ProducerStore
+    from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
 
     store = ProducerStore(MemoryPool(8 * MiB), lease_ttl_s=60, lease_min_s=0.3)
 

@@ -20,7 +20,7 @@ import zmq
 from ec_connectors.channel import Channel, encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.transports.memory import MemoryPool
-from ec_connectors.transports.mooncake_te import messages, stream
+from ec_connectors.transports.mooncake_te import messages, stream, stream_client, stream_server
 from ec_connectors.transports.mooncake_te.consumer import PeerLink
 from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed, StreamOpen
 from tests.helpers import wait_for
@@ -52,19 +52,19 @@ class _Producer:
     def __init__(self, items: dict, serve=None) -> None:
         self.items = items
         self.requests = 0
-        self.server = stream.StreamServer("127.0.0.1", 0, serve or self.serve)
+        self.server = stream_server.StreamServer("127.0.0.1", 0, serve or self.serve)
 
     def serve(self, conn: socket.socket) -> None:
         conn.settimeout(2)
         conn.sendall(stream.READY)
-        while (msg := stream.read_request(conn, idle_s=10)) is not None:
+        while (msg := stream_server.read_request(conn, idle_s=10)) is not None:
             self.requests += 1
             buf, info = self.items.get(msg.key, (None, None))
             if info is None:
-                stream.send_reply(conn, PullFailed(pull_id=msg.pull_id, code="unknown"),
+                stream_server.send_reply(conn, PullFailed(pull_id=msg.pull_id, code="unknown"),
                                   time.monotonic() + 2)
             else:
-                stream.send_reply(conn, Pulled(pull_id=msg.pull_id, info=info),
+                stream_server.send_reply(conn, Pulled(pull_id=msg.pull_id, info=info),
                                   time.monotonic() + 5, buf)
 
 
@@ -90,14 +90,14 @@ def _nothing_sent(conn: socket.socket, timeout_s: float = 5.0) -> bool:
         return True
 
 
-def _connect_raw(server: stream.StreamServer, ticket: bytes) -> socket.socket:
+def _connect_raw(server: stream_server.StreamServer, ticket: bytes) -> socket.socket:
     conn = socket.create_connection(server.address, timeout=2)
     conn.sendall(ticket)
     return conn
 
 
 def test_a_warm_connection_serves_pull_after_pull_verified_as_bytes_land(producer, pool):
-    conns = stream.Connections(*producer.server.address, producer.server.expect)
+    conns = stream_client.Connections(*producer.server.address, producer.server.expect)
     dst = pool.allocate(10 * MiB, time.monotonic() + 1)
     for i, key in enumerate(("k1", "k2", "k1")):
         conn, reused = conns.acquire(time.monotonic() + 2)
@@ -109,12 +109,12 @@ def test_a_warm_connection_serves_pull_after_pull_verified_as_bytes_land(produce
             hasher.update(view[seen[0]:upto])
             seen[0] = upto
 
-        reply, got = stream.pull(conn, _request(key), dst, time.monotonic() + 5, landed)
+        reply, got = stream_client.pull(conn, _request(key), dst, time.monotonic() + 5, landed)
         conns.release(conn, good=True)
         assert isinstance(reply, Pulled) and got == reply.info.nbytes == seen[0]
         assert hasher.hexdigest() == reply.info.checksum
     conn, _ = conns.acquire(time.monotonic() + 2)
-    reply, got = stream.pull(conn, _request("nope"), dst, time.monotonic() + 5)
+    reply, got = stream_client.pull(conn, _request("nope"), dst, time.monotonic() + 5)
     conns.release(conn, good=True)
     assert isinstance(reply, PullFailed) and reply.code == "unknown" and got == 0
     assert conns.opened == 1 and producer.requests == 4  # one connection, four pulls
@@ -126,17 +126,17 @@ def test_the_connection_may_arrive_before_its_ticket_is_live(producer, pool):
     def late(ticket: bytes) -> None:  # the StreamOpen lags on the side channel
         threading.Timer(0.2, producer.server.expect, (ticket,)).start()
 
-    conns = stream.Connections(*producer.server.address, late)
+    conns = stream_client.Connections(*producer.server.address, late)
     dst = pool.allocate(10 * MiB, time.monotonic() + 1)
     conn, reused = conns.acquire(time.monotonic() + 2)
     assert conn is not None and not reused
-    reply, _ = stream.pull(conn, _request("k2"), dst, time.monotonic() + 5)
+    reply, _ = stream_client.pull(conn, _request("k2"), dst, time.monotonic() + 5)
     assert isinstance(reply, Pulled)
     conns.release(conn, good=False)
 
 
 def test_wrong_absent_reused_and_expired_tickets_get_no_bytes(producer, monkeypatch):
-    monkeypatch.setattr(stream, "_HANDSHAKE_S", 0.3)
+    monkeypatch.setattr(stream_server, "_HANDSHAKE_S", 0.3)
     server = producer.server
     ticket = stream.ticket()
     server.expect(ticket)
@@ -150,7 +150,7 @@ def test_wrong_absent_reused_and_expired_tickets_get_no_bytes(producer, monkeypa
         assert _nothing_sent(conn)
     assert time.monotonic() - t0 < 2  # closed after the handshake deadline, not held open
     # the ticket still opens one connection, once
-    first = stream.connect(*server.address, ticket, time.monotonic() + 2)
+    first = stream_client.connect(*server.address, ticket, time.monotonic() + 2)
     assert first is not None
     reused = _connect_raw(server, ticket)
     assert _nothing_sent(reused)
@@ -167,15 +167,15 @@ def test_a_refused_or_absent_listener_means_an_engine_pull(producer, monkeypatch
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
     lsock.close()  # nobody listens
-    assert stream.connect("127.0.0.1", port, stream.ticket(), time.monotonic() + 1) is None
-    monkeypatch.setattr(stream, "_MAX_CONNECTIONS", 0)  # a listener at its bound
-    assert stream.connect(*producer.server.address, stream.ticket(),
+    assert stream_client.connect("127.0.0.1", port, stream.ticket(), time.monotonic() + 1) is None
+    monkeypatch.setattr(stream_server, "_MAX_CONNECTIONS", 0)  # a listener at its bound
+    assert stream_client.connect(*producer.server.address, stream.ticket(),
                           time.monotonic() + 1) is None
 
 
 def test_open_data_connections_are_bounded(producer, monkeypatch):
-    monkeypatch.setattr(stream, "_MAX_CONNECTIONS", 2)
-    monkeypatch.setattr(stream, "_HANDSHAKE_S", 3.0)
+    monkeypatch.setattr(stream_server, "_MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(stream_server, "_HANDSHAKE_S", 3.0)
     server = producer.server
     held = [socket.create_connection(server.address, timeout=2) for _ in range(2)]
     assert wait_for(lambda: server._open == 2)
@@ -191,7 +191,7 @@ def test_open_data_connections_are_bounded(producer, monkeypatch):
 def test_garbage_from_a_consumer_closes_its_connection(producer, garbage):
     ticket = stream.ticket()
     producer.server.expect(ticket)
-    conn = stream.connect(*producer.server.address, ticket, time.monotonic() + 2)
+    conn = stream_client.connect(*producer.server.address, ticket, time.monotonic() + 2)
     conn.sendall(garbage)  # too long a frame, not msgpack, not a Pull
     assert _nothing_sent(conn) and producer.requests == 0
     assert wait_for(lambda: producer.server._open == 0)
@@ -203,18 +203,18 @@ def test_a_warm_connection_the_producer_closed_is_never_handed_out(pool):
 
     def serve_one(conn: socket.socket) -> None:  # answers one pull, then closes
         conn.sendall(stream.READY)
-        msg = stream.read_request(conn, idle_s=5)
-        stream.send_reply(conn, Pulled(pull_id=msg.pull_id, info=info), time.monotonic() + 5,
+        msg = stream_server.read_request(conn, idle_s=5)
+        stream_server.send_reply(conn, Pulled(pull_id=msg.pull_id, info=info), time.monotonic() + 5,
                           buf)
 
     once.server.set_serve(serve_one)
     dst = pool.allocate(1 * MiB, time.monotonic() + 1)
-    conns = stream.Connections(*once.server.address, once.server.expect)
+    conns = stream_client.Connections(*once.server.address, once.server.expect)
     try:
         for _ in range(2):
             conn, reused = conns.acquire(time.monotonic() + 2)
             assert not reused  # the idle one was seen closed: a fresh one instead
-            assert isinstance(stream.pull(conn, _request(info.key), dst,
+            assert isinstance(stream_client.pull(conn, _request(info.key), dst,
                                           time.monotonic() + 5)[0], Pulled)
             conns.release(conn, good=True)
             assert wait_for(lambda: once.server._open == 0)
@@ -233,7 +233,7 @@ def _reply_then(script):
         conn.recv(stream.TICKET_BYTES)
         conn.sendall(stream.READY)
         try:
-            script(conn, stream.read_request(conn, idle_s=5))
+            script(conn, stream_server.read_request(conn, idle_s=5))
         finally:
             conn.close()
             lsock.close()
@@ -276,7 +276,7 @@ def test_a_bad_reply_fails_the_pull_and_never_writes_past_the_buffer(pool, case)
             conn.sendall(_frame(req))
 
     addr = _reply_then(script)
-    conn = stream.connect(*addr, stream.ticket(), time.monotonic() + 2)
+    conn = stream_client.connect(*addr, stream.ticket(), time.monotonic() + 2)
     t0 = time.monotonic()
     error = {"short": stream.StreamError, "oversized": stream.StreamError,
              "stalls": stream.StreamError, "wrong_pull": stream.StreamError,
@@ -284,7 +284,7 @@ def test_a_bad_reply_fails_the_pull_and_never_writes_past_the_buffer(pool, case)
     with pytest.raises(error, match={"short": "ended after 1000 of", "oversized": "announced",
                                      "stalls": "timed out", "wrong_pull": "a reply to pull 2",
                                      "not_a_reply": "not one", "closed": "closed"}[case]):
-        stream.pull(conn, _request("k", capacity=MiB), dst, time.monotonic() + 0.5)
+        stream_client.pull(conn, _request("k", capacity=MiB), dst, time.monotonic() + 0.5)
     stalls.set()
     assert time.monotonic() - t0 < 1.5
     assert bytes(guard.as_bytes()) == b"\x07" * MiB
@@ -306,7 +306,7 @@ def link(producer):
     side = Channel(f"tcp://127.0.0.1:{port}", bind=True, on_message=on_message,
                    name="fake-producer", decode=messages.decode_peer, context=ctx)
     peer = PeerLink(f"127.0.0.1:{port}", ctx, stream=True)
-    peer.streams = stream.Connections(*producer.server.address, peer._open_stream)
+    peer.streams = stream_client.Connections(*producer.server.address, peer._open_stream)
     yield peer
     peer.close()
     side.close()
@@ -327,7 +327,7 @@ def test_a_link_reuses_its_connection_and_replaces_one_broken_under_it(link, pro
     for conn in served:
         conn.shutdown(socket.SHUT_RDWR)
     assert wait_for(lambda: producer.server._open == 0)
-    monkeypatch.setattr(stream, "_still_open", lambda conn: True)
+    monkeypatch.setattr(stream_client, "_still_open", lambda conn: True)
     p = link.pull("k2", "", dst, 5)
     assert isinstance(p.reply, Pulled) and not p.stream_error and p.opened == 1
     assert link.streams.opened == 2
@@ -339,13 +339,13 @@ def test_a_frozen_producer_fails_the_pull_at_its_deadline_and_the_connection_goe
     assert isinstance(link.pull("k2", "", dst, 5).reply, Pulled)
     frozen = threading.Event()
     producer.items["k3"] = (None, None)
-    real = stream.send_reply
+    real = stream_server.send_reply
 
     def freeze(conn, reply, deadline, buf=None):  # the serve thread stops answering
         frozen.wait(10)
         real(conn, reply, deadline, buf)
 
-    monkeypatch.setattr(stream, "send_reply", freeze)
+    monkeypatch.setattr(stream_server, "send_reply", freeze)
     t0 = time.monotonic()
     p = link.pull("k3", "", dst, 0.5)
     frozen.set()
