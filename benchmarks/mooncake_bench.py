@@ -163,9 +163,9 @@ def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
     """Median ns per `has_cache_item` call on a consumer's and a producer's scheduler side
     holding `n_items` (index and staging tables filled directly: this measures the lookup)."""
     from ec_connectors.config import EPDConfig
-    from ec_connectors.control import control_address
+    from ec_connectors.control.endpoint import control_address
     from ec_connectors.protocol.keys import item_key
-    from ec_connectors.scheduler import EPDSchedulerSide
+    from ec_connectors.sched.scheduler import EPDSchedulerSide
     from ec_connectors.transports import make_transport
 
     out: dict[str, float] = {}

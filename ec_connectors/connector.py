@@ -6,8 +6,8 @@
 
 The bare name works through the `vllm.general_plugins` entry point; the module path
 `"ec_connector_module_path": "ec_connectors.connector"` works too.
-SCHEDULER role -> ec_connectors.scheduler.EPDSchedulerSide (EngineCore process)
-WORKER role    -> ec_connectors.worker.EPDWorker (each worker process)
+SCHEDULER role -> ec_connectors.sched.scheduler.EPDSchedulerSide (EngineCore process)
+WORKER role    -> ec_connectors.workers.worker.EPDWorker (each worker process)
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.control import control_address
+from ec_connectors.control.endpoint import control_address
+from ec_connectors.control.metadata import EPDConnectorMetadata
 from ec_connectors.log import get_logger
-from ec_connectors.metadata import EPDConnectorMetadata
 from ec_connectors.placeholders import Placeholders
-from ec_connectors.scheduler import EPDSchedulerSide
+from ec_connectors.sched.scheduler import EPDSchedulerSide
 from ec_connectors.stats import EPDPromMetrics, EPDStats
 from ec_connectors.transports import Placement, make_transport
-from ec_connectors.worker import EPDWorker
+from ec_connectors.workers.worker import EPDWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -6,7 +6,7 @@
 
 The producer's half (ENCODING -> ENCODED_CPU -> DISCARDED) is the pool's table
 (`encoder_service/encoder_pool/lifecycle.py`), and a vLLM producer's save queue
-(`ec_connectors/save_queue.py`). An item not tracked here is DISCARDED: `begin`
+(`ec_connectors/workers/save_queue.py`). An item not tracked here is DISCARDED: `begin`
 starts a new life at LOADING, and every other move must be in `ALLOWED`, else
 `IllegalTransition`. The bytes of LOADING are a reservation (the size the item is expected
 to have), re-accounted at the real size when STAGED. `HELD` are the states whose bytes the

@@ -2,7 +2,7 @@
 guard's fast-lane tests (tests/ec_connectors/test_server_guard.py, the guard in-process) and
 the slow lane (tests/e2e/test_qwen_modalities.py, a real prefill/decode server).
 
-Every generated body breaks at least one bound of `ec_connectors/request_checks.py` for the
+Every generated body breaks at least one bound of `ec_connectors/guard/request_checks.py` for the
 tiny Qwen2.5-Omni thinker (context 1024 tokens, spatial merge 2, embeddings 128 wide, at most
 64 items, params at most 256 KiB), so each must be refused with a 4xx and a reason."""
 

@@ -198,7 +198,7 @@ def test_compose_keeps_the_data_plane_on_an_internal_network():
 
 def test_every_vllm_server_loads_the_server_guard():
     """Bounds on metadata-only items, the key on every route, reasons on refusals
-    (ec_connectors/server_guard.py): the same --middleware `epd up` gives its servers."""
+    (ec_connectors/guard/server_guard.py): the same --middleware `epd up` gives its servers."""
     from encoder_service.local.processes import SERVER_GUARD
 
     module, _, name = SERVER_GUARD.rpartition(".")

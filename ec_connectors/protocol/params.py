@@ -39,7 +39,7 @@ fields: a gateway forwards what it understood, never a peer's extras). Placehold
 MAX_METADATA_BYTES as JSON) is dropped, not refused: it only lets a request go metadata-only,
 and without it the item goes with its raw media. What the values mean (is this location a
 configured producer, does nbytes fit this model) is the reader's to check
-(`scheduler_hooks.decisions.pull_location`, `ec_connectors.request_checks`).
+(`scheduler_hooks.decisions.pull_location`, `ec_connectors.guard.request_checks`).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class TransportEvents:
 
 
 class KeyWatch(Protocol):
-    """Changes to a transport's keys as they happen (ec_connectors/index.py)."""
+    """Changes to a transport's keys as they happen (ec_connectors/sched/index.py)."""
 
     def read(self, timeout_s: float) -> tuple[list[str], list[str], bool]:
         """(keys added, keys removed, lost track: rescan), waiting at most `timeout_s`."""

@@ -5,7 +5,7 @@ timestamps). The reference answer: the consumer itself given the raw media under
 (not in the transport: it encodes the item itself, as an aggregated server does). Both servers
 run with `--media-io-kwargs` for video, as a deployment serving long clips does: vLLM would
 name such items by a hash of uuid and settings; the server guard keeps the uuid
-(ec_connectors/item_ids.py), so the metadata-only video is found under the id it was sent
+(ec_connectors/guard/item_ids.py), so the metadata-only video is found under the id it was sent
 with."""
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.control import control_address
-from ec_connectors.scheduler import EPDSchedulerSide
+from ec_connectors.control.endpoint import control_address
+from ec_connectors.sched.scheduler import EPDSchedulerSide
 from ec_connectors.transports import make_transport
-from ec_connectors.worker import EPDWorker
+from ec_connectors.workers.worker import EPDWorker
 from scheduler_hooks.staging import Status
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.helpers import wait_for
@@ -348,7 +348,7 @@ def test_an_item_loaded_twice_is_staged_once_and_its_bytes_return_to_zero(pair_f
     (a leak here once made a consumer 'staging full' for good)."""
     import time as _time
 
-    from ec_connectors.messages import Prefetch
+    from ec_connectors.control.messages import Prefetch
 
     prod, cons = pair_factory("producer"), pair_factory("consumer")
     x = torch.randn(NUM_EMBEDS, 8)
@@ -510,7 +510,7 @@ def test_an_idle_step_waits_for_news_and_no_longer(pair_factory, monkeypatch):
     _IDLE_WAIT_S; a step that did schedule work never waits."""
     import threading
 
-    import ec_connectors.scheduler as sched_mod
+    import ec_connectors.sched.scheduler as sched_mod
 
     monkeypatch.setattr(sched_mod, "_IDLE_WAIT_S", 1.0)
     prod, cons = pair_factory("producer"), pair_factory("consumer", inline_max_bytes=1 << 20)

@@ -11,5 +11,5 @@ workers' registered pools (RDMA or TCP), a ZMQ side channel carrying only contro
 - messages.py: the peer side-channel and announcement wire types.
 
 Import the module you need: `catalog` and `messages` load without torch (the gateway uses them).
-The ZMQ channel under the side channel is the generic `ec_connectors.channel.Channel`.
+The ZMQ channel under the side channel is the generic `ec_connectors.protocol.channel.Channel`.
 """

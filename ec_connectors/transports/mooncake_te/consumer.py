@@ -16,9 +16,9 @@ import torch
 import xxhash
 import zmq
 
-from ec_connectors.channel import Channel
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.channel import Channel
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.ports import stream_port

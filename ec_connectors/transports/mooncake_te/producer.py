@@ -19,9 +19,9 @@ import msgspec
 import torch
 import zmq
 
-from ec_connectors.channel import Channel, encode
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.channel import Channel, encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.net import parse_endpoint

@@ -292,7 +292,7 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
     quarantined, and the connection is not used again."""
     import zmq
 
-    from ec_connectors.channel import Channel, encode
+    from ec_connectors.protocol.channel import Channel, encode
     from ec_connectors.protocol.items import ItemInfo
     from ec_connectors.protocol.ports import stream_port
     from ec_connectors.transports.mooncake_te import messages, stream, stream_server

@@ -175,7 +175,7 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     for frame in garbage:
         sock.send(frame)
     # A well-formed pull with a forged session must be refused, not attempted.
-    from ec_connectors.channel import encode
+    from ec_connectors.protocol.channel import encode
     from ec_connectors.transports.mooncake_te import messages
 
     sock.send(encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",

@@ -17,7 +17,7 @@ import torch
 import xxhash
 import zmq
 
-from ec_connectors.channel import Channel, encode
+from ec_connectors.protocol.channel import Channel, encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.transports.memory import MemoryPool
 from ec_connectors.transports.mooncake_te import messages, stream, stream_client, stream_server

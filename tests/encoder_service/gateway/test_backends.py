@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ec_connectors.messages import encode
+from ec_connectors.control.messages import encode
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import content_item_id, item_key
 from ec_connectors.protocol.params import ItemEntry

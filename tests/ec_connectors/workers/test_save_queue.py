@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ec_connectors.save_queue import SaveQueue
+from ec_connectors.workers.save_queue import SaveQueue
 
 
 def test_bytes_bound_the_queue_not_only_the_count():

@@ -1,4 +1,4 @@
-"""The API server's guard (ec_connectors/server_guard.py) in-process, around a small ASGI app
+"""The API server's guard (ec_connectors/guard/server_guard.py) in-process, around a small ASGI app
 standing in for vLLM's routes, with the bounds of the real tiny Qwen2.5-Omni thinker (vLLM's
 own ModelConfig and processor info, as in the server). The slow lane sends the same hostile
 requests to a real prefill/decode server (tests/e2e/test_qwen_modalities.py)."""
@@ -20,14 +20,14 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.testclient import TestClient
 
 from ec_connectors.config import GuardSettings
-from ec_connectors.refusals import (
+from ec_connectors.guard.request_checks import ModelBounds
+from ec_connectors.guard.server_guard import ServerGuard
+from ec_connectors.protocol.refusals import (
     EMBEDDING_MISMATCH,
     EMBEDDING_UNAVAILABLE,
     ReasonBoard,
     classify,
 )
-from ec_connectors.request_checks import ModelBounds
-from ec_connectors.server_guard import ServerGuard
 from encoder_service.local.testmodels import SPECS, build
 from tests.helpers import WORK
 from tests.hostile import HUGE_GRID, body, grid_part, hostile_request, meta_part
@@ -296,8 +296,8 @@ def test_reason_codes_and_board(tmp_path):
 
 def test_qwen3_video_timestamps_are_bounded():
     """Qwen3-VL's video metadata also holds `timestamps` (seconds, rendered as text)."""
-    from ec_connectors.refusals import Refusal
-    from ec_connectors.request_checks import check_request
+    from ec_connectors.guard.request_checks import check_request
+    from ec_connectors.protocol.refusals import Refusal
 
     q3 = ModelBounds(1024, frozenset({"image", "video"}), {"video": {
         "video_embeds": "values", "video_grid_thw": "metadata", "timestamps": "metadata"}},

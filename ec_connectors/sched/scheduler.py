@@ -37,13 +37,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.control import ControlEndpoint
-from ec_connectors.feature_book import FeatureBook
-from ec_connectors.hints import RequestHints
-from ec_connectors.index import AvailabilityIndex
-from ec_connectors.inline import InlineReader
-from ec_connectors.log import get_logger
-from ec_connectors.messages import (
+from ec_connectors.control.endpoint import ControlEndpoint
+from ec_connectors.control.messages import (
     ControlMessage,
     Drop,
     Hello,
@@ -53,15 +48,20 @@ from ec_connectors.messages import (
     Staged,
     WorkerStats,
 )
-from ec_connectors.metadata import EPDConnectorMetadata, InlineItem
-from ec_connectors.producer_book import ProducerBook
-from ec_connectors.promises import Promises
+from ec_connectors.control.metadata import EPDConnectorMetadata, InlineItem
+from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import safe_key
 from ec_connectors.protocol.params import Source, TransferParams
-from ec_connectors.refusals import board_dir
+from ec_connectors.protocol.refusals import board_dir
+from ec_connectors.sched.feature_book import FeatureBook
+from ec_connectors.sched.hints import RequestHints
+from ec_connectors.sched.index import AvailabilityIndex
+from ec_connectors.sched.inline import InlineReader
+from ec_connectors.sched.producer_book import ProducerBook
+from ec_connectors.sched.promises import Promises
+from ec_connectors.sched.unavailable import Unavailable
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
-from ec_connectors.unavailable import Unavailable
 from scheduler_hooks.decisions import (
     STEPS,
     ItemAction,

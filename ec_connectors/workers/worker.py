@@ -20,9 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.control import ControlEndpoint
-from ec_connectors.log import get_logger
-from ec_connectors.messages import (
+from ec_connectors.control.endpoint import ControlEndpoint
+from ec_connectors.control.messages import (
     ControlMessage,
     Drop,
     Hello,
@@ -33,10 +32,11 @@ from ec_connectors.messages import (
     Stats,
     WorkerStats,
 )
-from ec_connectors.metadata import InlineItem
-from ec_connectors.save_queue import SaveQueue
+from ec_connectors.control.metadata import InlineItem
+from ec_connectors.log import get_logger
 from ec_connectors.stats import COUNTERS, StatsRecorder
 from ec_connectors.transports.base import Transport, Want, dtype_from_name, host_copy
+from ec_connectors.workers.save_queue import SaveQueue
 
 logger = get_logger(__name__)
 _REAP_MARGIN_S = 10.0  # the worker drops an unplaced copy this long after the scheduler would

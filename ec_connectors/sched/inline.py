@@ -13,10 +13,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
-from ec_connectors.feature_book import FeatureBook
+from ec_connectors.control.metadata import InlineItem
 from ec_connectors.log import get_logger
-from ec_connectors.metadata import InlineItem
 from ec_connectors.protocol.params import Source
+from ec_connectors.sched.feature_book import FeatureBook
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport, dtype_name, tensor_bytes
 from scheduler_hooks.staging import StagingTable, Status

@@ -13,7 +13,7 @@ from ec_connectors.stats import StatsRecorder
 from scheduler_hooks.decisions import Promise
 
 if TYPE_CHECKING:
-    from ec_connectors.index import AvailabilityIndex
+    from ec_connectors.sched.index import AvailabilityIndex
     from ec_connectors.transports.base import Transport
 
 

@@ -30,7 +30,7 @@ import pybase64
 
 from ec_connectors.protocol.keys import InvalidItemId, item_key
 from ec_connectors.protocol.params import BadParams, TransferParams
-from ec_connectors.refusals import Refusal
+from ec_connectors.protocol.refusals import Refusal
 
 KiB = 1 << 10
 _EMBEDS = {"image_embeds": "image", "video_embeds": "video", "audio_embeds": "audio"}

@@ -3,10 +3,10 @@ the entries a finished request returns."""
 
 from __future__ import annotations
 
-from ec_connectors.producer_book import ProducerBook
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.params import ItemEntry
+from ec_connectors.sched.producer_book import ProducerBook
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 
 

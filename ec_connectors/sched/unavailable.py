@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ec_connectors.log import get_logger
-from ec_connectors.refusals import ReasonBoard, classify
+from ec_connectors.protocol.refusals import ReasonBoard, classify
 from ec_connectors.stats import StatsRecorder
 
 logger = get_logger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ec_connectors.channel import encode as encode  # the shared encoder, re-exported
+from ec_connectors.protocol.channel import encode as encode  # the shared encoder, re-exported
 from ec_connectors.protocol.items import ItemInfo
 
 Stats = dict[str, dict[str, float | list[float] | dict[str, float]]]  # EPDStats.data

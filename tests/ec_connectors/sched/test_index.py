@@ -1,8 +1,8 @@
 
 import torch
 
-from ec_connectors.index import AvailabilityIndex
 from ec_connectors.protocol.keys import item_key
+from ec_connectors.sched.index import AvailabilityIndex
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from tests.helpers import wait_for
 

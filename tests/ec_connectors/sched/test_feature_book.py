@@ -4,7 +4,7 @@ refuses what does not fit, and the bytes per state reach the stats as gauges."""
 
 from __future__ import annotations
 
-from ec_connectors.feature_book import FeatureBook
+from ec_connectors.sched.feature_book import FeatureBook
 from ec_connectors.stats import EPDStats, StatsRecorder
 from scheduler_hooks.lifecycle import FeatureState
 from scheduler_hooks.staging import StagingTable, Status

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ec_connectors.promises import Promises
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.params import Source
+from ec_connectors.sched.promises import Promises
 from ec_connectors.stats import StatsRecorder
 from scheduler_hooks.decisions import Promise
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from ec_connectors.item_ids import keep_item_ids, named_by_uuid
+from ec_connectors.guard.item_ids import keep_item_ids, named_by_uuid
 from ec_connectors.protocol.secret import IdSigner
 
 parse = pytest.importorskip("vllm.multimodal.parse")
