@@ -1,8 +1,14 @@
-"""The batching encoder pool: an alternative to a vLLM encoder instance that batches encoder
-work across requests and publishes embeddings a vLLM EPDConnector consumer loads as its own.
+"""The batching encoder pool (`epd encoder`): an alternative to a vLLM encoder instance that
+batches encoder work across requests and publishes embeddings a vLLM EPDConnector consumer
+loads as its own.
 
-Modules: config (PoolConfig), media (door checks, OOM shrink), models (LLaVA vision tower +
-projector), batching (queues, batching, dispatch, failures), lifecycle (feature states,
-budget), publish (transport + ec_transfer_params), metrics (Prometheus), server (HTTP,
-`epd encoder`; items that fail are reported, and the gateway sends them raw).
+- `server.py`: HTTP (`epd encoder`); items that fail are reported, and the gateway sends them
+  raw. `config.py`: `PoolConfig`.
+- `media.py`: vLLM's media IO at the door; `models.py`: vLLM's encoders (LLaVA, Qwen2.5-VL,
+  Qwen2.5-Omni with audio, Qwen3-VL) and their processors.
+- `batching.py`: queues, batches formed shortest work first, dispatch, failures (a batch that
+  runs out of memory is split, then items fail alone).
+- `chunking.py`: a long video encoded in chunks of temporal groups, assembled by position map.
+- `lifecycle.py`: the pool's item states and byte budgets; `publish.py`: transport +
+  `ec_transfer_params`; `metrics.py`: Prometheus.
 """

