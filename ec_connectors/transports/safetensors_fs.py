@@ -30,6 +30,8 @@ from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.secret import Seal, identity
+from ec_connectors.protocol.storage_names import FAILED_SUFFIX, TMP_PREFIX
+from ec_connectors.protocol.storage_names import SAFETENSORS_SUFFIX as SUFFIX
 from ec_connectors.transports.base import (
     Transport,
     checksum,
@@ -42,9 +44,6 @@ from ec_connectors.transports.dir_watch import DirWatch
 
 logger = get_logger(__name__)
 
-SUFFIX = ".safetensors"
-FAILED_SUFFIX = ".failed"  # a tombstone: the producer could not store this item
-TMP_PREFIX = ".tmp-"
 TENSOR_NAME = "ec_cache"
 FORMAT = "epd-1"
 MAX_HEADER_BYTES = 1 << 20

@@ -5,7 +5,8 @@ Interface: `available(item_ids) -> set of ids that a decode instance can load no
 where it lives). Both must be cheap (called per request on the event loop); `close()` at shutdown.
 Implementations:
 - `SafetensorsAvailability`: the shared directory of the safetensors transport (one stat
-  per item, paths built only through `ec_connectors.protocol.keys.item_key`);
+  per item, paths built only through `ec_connectors.protocol.keys.item_key` and the file
+  names of `ec_connectors.protocol.storage_names`, which the transports write by);
 - `ShmAvailability`: the records of the shm transport (the gateway on the servers' host:
   one stat per item; a record goes when its item is evicted);
 - `MooncakeAvailability`: a `MooncakeCatalog` subscribed to the Mooncake TE producers'
@@ -24,10 +25,9 @@ from typing import Any, Protocol
 
 from ec_connectors.protocol.keys import item_key, namespace_key, safe_key
 from ec_connectors.protocol.params import ItemEntry
+from ec_connectors.protocol.storage_names import SAFETENSORS_SUFFIX, SHM_RECORD_SUFFIX
 from encoder_service.gateway.config import GatewayConfig
 
-SUFFIX = ".safetensors"  # ec_connectors.transports.safetensors_fs.SUFFIX (that module needs torch)
-SHM_RECORD_SUFFIX = ".item"  # ec_connectors.transports.shm.layout.RECORD_SUFFIX
 _ASK = ItemEntry()  # no hint: the decode instance's transport finds the item
 
 
@@ -56,7 +56,7 @@ class NoAvailability:
 
 class SafetensorsAvailability(NoAvailability):
     name = "safetensors"
-    suffix = SUFFIX
+    suffix = SAFETENSORS_SUFFIX
 
     def __init__(self, storage_path: str | os.PathLike, namespace: str) -> None:
         self.dir = Path(storage_path) / namespace_key(namespace)

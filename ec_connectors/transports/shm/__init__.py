@@ -3,7 +3,11 @@ arena, consumers copy it once into warm memory, verifying while they copy.
 
 - layout.py: the directory, records and the checks that make reading them safe (torch-free);
 - copy.py: the one-pass chunked copy + keyed hash on several threads (torch-free);
-- arena.py: a producer's arena (blocks, leases, eviction, liveness), consumers' mappings;
+- arena.py: a producer's arena (blocks, generations, range locks, liveness), consumers'
+  mappings; which block makes room is the lease book's (../leases.py, shared with
+  mooncake_te's producer pool);
 - transport.py: ShmTransport, the Transport interface over them.
+File names (`<key>.item`, `.failed`, `.tmp-`) are ec_connectors/protocol/storage_names.py's,
+which the gateway reads too.
 Nothing is imported here, so the torch-free parts stay importable without torch.
 """

@@ -1,5 +1,6 @@
-"""Arenas: a producer's pre-faulted shared memory and its blocks (leases, LRU eviction,
-backpressure), and a consumer's read-only mappings of producers' arenas.
+"""Arenas: a producer's pre-faulted shared memory and its blocks (held under the lease book,
+transports/leases.py: leases, eviction order, backpressure), and a consumer's read-only
+mappings of producers' arenas.
 
 Why an arena: a fresh tmpfs page costs a page fault on first write (and another on first
 read in every process that maps it); 125 MiB is 32,000 of them, several times the copy
@@ -27,12 +28,12 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from ec_connectors.log import get_logger
+from ec_connectors.transports.leases import LeaseBook, StoreNames
 from ec_connectors.transports.memory import Allocator
 from ec_connectors.transports.shm.layout import (
     ARENA_RE,
@@ -84,9 +85,10 @@ class Held:
     offset: int  # block start in the arena file
     nbytes: int  # payload
     gen: int
-    lease_until: float
-    promised_at: float  # stored or renewed: a consumer may be about to read it
     current: bool = True  # False: a newer copy of the key replaced it (evict first)
+
+
+_NAMES = StoreNames("shared-memory arena", "shm_arena_bytes", "shm_lease_ttl_s", ArenaFull)
 
 
 class Arena:
@@ -95,11 +97,7 @@ class Arena:
     def __init__(self, shm_dir: ShmDir, capacity: int, lease_ttl_s: float,
                  lease_min_s: float | None = None) -> None:
         self.dir = shm_dir
-        self.lease_ttl_s = lease_ttl_s
-        # under pressure a lease yields once its item was promised this long ago
-        self.lease_min_s = lease_ttl_s if lease_min_s is None else min(lease_min_s,
-                                                                       lease_ttl_s)
-        self.leases_yielded = 0
+        self.leases: LeaseBook[int, Held] = LeaseBook(_NAMES, lease_ttl_s, lease_min_s)
         self.name = arena_name()
         self.size = PAGE + (capacity + PAGE - 1) // PAGE * PAGE
         tmp = TMP_PREFIX + self.name
@@ -127,7 +125,6 @@ class Arena:
         self.addr = self._np.ctypes.data
         self.view = memoryview(self._np)
         self.allocator = Allocator(self.size - PAGE, PAGE)
-        self._held: OrderedDict[int, Held] = OrderedDict()  # by block offset, LRU first
         self._by_key: dict[str, int] = {}
         self._lock = threading.Lock()
         self._gen = int.from_bytes(os.urandom(4), "little") << 20  # unique across restarts
@@ -139,6 +136,10 @@ class Arena:
         return self.allocator.capacity
 
     @property
+    def leases_yielded(self) -> int:
+        return self.leases.leases_yielded
+
+    @property
     def used_bytes(self) -> int:
         return self.allocator.used_bytes
 
@@ -148,10 +149,8 @@ class Arena:
     # -- blocks ------------------------------------------------------------------------------
     def reserve(self, nbytes: int, deadline: float) -> tuple[int, int]:
         """(offset, generation) of a new block for `nbytes` of payload: free room, else the
-        least recently used unleased block nobody reads is evicted, else the block promised
-        longest ago if that was `lease_min_s` or more ago (its lease yields: consumers load
-        an item within seconds of its promise, and a new item's consumer is about to), else
-        wait (backpressure) until `deadline`. Raises ArenaFull."""
+        lease book's victim nobody reads is evicted, else wait (backpressure) until
+        `deadline`. Raises ArenaFull."""
         need = BLOCK_HEADER + nbytes
         if need > self.capacity:
             raise ArenaFull(f"an item of {nbytes} bytes exceeds the whole arena "
@@ -162,18 +161,13 @@ class Arena:
                 if off is not None:
                     self._gen += 1
                     return PAGE + off, self._gen
-                if self._evict_one_locked() or self._yield_lease_locked():
+                if self.leases.victim(self._evict_locked) is not None:
                     continue
-                leased = sum(1 for h in self._held.values() if h.lease_until > time.monotonic())
-                soonest = min((h.lease_until for h in self._held.values()),
-                              default=time.monotonic())
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ArenaFull(f"shared-memory arena full: {self.used_bytes} of "
-                                f"{self.capacity} bytes hold {len(self._held)} items, "
-                                f"{leased} still leased (shm_lease_ttl_s={self.lease_ttl_s}) "
-                                "or being read; raise shm_arena_bytes or lower shm_lease_ttl_s")
-            time.sleep(max(0.001, min(left, soonest - time.monotonic(), 0.05)))
+                # readers hold range locks, and nothing tells us when they let go: poll
+                wait = self.leases.wait_s(deadline, poll_s=0.05, pinned_poll_s=0.001)
+                if wait is None:
+                    raise self.leases.full_error(self.used_bytes, self.capacity)
+            time.sleep(wait)
 
     def free(self, offset: int) -> None:
         """Give back a block that was reserved but never committed (a failed put)."""
@@ -186,24 +180,17 @@ class Arena:
         _BLOCK.pack_into(self._mm, offset, BLOCK_MAGIC, gen, nbytes, key_hash(key))
         with self._lock:
             old = self._by_key.get(key)
-            if old is not None and old in self._held:
-                self._held[old].current = False
-                self._held[old].lease_until = 0.0
-                self._held.move_to_end(old, last=False)
-            now = time.monotonic()
-            self._held[offset] = Held(key, offset, nbytes, gen, now + self.lease_ttl_s, now)
+            old_held = None if old is None else self.leases.get(old)
+            if old_held is not None:
+                old_held.current = False
+                self.leases.drop_lease(old)
+            self.leases.add(offset, Held(key, offset, nbytes, gen))
             self._by_key[key] = offset
 
     def renew(self, key: str) -> bool:
         with self._lock:
             off = self._by_key.get(key)
-            if off is None:
-                return False
-            held = self._held[off]
-            held.promised_at = time.monotonic()
-            held.lease_until = held.promised_at + self.lease_ttl_s
-            self._held.move_to_end(off)
-            return True
+            return off is not None and self.leases.renew(off)
 
     def holds(self, key: str) -> bool:
         return key in self._by_key
@@ -212,30 +199,15 @@ class Arena:
         """Evict `key`'s block now (delete), unless someone is reading it."""
         with self._lock:
             off = self._by_key.get(key)
-            return off is not None and self._evict_locked(self._held[off])
-
-    def _evict_one_locked(self) -> bool:
-        now = time.monotonic()
-        for held in list(self._held.values()):
-            if held.lease_until <= now and self._evict_locked(held):
-                return True
-        return False
-
-    def _yield_lease_locked(self) -> bool:
-        """Evict the leased block promised longest ago, if `lease_min_s` ago or more."""
-        cutoff = time.monotonic() - self.lease_min_s
-        for held in sorted(self._held.values(), key=lambda h: h.promised_at):
-            if held.promised_at > cutoff:
+            held = None if off is None else self.leases.get(off)
+            if held is None or not self._evict_locked(held):
                 return False
-            if self._evict_locked(held):
-                self.leases_yielded += 1
-                logger.info("EPD: shm arena full: item %s gives up the rest of its lease "
-                            "(promised %.1f s ago) to a new item; raise shm_arena_bytes if "
-                            "consumers miss items", held.key, time.monotonic() - held.promised_at)
-                return True
-        return False
+            self.leases.pop(off)
+            return True
 
     def _evict_locked(self, held: Held) -> bool:
+        """Free `held`'s block unless a consumer is reading it (the lease book's pin test;
+        the book forgets the block when this says True)."""
         length = BLOCK_HEADER + held.nbytes
         if not range_lock(self.fd, fcntl.F_WRLCK, held.offset, length):
             return False  # a consumer is reading it: pinned
@@ -246,7 +218,6 @@ class Arena:
             _BLOCK.pack_into(self._mm, held.offset, bytes(8), 0, 0, bytes(16))
         finally:
             range_lock(self.fd, fcntl.F_UNLCK, held.offset, length)
-        del self._held[held.offset]
         self.allocator.free(held.offset - PAGE)
         self.evictions += 1
         self.evicted_bytes += held.nbytes
@@ -255,10 +226,9 @@ class Arena:
     def close(self) -> None:
         """Remove this arena and the records that name it (its items go with it)."""
         with self._lock:
-            for held in self._held.values():
+            for held in self.leases.clear():
                 if held.current:
                     self.dir.unlink_record_if(held.key, self.name, held.gen)
-            self._held.clear()
             self._by_key.clear()
         self.dir.unlink(self.name)
         self.view.release()

@@ -26,9 +26,9 @@ from collections.abc import Iterator
 
 import msgspec
 
-RECORD_SUFFIX = ".item"
-FAILED_SUFFIX = ".failed"
-TMP_PREFIX = ".tmp-"
+from ec_connectors.protocol.storage_names import FAILED_SUFFIX, TMP_PREFIX
+from ec_connectors.protocol.storage_names import SHM_RECORD_SUFFIX as RECORD_SUFFIX
+
 RECORD_MAGIC = b"EPDSHMR1"
 MAX_RECORD_BYTES = 192 * 1024  # an item id may take 64 KiB (protocol.keys.MAX_ID_BYTES)
 ARENA_RE = re.compile(r"arena-[0-9]{1,10}-[0-9a-f]{8}\.shm")

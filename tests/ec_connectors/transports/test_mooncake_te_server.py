@@ -131,33 +131,60 @@ def test_producer_pool_budget_leases_eviction_and_backpressure(peers):
         assert got["checksum"] == expected(seed, shape)
 
 
-def test_a_full_pool_of_leased_items_yields_the_oldest_promise_not_new_saves():
+def test_producer_store_keeps_pinned_items_and_remembers_evicted_ones():
+    """Which lease yields is the lease book's (test_leases.py); here: the store's own part,
+    pins (a pull reading an item keeps it), freed buffers, and `absent` after an eviction."""
     from ec_connectors.protocol.items import ItemInfo
     from ec_connectors.transports.memory import MemoryPool, PoolExhausted
     from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
 
-    store = ProducerStore(MemoryPool(8 * MiB), lease_ttl_s=60, lease_min_s=0.3)
+    pool = MemoryPool(8 * MiB)
+    store = ProducerStore(pool, lease_ttl_s=60, lease_min_s=0.01)  # every lease yields soon
 
-    def save(name: str) -> None:
-        buf, _ = store.reserve(3 * MiB, time.monotonic() + 0.1)
+    def save(name: str, timeout_s: float = 0.1) -> None:
+        buf, _ = store.reserve(3 * MiB, time.monotonic() + timeout_s)
         store.add(ItemInfo(item_id=name, key=name, shape=(3 * MiB,), dtype="uint8",
                            nbytes=3 * MiB, checksum=""), buf)
 
     save("a")
-    time.sleep(0.05)
     save("b")
-    with pytest.raises(PoolExhausted, match="still leased"):  # both promised just now
-        save("c")
-    time.sleep(0.3)
-    assert store.renew("a")  # promised again: "b" is now the oldest promise
-    held_b = store.pin("b")
-    with pytest.raises(PoolExhausted):  # ... but a pull is reading it: pinned, kept
-        save("c")
-    store.unpin(held_b)
-    save("c")  # 60 s leases, but "b" was promised over lease_min_s ago
-    assert store.leases_yielded == 1 and store.absent("b") == "evicted"
-    assert store.get("a") is not None and store.get("c") is not None
+    time.sleep(0.02)
+    held_a = store.pin("a")  # promised first, but a pull is reading it
+    save("c")
+    assert store.absent("b") == "evicted" and store.leases_yielded == 1
+    held_c = store.pin("c")
+    with pytest.raises(PoolExhausted, match="producer pool full.*still leased"):
+        save("d", timeout_s=0.05)  # everything is pinned
+    store.unpin(held_a)
+    save("d")
+    assert held_a.buf.released and store.absent("a") == "evicted"
+    assert store.get("c") is held_c and not held_c.buf.released
+    assert store.catalog() == (["c", "d"], [3 * MiB, 3 * MiB])
+    assert pool.used_bytes == 6 * MiB
+    store.unpin(held_c)
     store.clear()
+    assert pool.used_bytes == 0
+
+
+def test_producer_store_keeps_the_first_copy_when_two_saves_of_one_key_race():
+    """Both saves found the key absent and reserved a block: the second block is freed, the
+    first copy (a pull may be reading it) stays, and both saves answer with it."""
+    from ec_connectors.protocol.items import ItemInfo
+    from ec_connectors.transports.memory import MemoryPool
+    from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
+
+    pool = MemoryPool(8 * MiB)
+    store = ProducerStore(pool, lease_ttl_s=60)
+    first, _ = store.reserve(MiB, time.monotonic() + 0.1)
+    second, _ = store.reserve(MiB, time.monotonic() + 0.1)
+    infos = [ItemInfo(item_id="k", key="k", shape=(MiB,), dtype="uint8", nbytes=MiB,
+                      checksum=c) for c in ("one", "two")]
+    assert store.add(infos[0], first) is infos[0]
+    assert store.add(infos[1], second) is infos[0]
+    assert second.released and not first.released
+    assert store.get("k").buf is first and pool.used_bytes == MiB
+    store.clear()
+    assert pool.used_bytes == 0
 
 
 def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
