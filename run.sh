@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 python3 scripts/setup_env.py
 PYTEST=(.venv/bin/python -m pytest -q -rs)
-FAST=(-m "not e2e" -n 2 --dist loadfile)  # modules own their port ranges: one module per worker
+FAST=(-m "not e2e" -n 2 --dist loadfile)  # one module per worker; ports: tests/helpers.py PORT_BLOCKS
 case "${1:-}" in
   demo) shift; exec .venv/bin/epd up --demo "$@" ;;
   test)

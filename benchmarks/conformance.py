@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from ec_connectors import child_process  # noqa: E402
 from encoder_service.local.conformance import CuttingProxy, ask, cases  # noqa: E402
-from encoder_service.local.processes import VllmServer, metric_value  # noqa: E402
+from encoder_service.local.processes import UpProcess, VllmServer, metric_value  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.workdir import work_dir  # noqa: E402
 
@@ -77,31 +76,21 @@ class Stack:
         self.work = work / name
         self.work.mkdir(parents=True, exist_ok=True)
         self.storage = Path(tempfile.mkdtemp(prefix="ec-", dir=self.work))
-        conf = self.work / "up.json"
-        conf.write_text(json.dumps({
+        self.up = UpProcess({
             "model": spec_name, "base_port": port, "encoders": 1, "decoders": decoders,
             "encoder_backend": backend, "transport": transport,
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
             "vllm_args": ["--trust-request-mm-kwargs"], "media_io_kwargs": media_io,
             **({"pool": POOL} if backend == "pool" else {}),
-            "gateway": {"timeouts": {"encoder_s": 60}}}))
-        self.log = open(self.work / "epd-up.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = child_process.popen(
-            [sys.executable, "-m", "encoder_service.cli", "up", "--config", str(conf)],
-            cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, EPD_WORK_DIR=str(self.work)))
-        self.url = f"http://127.0.0.1:{port}"
+            "gateway": {"timeouts": {"encoder_s": 60}}}, self.work).start()
+        self.url = self.up.url
         self.model = model
         self.proxies: list[CuttingProxy] = []
         self.failover_url: str | None = None
         self.gw2 = None
 
     def wait(self, client: httpx.Client) -> None:
-        def up() -> bool:  # this stack's gateway (it names its decoders), not another server
-            r = client.get(self.url + "/health")
-            return r.status_code == 200 and "decoders" in r.json() and self.proc.poll() is None
-
-        wait(up, 600, f"stack {self.name} (log {self.work / 'epd-up.log'})", self.proc)
+        self.up.wait(600)  # this stack's gateway (it names its decoders), not another server
         if self.decoders < 2:
             return
         decs = [f"http://127.0.0.1:{self.port + 2 + i}" for i in range(self.decoders)]
@@ -125,10 +114,7 @@ class Stack:
         if self.gw2 is not None and self.gw2.poll() is None:
             self.gw2.send_signal(signal.SIGTERM)
             self.gw2.wait(timeout=30)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=120)
-        self.log.close()
+        self.up.stop(120)
 
 
 def main() -> int:

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ec_connectors.protocol import ports
 from ec_connectors.testing.peer_process import PeerClient
 
 HIDDEN = 4096
@@ -81,6 +82,7 @@ def raw_tcp_s(nbytes: int, reps: int) -> float:
 
 def _te_sink(q, nbytes: int) -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    os.environ.update(ports.engine_env([], os.environ))  # the port plan's range
     from mooncake.engine import TransferEngine
 
     engine = TransferEngine()
@@ -94,6 +96,7 @@ def _te_sink(q, nbytes: int) -> None:
 def engine_only_s(sizes: list[int], reps: int) -> dict[int, float]:
     """Bare `transfer_sync_write` between two processes: the engine's own TCP ceiling."""
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
+    os.environ.update(ports.engine_env([], os.environ))  # the port plan's range
     from mooncake.engine import TransferEngine
 
     ctx = mp.get_context("spawn")
@@ -161,7 +164,7 @@ def mooncake_s(sizes: list[int], reps: int, slice_size: str, base_port: int,
 
 def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
     """Median ns per `has_cache_item` call on a consumer's and a producer's scheduler side
-    holding `n_items` (index and staging tables filled directly: this measures the lookup)."""
+    holding `n_items` (index and item tables filled directly: this measures the lookup)."""
     from ec_connectors.config import EPDConfig
     from ec_connectors.control.endpoint import control_address
     from ec_connectors.protocol.keys import item_key
@@ -179,9 +182,9 @@ def has_cache_item_ns(n_items: int = 100_000) -> dict[str, float]:
                                     start_index=False)
             now = time.monotonic()
             for item_id in ids:
-                if role == "consumer":  # staged on its one worker: READY
-                    side.staging.begin(item_id, now, 60.0, have_workers=True)
-                    side.staging.staged(item_id, 0, True, 16, "", {0}, now)
+                if role == "consumer":  # staged on its one worker: STAGED
+                    side.items.begin(item_id, now, 60.0)
+                    side.items.staged(item_id, 0, True, 16, "", {0}, now)
                 else:
                     side.index.add(item_key(item_id))
             probes = ids[::97] + [f"miss-{i}" for i in range(len(ids[::97]))]

@@ -35,8 +35,8 @@ OUTPUTS = {"docker-compose.yml": ROOT / "docker-compose.yml",
            "epd.yaml": ROOT / "deploy" / "k8s" / "epd.yaml"}
 DECODE_ARGS = ["--enable-scale-out"]  # as encoder_service/local/up.py DECODE_ARGS
 HEADER = ("# Rendered from deploy/settings.toml and deploy/templates/{name} by deploy/render.py:"
-          " edit those,\n# then run `python deploy/render.py` (tests/test_deploy.py checks this"
-          " file is current).\n")
+          " edit those,\n# then run `python deploy/render.py` (tests/deploy/test_manifests.py"
+          " checks this file is current).\n")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 
@@ -72,6 +72,9 @@ def values(s: dict[str, Any]) -> dict[str, str]:
     models_dir = s["model"]["models_dir"].rstrip("/")
     rpc = ports.MASTER_RPC_PORT
     secret_k8s = s["secret"]["k8s"]
+    # the Mooncake engines' range: clear of every fixed port of the files (the port plan)
+    engine = ports.engine_env([s["ports"]["vllm"], s["ports"]["gateway"],
+                               *ports.master_ports(rpc)], {})
 
     def k8s_list(args: list[str]) -> str:
         return ", ".join(json.dumps(a) for a in args)
@@ -83,6 +86,7 @@ def values(s: dict[str, Any]) -> dict[str, str]:
         "published_port": str(s["ports"]["published"]),
         "master_rpc": str(rpc), "master_http": str(ports.master_http_port(rpc)),
         "master_metrics": str(ports.master_metrics_port(rpc)),
+        "engine_min": engine[ports.ENGINE_MIN_ENV], "engine_max": engine[ports.ENGINE_MAX_ENV],
         "secret_compose": s["secret"]["compose"], "secret_k8s": secret_k8s,
         "secret_k8s_dir": secret_k8s.rsplit("/", 1)[0],
         "cache_path": s["connector"]["cache_path"],

@@ -22,6 +22,11 @@ Caveats:
   SIGKILLs, its whole process group (the managed processes lead their own sessions).
 - The setting does not survive exec of a set-user-ID or file-capability program; the commands
   started here are plain programs (python, taskset, mooncake_master, `ip netns exec` as root).
+- vLLM's own children (EngineCore, workers: multiprocessing, from vLLM's main thread) ask for
+  it themselves once started (`die_with_parent_process`, run by ec_connectors.plugin), so an
+  API server killed by SIGKILL takes them along.
+- Stopping: `stop_session` signals a child's whole session (it leads one), also once the child
+  itself is gone and what it started is not.
 """
 
 from __future__ import annotations
@@ -129,8 +134,9 @@ def guard_process_group(parent_pid: int, grace_s: float = 5.0, kill_after_s: flo
     return thread
 
 
-def _group_members(pgid: int) -> set[int]:
-    """Live (not zombie) processes of process group `pgid`, from /proc, except this one."""
+def _members(field: int, value: int) -> set[int]:
+    """Live (not zombie) processes whose /proc stat field `field` (counted after the
+    command name: 2 = process group, 3 = session) is `value`."""
     out = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -140,10 +146,79 @@ def _group_members(pgid: int) -> set[int]:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+        if len(fields) > field and fields[0] != b"Z" and int(fields[field]) == value:
             out.add(int(entry.name))
-    out.discard(os.getpid())
     return out
+
+
+def _group_members(pgid: int) -> set[int]:
+    """Live (not zombie) processes of process group `pgid`, from /proc, except this one."""
+    return _members(2, pgid) - {os.getpid()}
+
+
+def session_members(sid: int) -> set[int]:
+    """Live (not zombie) processes of session `sid` (a child started with
+    `start_new_session=True` leads the session numbered by its pid), from /proc. Empty off
+    Linux. The session outlives its leader: an API server SIGKILLed leaves its engine there."""
+    if not sys.platform.startswith("linux"):
+        return set()
+    return _members(3, sid)
+
+
+def signal_session(sid: int, sig: int) -> None:
+    """`sig` to session `sid`'s process group and to every other process of the session,
+    whether or not its leader still runs."""
+    with contextlib.suppress(OSError):
+        os.killpg(sid, sig)
+    for pid in session_members(sid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def stop_session(proc: subprocess.Popen, timeout_s: float = 20.0,
+                 kill_after_s: float = 10.0) -> None:
+    """Stop `proc` (started with `start_new_session=True`) and everything in its session:
+    SIGTERM, then SIGKILL to what remains after `timeout_s`; returns once none remains (or
+    `kill_after_s` after the SIGKILL) with `proc` reaped. Also when `proc` is already gone
+    and its children are not (they lost the signal their parent would have sent)."""
+    sid = proc.pid
+
+    def gone(deadline: float) -> bool:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not session_members(sid):
+                return True
+            time.sleep(0.05)
+        return proc.poll() is not None and not session_members(sid)
+
+    if proc.poll() is not None and not session_members(sid):
+        return
+    signal_session(sid, signal.SIGTERM)
+    if gone(time.monotonic() + timeout_s):
+        return
+    signal_session(sid, signal.SIGKILL)
+    gone(time.monotonic() + kill_after_s)
+
+
+def die_with_parent_process(sig: int = signal.SIGKILL,
+                            names: tuple[str, ...] = ()) -> bool:
+    """In a `multiprocessing` child (`names`: only in one whose process name starts with one
+    of them): ask for `sig` when the parent dies, for a child that the parent would have
+    stopped, as vLLM's API server stops its EngineCore and EngineCore its workers, but that
+    outlives a parent killed by SIGKILL. Set in the child itself, after the fact: should the
+    parent already be gone, the signal comes at once. Call it only in children started from a
+    thread that lives as long as the parent (vLLM starts them from its main thread). True when
+    set."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if _prctl is None or parent is None:
+        return False
+    if names and not multiprocessing.current_process().name.startswith(names):
+        return False
+    _prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    if os.getppid() != parent.pid:  # the parent is already gone: nobody would signal us
+        os.kill(os.getpid(), sig)
+    return True
 
 
 def guard_process_group_from_env(grace_s: float = 5.0) -> threading.Thread | None:

@@ -140,8 +140,9 @@ class MooncakeSettings(_Settings):
     # consumer's pool (RDMA: the network card, no socket copy on either host); "socket" = the
     # producer streams them over a TCP connection the consumer opened with a one-time ticket
     # (mooncake_te/stream.py; over TCP 2x the engine's TCP transport, docs/transports.md);
-    # "auto" = socket when protocol is tcp and the pool on the host, else engine. A consumer
-    # falls back to the engine for a producer that has no stream listener.
+    # "auto" = socket when protocol is tcp and the pool on the host, else engine. Only a
+    # process off the socket path starts a transfer engine (mooncake_te/engine.py): set it
+    # alike on every process (a socket consumer and an engine-only producer exchange nothing).
     te_data_path: Literal["auto", "engine", "socket"] = "auto"
     # Producer: the byte budget of held items (LRU eviction of unleased items, then
     # backpressure). Consumer: room for pulls in flight.

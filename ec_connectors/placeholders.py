@@ -54,12 +54,22 @@ class Placeholders:
         return out
 
     def metadata_only(self, feature: MultiModalFeatureSpec) -> bool:
-        """Consumer: the request carried only this item's metadata (no media to encode)."""
+        """Consumer: the request carried only this item's metadata (no media to encode).
+        Fields the processor adds to every item of a modality (Qwen2.5-Omni's
+        `use_audio_in_video` on each video) are no media: without this, a metadata-only
+        video whose embedding could not be used was sent to vLLM's encoder, which, with no
+        frames, killed the engine."""
         data = feature.data
         if data is None:  # processor-cache hit: the engine filled it before scheduling
             return False
         wanted = self._resolver.fields_for(feature.modality)
-        return bool(wanted) and set(data.keys()) <= wanted
+        return bool(wanted) and set(data.keys()) - _DROPPED_BY_METADATA_ONLY.keys() <= wanted
+
+    def asked(self, feature: MultiModalFeatureSpec) -> dict[str, Any]:
+        """Consumer: the placeholder metadata the request's part gives the item, as its
+        producer would publish it (`describe`), to compare with what was published."""
+        entry = collect_ec_item_metadata([feature], self._resolver).get(feature.identifier)
+        return dict(entry.get("metadata") or {}) if entry else {}
 
 
 def _loses_fields(datas) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
 )
 
 from ec_connectors.protocol.names import TRANSPORT_NAMES
-from scheduler_hooks.lifecycle import FeatureState
+from scheduler_hooks.items import LIFECYCLE
 
 COUNTERS = {
     # name: help
@@ -67,7 +68,7 @@ GAUGES = {
                                "(encoded_cpu: host copies queued for or being written to the "
                                "transport, budget max_pending_save_bytes)", "state"),
 }
-GAUGE_LABELS = {"feature_bytes": [s.value for s in FeatureState],
+GAUGE_LABELS = {"feature_bytes": [s.value for s in LIFECYCLE],
                 "producer_feature_bytes": ["encoded_cpu"]}
 # One request's path, stage by stage (producer: save_wait, save; consumer: loader_wait, get,
 # load = prefetch -> staged on every rank, staged_to_scheduled, defer = the whole wait).
@@ -124,12 +125,22 @@ class EPDStats(ECConnectorStats):
 
 
 class StatsRecorder:
-    """Thread-safe accumulator; `take()` hands the interval's stats to vLLM and resets."""
+    """Thread-safe accumulator; `take()` hands the interval's stats to vLLM and resets.
+    Gauges kept elsewhere are published by their `on_take` flushers, called (outside this
+    lock) before `take()` and `pending` look: once per look, only what changed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stats = EPDStats()
         self.totals: dict[str, float] = {}
+        self._flushers: list[Callable[[], None]] = []
+
+    def on_take(self, flush: Callable[[], None]) -> None:
+        self._flushers.append(flush)
+
+    def _flush(self) -> None:
+        for flush in self._flushers:
+            flush()
 
     def inc(self, name: str, value: float = 1) -> None:
         with self._lock:
@@ -156,10 +167,12 @@ class StatsRecorder:
     @property
     def pending(self) -> bool:
         """Stats recorded since the last `take()`."""
+        self._flush()
         with self._lock:
             return not self._stats.is_empty()
 
     def take(self) -> EPDStats | None:
+        self._flush()
         with self._lock:
             if self._stats.is_empty():
                 return None

@@ -1,7 +1,8 @@
 """Readiness and failure decisions of a consumer's scheduler, as pure functions of plain
 values: the plan for one item of a request this step (`plan_item`: skip, use, wait, load,
 encode locally or fail), is an item needed at all, where may it be pulled from, is a staged
-item usable this step, and what happens to a request whose item cannot arrive."""
+item usable this step (`decide`, over the item table `items.py`), and what happens to a
+request whose item cannot arrive."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import enum
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from scheduler_hooks.staging import DEADLINE_PASSED, StagingTable, Status
+from scheduler_hooks.fit import is_mismatch
+from scheduler_hooks.items import DEADLINE_PASSED, ItemState, ItemTable
 
 
 class Verdict(enum.Enum):
     WAIT = "wait"  # still loading: defer the request this step
-    READY = "ready"  # staged on every worker with the expected token count
+    READY = "ready"  # STAGED on every worker with the expected token count
     UNAVAILABLE = "unavailable"  # failed: local encode or fail the request
 
 
@@ -35,21 +37,21 @@ class Decision(NamedTuple):
     just_failed: bool = False  # this call failed it (deadline, token count): report it once
 
 
-def decide(table: StagingTable, item_id: str, expected_embeds: int, now: float) -> Decision:
-    """Where a staged item stands this step: applies its deadline, and fails a READY item
+def decide(table: ItemTable, item_id: str, expected_embeds: int, now: float) -> Decision:
+    """Where an item's load stands this step: applies its deadline, and fails a STAGED item
     whose token count differs from what the request expects."""
     st = table.get(item_id)
-    if st is None:
+    if st is None or st.state not in (ItemState.LOADING, ItemState.STAGED, ItemState.FAILED):
         return Decision(Verdict.UNAVAILABLE, "not staged")
     if table.expire(st, now):
         return Decision(Verdict.UNAVAILABLE, st.error, just_failed=True)
-    if st.status is Status.READY:
+    if st.state is ItemState.STAGED:
         if st.num_embeds and st.num_embeds != expected_embeds:
             failed = table.fail(st, f"token count: the item holds {st.num_embeds} "
                                 f"embeddings, the request expects {expected_embeds}", now)
             return Decision(Verdict.UNAVAILABLE, st.error, just_failed=failed)
         return Decision(Verdict.READY)
-    if st.status is Status.LOADING:
+    if st.state is ItemState.LOADING:
         return Decision(Verdict.WAIT)
     return Decision(Verdict.UNAVAILABLE, st.error)
 
@@ -92,7 +94,7 @@ class Lookup(enum.Enum):
 
 class ItemAction(enum.Enum):
     SKIP = "skip"  # vLLM has it (KV cache, its own encoder cache): nothing to load or wait for
-    USE = "use"  # staged and READY: has_cache_item says yes, the item is placed this step
+    USE = "use"  # STAGED: has_cache_item says yes, the item is placed this step
     WAIT = "wait"  # defer the request this step
     LOCAL_ENCODE = "local_encode"  # vLLM encodes it from the request's media
     FAIL = "fail"  # the request fails (take_unavailable_requests)
@@ -111,7 +113,7 @@ class ItemFacts:
 
     covered: bool = False  # its placeholder tokens are all in the KV cache (`covered`)
     in_engine_cache: bool = False  # vLLM's encoder cache holds it (as far as we saw)
-    staged: bool = False  # a staging of it is current (loading, ready, or failed recently)
+    staged: bool = False  # a load of it is current (LOADING, STAGED, or FAILED recently)
     decision: Decision | None = None  # staged: `decide`'s answer (after CHECK)
     promise: Promise = Promise.NONE
     lookup: Lookup = Lookup.UNASKED
@@ -122,6 +124,7 @@ class ItemFacts:
     load_timeout_s: float = 0.0  # how long a promise is waited for (named in the reason)
     over_budget: bool = False  # LOAD found no room in the staging budget (max_staged_bytes)
     budget_expired: bool = False  # ... and the request has waited load_timeout_s already
+    mismatch: str = ""  # metadata-only: why the stored item does not fit the part (fit.py)
 
 
 class ItemPlan(NamedTuple):
@@ -145,9 +148,13 @@ def plan_item(f: ItemFacts) -> ItemPlan:
     can be one step stale (vLLM evicts a free entry to make room for another request earlier
     in the same step), and vLLM then encodes the item itself, which, with no media, kills
     the engine (its sanity check: 0 embeddings for 1 item). Staged, has_cache_item says yes
-    instead. If it cannot be staged, vLLM's cache is the way left (SKIP)."""
+    instead. If it cannot be staged, vLLM's cache is the way left (SKIP), unless the item
+    does not fit the part (`mismatch`): then the request fails, whatever holds the item."""
     if f.covered or (f.in_engine_cache and not f.metadata_only):
         return ItemPlan(ItemAction.SKIP)
+    if f.mismatch:
+        return ItemPlan(ItemAction.FAIL, f.mismatch, defer=True, report=True,
+                        promise=f.promise)
     if f.staged:
         return ItemPlan(ItemAction.CHECK) if f.decision is None else _settle(f, f.decision)
     if f.promise is Promise.WAITING:
@@ -190,8 +197,8 @@ def _settle(f: ItemFacts, d: Decision) -> ItemPlan:
 def _unavailable(f: ItemFacts, promised: bool, why: str) -> ItemPlan:
     """An item that cannot arrive. A metadata-only one always fails the request (there is no
     media to encode) and is never scheduled without its embedding, unless vLLM's encoder
-    cache holds it."""
-    if f.in_engine_cache:
+    cache holds it (and fits: a token count that does not fit fails it there too)."""
+    if f.in_engine_cache and not (f.metadata_only and is_mismatch(why)):
         return ItemPlan(ItemAction.SKIP, why)
     policy = "fail" if f.metadata_only else f.policy
     action = (ItemAction.FAIL if unavailable_action(promised, policy) == "fail"

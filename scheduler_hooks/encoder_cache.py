@@ -8,7 +8,8 @@ merely stopped referencing stay cached (vLLM evicts them only when it needs the 
 vLLM reuses them, so they stay here too. The view can only be stale in one direction: an entry
 evicted earlier in the same step, or dropped by a cache reset after a weight update. vLLM then
 asks `has_cache_item` as for any other item and encodes it itself: slower, never wrong.
-Pure logic over plain values.
+Each entry's row count is kept (`rows`): a metadata-only part naming a cached item with
+another grid must not be served from it (`fit.py`). Pure logic over plain values.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from collections.abc import Iterable
 
 class EncoderCacheView:
     def __init__(self) -> None:
-        self._items: set[str] = set()
+        self._items: dict[str, int] = {}  # item id -> its rows (0: not known)
 
-    def allocated(self, item_id: str) -> None:
-        self._items.add(item_id)
+    def allocated(self, item_id: str, rows: int = 0) -> None:
+        self._items[item_id] = rows
 
     def evicted(self, item_ids: Iterable[str]) -> None:
-        self._items.difference_update(item_ids)
+        for item_id in item_ids:
+            self._items.pop(item_id, None)
+
+    def rows(self, item_id: str) -> int:
+        """The rows of the cached entry (0: not cached, or not known)."""
+        return self._items.get(item_id, 0)
 
     def __contains__(self, item_id: object) -> bool:
         return item_id in self._items

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import uvicorn
 
-from ec_connectors import child_process
+from ec_connectors.protocol import ports
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
+from encoder_service.local.processes import UpProcess
 from encoder_service.local.workdir import work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,16 +40,86 @@ def wait_for(pred: Callable[[], object], timeout: float = 5.0, interval: float =
         time.sleep(interval)
 
 
-def free_port(ports: Iterator[int]) -> int:
-    """The next port of `ports` that nothing listens on (each test module owns a range)."""
-    for p in ports:
+# --- ports: the one table of the tests' ports ------------------------------------------------
+# The fast lane runs modules side by side on two xdist workers (`--dist loadfile`), the e2e
+# and deploy lanes one module at a time, maybe beside someone else's fast lane: every module
+# that listens, binds, checks or starts a server on a port takes it from its own block here
+# (`port_block(__name__)`; tests that only plan, binding nothing, may name any number).
+# tests/test_port_blocks.py checks the blocks are disjoint, below the kernel's ephemeral ports,
+# and clear of the Mooncake engines' range and of a default `epd up`'s fixed ports (the port
+# plan, ec_connectors/protocol/ports.py). New module: take a free block, the check says.
+HTTP, MOONCAKE, MASTER = "http", "mooncake", "master"
+# what a block of each kind holds beyond itself: a Mooncake side-channel base port also takes
+# its announcement (+1000) and data connection (+2000) ports; a store master block holds each
+# master's RPC, metadata (+1) and metrics (+2) ports
+PLANES = {HTTP: (0,), MASTER: (0,),
+          MOONCAKE: (ports.PURPOSE_SERVE, ports.PURPOSE_ANNOUNCE, ports.PURPOSE_STREAM)}
+PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (first, count)
+    # fast lane: servers, stubs and gateways on this process's threads or children
+    ("tests.encoder_service.encoder_pool.test_server", HTTP): (18410, 5),
+    ("tests.encoder_service.gateway.test_parsing", HTTP): (18500, 20),
+    ("tests.encoder_service.gateway.test_admission", HTTP): (18520, 20),
+    ("tests.encoder_service.test_bench", HTTP): (18540, 10),
+    ("tests.encoder_service.gateway.test_urls", HTTP): (18560, 10),
+    ("tests.encoder_service.gateway.test_backends", HTTP): (18600, 30),
+    ("tests.encoder_service.local.test_up", HTTP): (18630, 20),  # `epd up` checks, no start
+    ("tests.encoder_service.gateway.test_chat", HTTP): (18720, 40),
+    ("tests.encoder_service.gateway.test_relay", HTTP): (18760, 10),
+    ("tests.encoder_service.gateway.test_admin", HTTP): (18790, 10),
+    ("tests.encoder_service.gateway.test_auth", HTTP): (18860, 30),
+    ("tests.encoder_service.gateway.test_decoders", HTTP): (19000, 20),
+    ("tests.encoder_service.gateway.test_routing", HTTP): (19100, 30),
+    # fast lane: Mooncake Store masters (5 apart) and Transfer Engine producers (10 apart)
+    ("tests.ec_connectors.transports.test_mooncake_store", MASTER): (19500, 300),
+    ("tests.encoder_service.local.test_processes", MASTER): (19900, 40),
+    ("tests.encoder_service.local.test_up", MASTER): (19960, 3),
+    ("tests.ec_connectors.transports.test_mooncake_te_server", MOONCAKE): (21000, 300),
+    ("tests.ec_connectors.transports.test_mooncake_te_puller", MOONCAKE): (21300, 300),
+    ("tests.ec_connectors.transports.test_mooncake_te_hosts", MOONCAKE): (21600, 300),
+    ("tests.encoder_service.local.test_up", MOONCAKE): (21900, 10),
+    ("tests.encoder_service.gateway.test_backends", MOONCAKE): (21950, 10),  # announcements
+    # e2e lane: vLLM servers, pools and `epd up` (gateway, then its servers)
+    ("tests.e2e.test_connector_safetensors", HTTP): (18300, 4),
+    ("tests.e2e.test_connector_mooncake", HTTP): (18350, 3),
+    ("tests.e2e.test_connector_store", HTTP): (18360, 3),
+    ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
+    ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
+    ("tests.e2e.test_encoder_pool", HTTP): (18420, 3),
+    ("tests.e2e.test_encoder_pool_qwen", HTTP): (18430, 2),
+    ("tests.e2e.test_gateway", HTTP): (18570, 27),
+    ("tests.e2e.test_up", HTTP): (18660, 13),
+    ("tests.e2e.test_qwen_modalities", HTTP): (18680, 4),
+    ("tests.e2e.test_connector_store", MASTER): (19850, 3),
+    ("tests.e2e.test_up", MASTER): (19950, 3),
+    ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
+    ("tests.e2e.test_qwen3_deepstack", MOONCAKE): (21920, 10),
+    ("tests.e2e.test_up", MOONCAKE): (21960, 30),
+    # deploy lane: the `epd up` reference and the compose stack's published gateway
+    ("tests.deploy.test_compose_stack", HTTP): (18900, 4),
+}
+
+
+def port_block(module: str, kind: str = HTTP) -> range:
+    """The ports of kind `kind` that test module `module` (its `__name__`) owns."""
+    first, count = PORT_BLOCKS[(module, kind)]
+    return range(first, first + count)
+
+
+def block_footprint(kind: str, block: range) -> set[int]:
+    """Every port a block of `kind` may hold (its planes included)."""
+    return {port + plane for plane in PLANES[kind] for port in block}
+
+
+def free_port(candidates: Iterator[int]) -> int:
+    """The next port of `candidates` that nothing listens on (`iter(port_block(__name__))`)."""
+    for p in candidates:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", p))
                 return p
             except OSError:
                 continue
-    raise RuntimeError("no free port left in this test module's range")
+    raise RuntimeError("no free port left in this test module's block (tests/helpers.py)")
 
 
 def expected(seed: int, shape: list[int], dtype: str = "bfloat16") -> str:
@@ -109,38 +177,23 @@ def run_pool(coro_fn: Callable[[], Awaitable], pool):
 @contextlib.contextmanager
 def epd_up(conf: dict, work: Path, also_ready: Callable[[], bool] = lambda: True,
            timeout: float = 420.0, interval: float = 0.5, stop_timeout: float = 90.0):
-    """`epd up --config <work>/up.json` (`conf`) as a child process, its output in
-    <work>/epd-up.log and its work dir `work`; yields (process, gateway URL, log path) once
-    the gateway answers /health and `also_ready()` holds; SIGTERM and wait after. An `epd
-    up` that exits while starting fails the wait with its log's tail."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "up.json").write_text(json.dumps(conf))
-    gw = f"http://{conf.get('host', '127.0.0.1')}:{conf['base_port']}"
-    log_path = work / "epd-up.log"
-    with open(log_path, "wb") as log:
-        up = child_process.popen([sys.executable, "-m", "encoder_service.cli", "up",
-                                  "--config", str(work / "up.json")], cwd=ROOT, stdout=log,
-                                 stderr=subprocess.STDOUT,
-                                 env=dict(os.environ, EPD_WORK_DIR=str(work)))
+    """`epd up` of config `conf` in work dir `work` (`UpProcess`: its output in
+    <work>/epd-up.log); yields (process, gateway URL, log path) once its gateway is healthy
+    and `also_ready()` holds; stopped after (SIGTERM, `stop_timeout` before a SIGKILL). An
+    `epd up` that exits while starting fails the wait with its log's tail."""
+    up = UpProcess(conf, work).start()
 
     def ready() -> bool:
-        if up.poll() is not None:
-            raise RuntimeError(f"epd up exited: {log_path.read_text()[-3000:]}")
-        try:
-            r = httpx.get(gw + "/health", timeout=5)
-            # this deployment's gateway (it names its decoders), not whatever holds the port
-            return also_ready() and r.status_code == 200 and "decoders" in r.json()
-        except httpx.HTTPError:
-            return False
+        if not up.running:
+            raise RuntimeError(f"epd up exited: {up.log_tail(60)}")
+        return also_ready() and up.healthy()
 
     try:
         assert wait_for(ready, timeout=timeout, interval=interval), \
-            f"epd up not ready in {timeout:.0f} s (log {log_path})"
-        yield up, gw, log_path
+            f"epd up not ready in {timeout:.0f} s (log {up.log_path})"
+        yield up.proc, up.url, up.log_path
     finally:
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(timeout=stop_timeout)
+        up.stop(stop_timeout)
 
 
 class Served:

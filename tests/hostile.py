@@ -156,6 +156,7 @@ def hostile_request(draw: Any, model: str, producers: tuple[str, ...] = ()) -> d
     if case == "audio":  # Qwen2.5-Omni: mel frames, ~4 per token
         frames = draw(st.one_of(st.integers(8 * MAX_MODEL_LEN, 1 << 62),
                                 st.integers(-(10**6), 2), _not_int,
+                                st.integers(1, 100),  # a bare number: vLLM wants [n]
                                 st.lists(st.integers(1, 100), min_size=2, max_size=3)))
         return body(model, [meta_part("audio", {"audio_feature_lengths": frames})])
     if case == "modality":

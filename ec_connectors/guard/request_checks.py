@@ -257,6 +257,9 @@ def _metadata_tokens(name: str, value: Any, kind: str, bounds: ModelBounds) -> i
     elif name == "audio_num_tokens":
         tokens = _positive_int(value, what)
     elif name == "audio_feature_lengths":  # mel frames -> tokens (Qwen2-Audio's encoder)
+        if not isinstance(value, list):  # vLLM's renderer takes it as a tensor: a bare
+            raise _bad(f"{what} must be a list of one positive integer [frames]",  # number
+                       "bad_metadata")  # failed the API server's render with a bare 500
         frames = _positive_int(value, what)
         tokens = (((frames - 1) // 2 + 1) - 2) // 2 + 1 if frames <= 8 * limit else limit + 1
         if tokens < 1:

@@ -17,8 +17,9 @@ own), so it sees every request before vLLM reads it, and every answer. It does f
    OpenAI's shape (`{"error": {"message", "type", "code"}}`), and an engine failure of a
    request whose embedding the connector could not deliver (`500 Internal server error`,
    streamed or not) becomes a 503 with the connector's reason (`refusals.ReasonBoard`):
-   `embedding_unavailable`, `embedding_load_failed`, `embedding_timeout`,
-   `embedding_mismatch`. docs/errors.md lists them all.
+   `embedding_unavailable`, `embedding_load_failed`, `embedding_timeout`; or a 400
+   `embedding_mismatch` (the stored item does not fit the part naming it). docs/errors.md
+   lists them all.
 4. **Items named by their EPD id** on an EPDConnector server (`item_ids.py`): vLLM would
    name an item sent with media or processor settings by a hash of its uuid and the
    settings, which neither the gateway nor the other servers know.
@@ -40,7 +41,14 @@ from ec_connectors.guard.request_checks import Checked, ModelBounds, check_reque
 from ec_connectors.log import get_logger
 from ec_connectors.plugin import CONNECTOR_NAME
 from ec_connectors.protocol.http_api import KeyCheck, error_type
-from ec_connectors.protocol.refusals import ReasonBoard, Refusal, board_dir, error_body
+from ec_connectors.protocol.refusals import (
+    EMBEDDING_MISMATCH,
+    ReasonBoard,
+    Refusal,
+    board_dir,
+    error_body,
+    failure_status,
+)
 
 logger = get_logger(__name__)
 
@@ -48,6 +56,9 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 _ENGINE_FAILED = "Internal server error"  # vLLM's GenerationError message
 _ADVICE = (" The request names an embedding this server could not use and carries no media "
            "to encode it from: send the media (a gateway does this by itself), or retry.")
+_MISFIT_ADVICE = (" The part names a stored embedding that is not what the part says: send "
+                  "the metadata its producer published for it (ec_transfer_params), or the "
+                  "media.")
 
 
 def _key_check(keys: list[str]) -> KeyCheck | None:
@@ -281,7 +292,8 @@ class _Answers:
         if status == 500 and message == _ENGINE_FAILED:
             found = self.guard.failure_reason(self.checked, self.started)
             if found is not None:
-                return 503, found[0], found[1] + "." + _ADVICE
+                advice = _MISFIT_ADVICE if found[0] == EMBEDDING_MISMATCH else _ADVICE
+                return failure_status(found[0]), found[0], found[1] + "." + advice
         code = error.get("code")
         return status, code if isinstance(code, str) else _code_for(status, message), message
 

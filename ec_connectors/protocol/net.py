@@ -1,11 +1,12 @@
 """Addresses for the peer-to-peer transports: this node's host, `host:port` endpoints (parsed
-and validated) and whether something listens at one. The port scheme lives in
-`ec_connectors.protocol.ports`."""
+and validated), whether something listens at one and which process (`port_holder`, for a
+bind failure's message). The port plan lives in `ec_connectors.protocol.ports`."""
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
 import re
 import socket
 from typing import Annotated
@@ -57,6 +58,45 @@ def port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
         return True
     except OSError:
         return False
+
+
+_LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
+
+
+def port_holder(port: int) -> str:
+    """Who listens on TCP `port` on this host (this network namespace), for a bind failure's
+    message: "pid N (its command line)", found from /proc/net/tcp{,6} and /proc/*/fd (Linux);
+    "a process of another user" when only the socket shows; "" when nothing listens there
+    or /proc cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError, ValueError, IndexError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return ""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                        return f"pid {pid} ({_command(pid)})"
+    return "a process of another user"
+
+
+def holders(ports: list[int]) -> str:
+    """"port P is held by ..." for each of `ports` a process listens on (`port_holder`), "; "
+    between them; "" when none can be found."""
+    return "; ".join(f"port {p} is held by {h}" for p in ports if (h := port_holder(p)))
+
+
+def _command(pid: str) -> str:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+        return " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())[:200] \
+            or "?"
+    return "?"
 
 
 def _check_endpoints(value: list[str]) -> list[str]:

@@ -8,7 +8,9 @@ reason, and the client cannot tell a lost item from a bug. The scheduler side ru
 EngineCore, the answer is made in the API server process: the scheduler posts the reason per
 item on a `ReasonBoard` (a directory of small files beside the control sockets, written only
 when a request fails), and the API server's guard (`server_guard.py`) reads it for the items
-of a request the engine failed and answers 503 with that reason instead.
+of a request the engine failed and answers with that reason instead: a 503 (the item is
+lost, late or damaged: send the media), or a 400 when the stored item does not fit the part
+that names it (`embedding_mismatch`: the request is wrong; `failure_status`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ EMBEDDING_UNAVAILABLE = "embedding_unavailable"  # in no tier, and no media to e
 EMBEDDING_LOAD_FAILED = "embedding_load_failed"  # known, but its load failed (evicted since,
 # lease lapsed, failed verification, transfer failed)
 EMBEDDING_TIMEOUT = "embedding_timeout"  # promised as pending, or loading, past the deadline
-EMBEDDING_MISMATCH = "embedding_mismatch"  # its token count differs from the request's
+EMBEDDING_MISMATCH = "embedding_mismatch"  # it does not fit the part naming it (rows, grid,
+# modality: scheduler_hooks/fit.py)
 _KEEP_S = 60.0  # a posted reason is kept this long (a request that fails reads it at once)
 
 
@@ -53,11 +56,17 @@ def classify(why: str) -> str:
     """The code of the scheduler side's reason for failing an item (`Unavailable.fail`)."""
     if why == "not in the transport":
         return EMBEDDING_UNAVAILABLE
-    if why.startswith("token count"):
+    if why.startswith(("token count", "embedding mismatch")):  # (scheduler_hooks/fit.py)
         return EMBEDDING_MISMATCH
     if why.startswith("promised as pending") or why == "deadline passed":
         return EMBEDDING_TIMEOUT
     return EMBEDDING_LOAD_FAILED
+
+
+def failure_status(code: str) -> int:
+    """The HTTP status of an engine-side failure: 400 when the request named an item that
+    does not fit its part (retrying it as is fails again), else 503."""
+    return 400 if code == EMBEDDING_MISMATCH else 503
 
 
 def board_dir(control_dir: str | None, engine_id: str) -> Path:

@@ -5,6 +5,7 @@
 - `feature_book.py`: the consumer's items (one `scheduler_hooks.items.ItemTable`), the byte
   budget of what the connector holds and the gauges per state.
 - `hints.py`: each request's `ec_transfer_params`, parsed once; where an item is pulled from.
+- `part_fit.py`: does the stored item a metadata-only part names fit it (rows, grid, modality).
 - `index.py`: the availability index (which items the transport holds), kept by a thread.
 - `inline.py`: small items read and verified here, on one thread, without a worker round trip.
 - `promises.py`: items a gateway sent as `pending` (still encoding), waited for with a deadline.

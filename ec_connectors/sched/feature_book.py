@@ -1,118 +1,76 @@
-"""The consumer scheduler's books on its features: `scheduler_hooks.lifecycle` fed by vLLM's
-hooks and the workers' reports, with the byte budget of what the connector holds, and the
-bytes per state published as gauges (`feature_bytes`).
+"""The consumer scheduler's budget and gauges over its items (`scheduler_hooks.items`).
 
-Who moves an item (`EPDSchedulerSide` calls one method per signal):
-  LOADING    `reserve`: a load starts, if the budget has room (else the item waits)
-  STAGED     `staged`: every rank staged it (a worker's Staged, or the inline reader)
-  MERGED     `merged`: vLLM allocated it in its encoder cache and the step places it
-  PREFILLED  `prefilled`: vLLM's update_state_after_free (the request's prefill passed it)
-  DISCARDED  `settle` at the end of each step: PREFILLED ones (vLLM's cache owns the entry
-             from then on and evicts it when it needs room), and LOADING/STAGED ones whose
-             staging failed or was dropped; `finished`: MERGED for a request that ended
-             before its prefill; `evicted`: vLLM evicted the entry (free_encoder_mm_hashes)
-Signals about items in another state (vLLM frees entries it encoded itself, a worker's late
-report) are not ours and change nothing. A move the table refuses is a bug: it is logged and
-counted (`lifecycle_errors`), the item dropped from the books; it never fails a request.
-Thread-safe (the scheduler's thread, the control channel's, the inline reader's).
+The item table holds every item's state, bytes, deadline and waiters; `EPDSchedulerSide`
+moves items there, one call per signal (a worker's Staged, vLLM's alloc, free, eviction, a
+request's end, the end of a step). This book adds what the table leaves to its user:
+  the budget   `reserve` starts a load (LOADING) only if its bytes fit `max_staged_bytes`
+               (LOADING + STAGED, what the connector holds; else the item waits); an unknown
+               size is estimated from the bytes per embedding seen so far (`staged`)
+  the gauges   bytes per state (`feature_bytes`), published when they changed, at most once
+               per stats take (`flush`, run by the StatsRecorder before vLLM takes the stats
+               or asks whether any are pending): never on every move
+  the errors   a move the table refuses is a bug: logged and counted (`lifecycle_errors`),
+               the item dropped from the books; it never fails a request
+Thread-safe (the table's lock: the scheduler's thread, the control channel's, the inline
+reader's).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable
-
 from ec_connectors.log import get_logger
 from ec_connectors.stats import StatsRecorder
-from scheduler_hooks.lifecycle import HELD, FeatureState, IllegalTransition, Lifecycle, fits
-from scheduler_hooks.staging import StagingTable, Status
+from scheduler_hooks.items import Item, ItemState, ItemTable
 
 logger = get_logger(__name__)
-S = FeatureState
 
 
 class FeatureBook:
-    def __init__(self, budget: int, stats: StatsRecorder) -> None:
+    def __init__(self, items: ItemTable, budget: int, stats: StatsRecorder) -> None:
+        self.items = items
         self.budget = budget
         self.stats = stats
-        self.life = Lifecycle()
-        self.peak_held = 0  # the most bytes ever held (LOADING + STAGED)
-        self.errors = 0
         self._per_embed = 0  # bytes per embedding seen (sizes unknown before a load)
-        self._lock = threading.Lock()
+        self._published = items.version
+        items.on_illegal = self._illegal
+        stats.on_take(self.flush)
 
     @property
     def held(self) -> int:
-        return self.life.bytes_in(*HELD)
+        return self.items.held
 
-    def reserve(self, item_id: str, nbytes: int, num_embeds: int) -> bool:
-        """A load of the item is about to start: reserve its bytes (`nbytes`, else estimated
-        from its embeddings) and return True, or False when the budget has no room."""
+    @property
+    def peak_held(self) -> int:
+        return self.items.peak_held
+
+    @property
+    def errors(self) -> int:
+        return self.items.errors
+
+    def reserve(self, item_id: str, nbytes: int, num_embeds: int, now: float,
+                timeout_s: float, have_workers: bool = True) -> Item | None:
+        """Start a load of the item (LOADING, `timeout_s` to land), reserving its bytes
+        (`nbytes`, else estimated from its embeddings); None when the budget has no room."""
         need = nbytes or num_embeds * self._per_embed
-        with self._lock:
-            if self.life.state(item_id) is not S.DISCARDED:  # an earlier life (a retry)
-                self._move(item_id, S.DISCARDED)
-            if not fits(self.held, need, self.budget):
-                return False
-            self.life.begin(item_id, need)
-            self.peak_held = max(self.peak_held, self.held)
-            self._publish()
-        return True
+        return self.items.begin(item_id, now, timeout_s, need, have_workers, self.budget)
 
-    def staged(self, item_id: str, nbytes: int, num_embeds: int) -> None:
-        with self._lock:
-            if self.life.state(item_id) is S.LOADING:
-                self._move(item_id, S.STAGED, nbytes=nbytes or None)
-                self.peak_held = max(self.peak_held, self.held)
-            if nbytes and num_embeds:
-                self._per_embed = max(self._per_embed, -(-nbytes // num_embeds))
+    def staged(self, item_id: str, rank: int, ok: bool, num_embeds: int, error: str,
+               ranks: set[int], now: float, nbytes: int = 0) -> ItemState | None:
+        """A rank's report (`ItemTable.staged`); a STAGED item teaches the size per embedding."""
+        state = self.items.staged(item_id, rank, ok, num_embeds, error, ranks, now, nbytes)
+        if state is ItemState.STAGED and nbytes and num_embeds:
+            self._per_embed = max(self._per_embed, -(-nbytes // num_embeds))
+        return state
 
-    def merged(self, item_id: str, req_id: str) -> None:
-        with self._lock:
-            if self.life.state(item_id) is S.LOADING:  # placed before its report was read
-                self._move(item_id, S.STAGED)
-            if self.life.state(item_id) is S.STAGED:
-                self._move(item_id, S.MERGED, owner=req_id)
+    def flush(self) -> None:
+        """Publish the bytes per state if they changed since the last time (O(states))."""
+        with self.items.lock:
+            version = self.items.version
+            if version == self._published:
+                return
+            self._published = version
+            values = self.items.by_state()
+        self.stats.gauge("feature_bytes", values)
 
-    def prefilled(self, item_id: str) -> None:
-        with self._lock:
-            if self.life.state(item_id) is S.MERGED:
-                self._move(item_id, S.PREFILLED)
-
-    def finished(self, req_id: str) -> None:
-        """A request ended: what was placed for it and never prefilled leaves the books."""
-        with self._lock:
-            for item_id in self.life.items_in(S.MERGED):
-                entry = self.life.get(item_id)
-                if entry is not None and entry.owner == req_id:
-                    self._move(item_id, S.DISCARDED)
-
-    def evicted(self, item_ids: Iterable[str]) -> None:
-        with self._lock:
-            for item_id in item_ids:
-                if self.life.state(item_id) in (S.MERGED, S.PREFILLED):
-                    self._move(item_id, S.DISCARDED)
-
-    def settle(self, staging: StagingTable) -> None:
-        """End of a step: PREFILLED items, and LOADING/STAGED ones whose staging is gone
-        (failed, dropped, expired), are DISCARDED."""
-        with self._lock:
-            for item_id in self.life.items_in(S.PREFILLED, *HELD):
-                st = staging.get(item_id)
-                if (self.life.state(item_id) is S.PREFILLED or st is None
-                        or st.status is Status.FAILED):
-                    self._move(item_id, S.DISCARDED)
-
-    def _move(self, item_id: str, to: FeatureState, **kw) -> None:
-        try:
-            self.life.move(item_id, to, **kw)
-        except IllegalTransition as exc:
-            self.errors += 1
-            self.stats.inc("lifecycle_errors")
-            logger.error("EPD: feature lifecycle: %s (dropped from the books)", exc)
-            if self.life.get(item_id) is not None:
-                self.life.move(item_id, S.DISCARDED)
-        self._publish()
-
-    def _publish(self) -> None:
-        self.stats.gauge("feature_bytes", self.life.by_state())
+    def _illegal(self, why: str) -> None:
+        self.stats.inc("lifecycle_errors")
+        logger.error("EPD: item table: %s (dropped from the books)", why)

@@ -1,6 +1,6 @@
 """The consumer scheduler's inline reader: a small item (at most `inline_max_bytes`, where the
 transport reads in the scheduler process) is read and verified here, on one thread, and is
-READY the step it is asked for, usually: no Prefetch round trip to the workers, no deferral.
+STAGED the step it is asked for, usually: no Prefetch round trip to the workers, no deferral.
 Its bytes are held until the step that places it hands them to the workers in the step's
 metadata (`take`). A miss (not written yet, larger, damaged, a transport error) goes to the
 workers' path (`on_miss`), which waits for the item until its deadline and counts failures."""
@@ -19,28 +19,27 @@ from ec_connectors.protocol.params import Source
 from ec_connectors.sched.feature_book import FeatureBook
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport, dtype_name, tensor_bytes
-from scheduler_hooks.staging import StagingTable, Status
+from scheduler_hooks.items import ItemState
 
 logger = get_logger(__name__)
 
 INLINE_RANK = -1  # the "rank" that stages inline items: the scheduler side itself
 # A scheduler step waits this long for a small item's read before deferring the request
-# (the read goes on; the item is READY a step later). A local read takes ~0.1 ms.
+# (the read goes on; the item is STAGED a step later). A local read takes ~0.1 ms.
 _WAIT_S = 0.005
 _HELD_MAX = 64 << 20  # bytes read and not yet placed; beyond, new items go to the workers
 
 
 class InlineReader:
-    def __init__(self, transport: Transport, staging: StagingTable, stats: StatsRecorder,
+    def __init__(self, transport: Transport, book: FeatureBook, stats: StatsRecorder,
                  max_bytes: int, *, on_miss: Callable[[str, Source], None],
-                 on_ready: Callable[[], None], book: FeatureBook | None = None) -> None:
-        self.transport, self.staging, self.stats = transport, staging, stats
+                 on_ready: Callable[[], None]) -> None:
+        self.transport, self.book, self.stats = transport, book, stats
         self.max_bytes = max_bytes
         self._on_miss, self._on_ready = on_miss, on_ready
-        self._book = book  # the consumer's feature lifecycle: READY here is STAGED there
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="epd-inline")
         self._lock = threading.Lock()
-        self._held: dict[str, InlineItem] = {}  # read, READY, not yet placed
+        self._held: dict[str, InlineItem] = {}  # read, STAGED, not yet placed
         self.held_bytes = 0
 
     def __len__(self) -> int:
@@ -51,12 +50,12 @@ class InlineReader:
         return nbytes <= self.max_bytes and self.held_bytes < _HELD_MAX
 
     def read(self, item_id: str, source: Source, started: float) -> None:
-        """Read an item whose staging has begun, waiting a moment for it."""
+        """Read an item whose load has begun (LOADING), waiting a moment for it."""
         wait_futures([self._pool.submit(self._read, item_id, source, started)],
                      timeout=_WAIT_S)
 
     def _read(self, item_id: str, source: Source, started: float) -> None:
-        """Reader thread: the verified item becomes READY, its bytes held until placed."""
+        """Reader thread: the verified item becomes STAGED, its bytes held until placed."""
         try:
             tensor = self.transport.get_small(item_id, self.max_bytes)
         except Exception:  # a transport bug costs the fast path, not the item
@@ -72,12 +71,10 @@ class InlineReader:
             self.held_bytes += len(item[0])
         now = time.monotonic()
         rows = int(tensor.shape[0]) if tensor.dim() else 1
-        if self.staging.staged(item_id, INLINE_RANK, True, rows, "", {INLINE_RANK}, now) \
-                is Status.READY:
+        if self.book.staged(item_id, INLINE_RANK, True, rows, "", {INLINE_RANK}, now,
+                            nbytes=len(item[0])) is ItemState.STAGED:
             self.stats.observe("load_s", now - started)
             self.stats.inc("inline_loads")
-            if self._book is not None:
-                self._book.staged(item_id, len(item[0]), rows)
             self._on_ready()
         else:  # forgotten or failed meanwhile
             self.take(item_id)

@@ -1,11 +1,11 @@
 """Scheduler role of EPDConnector (runs in vLLM's EngineCore process): wires vLLM's scheduler
-hooks to the pure policy of `scheduler_hooks/` (staging state machine, `plan_item`), to the
+hooks to the pure policy of `scheduler_hooks/` (the item table `items.py`, `plan_item`), to the
 control channel to the workers and to the transports. Helpers, one concern each: `index.py`
 (the availability index: which items the transport holds), `inline.py` (small items read here),
 `promises.py` (items a gateway sent as pending), `unavailable.py` (requests that fail or
 fall back), `producer_book.py` (a producer's saves and the params it returns), `hints.py`
-(each request's params: where its items come from), `feature_book.py` (the consumer's feature
-lifecycle LOADING -> STAGED -> MERGED -> PREFILLED -> DISCARDED, bytes per state, the budget).
+(each request's params: where its items come from), `feature_book.py` (the staging budget and
+the gauges over the item table: LOADING -> STAGED -> MERGED -> PREFILLED -> DISCARDED, FAILED).
 
 Consumer, per item and step (`ensure_cache_available`: facts -> `plan_item` -> act):
   in the KV cache or in vLLM's encoder cache -> nothing to load, nothing to wait for
@@ -13,12 +13,13 @@ Consumer, per item and step (`ensure_cache_available`: facts -> `plan_item` -> a
       nobody, until its save shows here (index, announcements); not within load_timeout_s ->
       as an item that cannot arrive
   known (index, the request's params, a store probe) -> small (inline_max_bytes) and the
-      transport reads here: read and verified on the inline reader, READY usually this step
+      transport reads here: read and verified on the inline reader, STAGED usually this step
       (its bytes go to the workers in the step's metadata); else (or a miss there) Prefetch
       to every worker, the request deferred (LOADING, with a deadline); no room in the
       staging budget (max_staged_bytes) -> the request deferred, at most load_timeout_s
-  Staged from all workers (control thread) -> READY; any failure -> FAILED
-  has_cache_item: True only for READY items; update_state_after_alloc -> this step's metadata
+  Staged from all workers (control thread) -> STAGED; any failure -> FAILED
+  has_cache_item: True only for STAGED items; update_state_after_alloc -> MERGED, this step's
+      metadata; vLLM frees it after the prefill -> PREFILLED, DISCARDED at the step's end
   unknown -> vLLM encodes it; failed or late -> local encode (default) or the request fails
       (on_unavailable=fail); a metadata-only item (no media) -> the request fails
       (take_unavailable_requests), never scheduled without its embedding
@@ -57,6 +58,7 @@ from ec_connectors.sched.feature_book import FeatureBook
 from ec_connectors.sched.hints import RequestHints
 from ec_connectors.sched.index import AvailabilityIndex
 from ec_connectors.sched.inline import InlineReader
+from ec_connectors.sched.part_fit import PartFit
 from ec_connectors.sched.producer_book import ProducerBook
 from ec_connectors.sched.promises import Promises
 from ec_connectors.sched.unavailable import Unavailable
@@ -74,7 +76,7 @@ from scheduler_hooks.decisions import (
     plan_item,
 )
 from scheduler_hooks.encoder_cache import EncoderCacheView
-from scheduler_hooks.staging import StagingTable, Status
+from scheduler_hooks.items import ItemState, ItemTable
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -126,15 +128,15 @@ class EPDSchedulerSide:
         self._deferred_step = False  # a request was deferred in this step
         self._lock = threading.Lock()  # workers, endpoints (control thread)
         self._workers: dict[int, bytes] = {}
-        self.staging = StagingTable(_FAILED_MEMORY_S, config.staged_ttl_s)
-        self.features = FeatureBook(config.max_staged_bytes, self.stats)  # consumer lifecycle
+        self.items = ItemTable(_FAILED_MEMORY_S, config.staged_ttl_s)  # consumer: its items
+        self.features = FeatureBook(self.items, config.max_staged_bytes, self.stats)
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
         self._to_place_inline: dict[str, InlineItem] = {}
-        self.inline = (InlineReader(transport, self.staging, self.stats,
+        self.inline = (InlineReader(transport, self.features, self.stats,
                                     config.inline_max_bytes, on_miss=self._prefetch,
-                                    on_ready=self._news.set, book=self.features)
+                                    on_ready=self._news.set)
                        if is_consumer and transport.reads_in_scheduler
                        and config.inline_max_bytes else None)
         self.hints = RequestHints(config.producers, transport.locate)  # consumer: params
@@ -142,6 +144,7 @@ class EPDSchedulerSide:
         self._req_waits: dict[str, set[str]] = {}  # consumer: items a request waited for
         self._unwanted: set[str] = set()  # staged items whose last waiter left (end of step)
         self.engine_cache = EncoderCacheView()  # consumer: items vLLM's encoder cache holds
+        self.fit = PartFit(placeholders, self.hints, self.engine_cache) if placeholders else None
         self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
         # requests to fail, local-encode fallbacks, reasons for the API server's answer
         self.unavailable = Unavailable(board_dir(config.control_dir, engine_id), self.stats)
@@ -180,14 +183,13 @@ class EPDSchedulerSide:
         with self._lock:
             ranks = set(self._workers)
         now = time.monotonic()
-        status = self.staging.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
-                                     ranks, now)
-        if status is Status.READY:
-            self.features.staged(msg.item_id, msg.nbytes, msg.num_embeds)
-            st = self.staging.get(msg.item_id)
+        state = self.features.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
+                                     ranks, now, msg.nbytes)
+        if state is ItemState.STAGED:
+            st = self.items.get(msg.item_id)
             if st is not None:
                 self.stats.observe("load_s", now - st.started)
-        elif status is Status.FAILED:  # another rank may have staged it: free that memory
+        elif state is ItemState.FAILED:  # another rank may have staged it: free that memory
             self._to_workers(Drop(item_id=msg.item_id))
 
     def _to_workers(self, msg: ControlMessage) -> None:
@@ -198,19 +200,19 @@ class EPDSchedulerSide:
 
     def _load(self, item_id: str, source: Source, num_embeds: int, now: float) -> bool:
         """Start loading a known item (LOADING): a small one on the inline reader, waiting a
-        moment for it (READY now, in the usual case); any other through the workers. False:
+        moment for it (STAGED now, in the usual case); any other through the workers. False:
         the staging budget has no room for it (nothing started)."""
-        if not self.features.reserve(item_id, source.nbytes, num_embeds):
-            return False
         timeout = self.config.load_timeout_s + _SCHEDULER_GRACE_S
-        if self.inline is None or not self.inline.takes(source.nbytes):
-            with self._lock:
-                have_workers = bool(self._workers)
-            self.staging.begin(item_id, now, timeout, have_workers=have_workers)
+        inline = self.inline is not None and self.inline.takes(source.nbytes)
+        with self._lock:
+            have_workers = inline or bool(self._workers)
+        if self.features.reserve(item_id, source.nbytes, num_embeds, now, timeout,
+                                 have_workers) is None:
+            return False
+        if inline and self.inline is not None:
+            self.inline.read(item_id, source, now)
+        else:
             self._prefetch(item_id, source)
-            return True
-        self.staging.begin(item_id, now, timeout, have_workers=True)
-        self.inline.read(item_id, source, now)
         return True
 
     def _prefetch(self, item_id: str, source: Source) -> None:
@@ -221,8 +223,7 @@ class EPDSchedulerSide:
     # -- vLLM scheduler hooks ------------------------------------------------------------------
     def has_cache_item(self, identifier: str) -> bool:
         if self.is_consumer:
-            st = self.staging.get(identifier)
-            if st is not None and st.status is Status.READY:
+            if self.items.state(identifier) is ItemState.STAGED:
                 self._said_yes.add(identifier)
                 return True
             return False
@@ -296,11 +297,11 @@ class EPDSchedulerSide:
                 facts = dataclasses.replace(facts, staged=room, over_budget=not room,
                                             budget_expired=waited >= self.config.load_timeout_s)
             else:  # CHECK: the request waits for the staging; where does it stand?
-                self.staging.want(item_id, req_id)
+                self.items.want(item_id, req_id)
                 self._req_waits.setdefault(req_id, set()).add(item_id)
                 expected = request.get_num_encoder_embeds(i)
                 facts = dataclasses.replace(
-                    facts, decision=decide(self.staging, item_id, expected, now))
+                    facts, decision=decide(self.items, item_id, expected, now))
             plan = plan_item(facts)
         self.promises.went_by(item_id, plan.promise, now)
         return facts, plan
@@ -319,13 +320,15 @@ class EPDSchedulerSide:
         source = hints.get(item_id)
         lookup = (Lookup.NO if key is None else
                   Lookup.YES if source is not None or key in self.index else Lookup.UNASKED)
+        load = self.items.current(item_id, now)  # a metadata-only part: does the item fit?
+        misfit = self.fit.check(request, i, load) if metadata_only and self.fit else ""
         return ItemFacts(
-            staged=self.staging.current(item_id, now) is not None,
+            staged=load is not None and not (metadata_only and PartFit.refits(load)),
             promise=self.promises.state(item_id, key, source, now), lookup=lookup,
             hinted=source is not None, metadata_only=metadata_only, in_engine_cache=in_cache,
             policy=self.config.on_unavailable,
             reported=self.unavailable.reported(req_id, item_id),
-            load_timeout_s=self.config.load_timeout_s)
+            load_timeout_s=self.config.load_timeout_s, mismatch=misfit)
 
     def _act(self, request: Request, item_id: str, facts: ItemFacts, plan: ItemPlan,
              first_look: bool) -> None:
@@ -361,7 +364,7 @@ class EPDSchedulerSide:
     def _release(self, item_id: str, req_id: str) -> None:
         """The request no longer waits for the item; a staged copy nobody waits for any
         more is dropped at the end of the step (build_connector_meta)."""
-        if self.staging.release(item_id, req_id):
+        if self.items.release(item_id, req_id):
             self._unwanted.add(item_id)
 
     def _metadata_only(self, feature: Any) -> bool:
@@ -379,23 +382,22 @@ class EPDSchedulerSide:
                     ranks = set(self._workers)
                 self.book.expect_save(item_id, ranks, deadline)
         if self.is_consumer:
-            self.engine_cache.allocated(item_id)
+            self.engine_cache.allocated(item_id, num_embeds)
         if self.is_consumer and item_id in self._said_yes:
             self._to_place[item_id] = num_embeds
-            self.features.merged(item_id, request.request_id)
+            now = time.monotonic()
+            st = self.items.merged(item_id, request.request_id, now)
             inline = self.inline.take(item_id) if self.inline is not None else None
             if inline is not None:
                 self._to_place_inline[item_id] = inline
-            st = self.staging.get(item_id)
             if st is not None and st.ready_at:
-                self.stats.observe("staged_to_scheduled_s", time.monotonic() - st.ready_at)
-            self.staging.forget(item_id)
+                self.stats.observe("staged_to_scheduled_s", now - st.ready_at)
             self.stats.inc("hits")
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         """vLLM's prefill passed the item (its KV cache holds it): a merged one is PREFILLED."""
         if self.is_consumer:
-            self.features.prefilled(request.mm_features[index].identifier)
+            self.items.prefilled(request.mm_features[index].identifier)
 
     def build_connector_meta(self, evicted: Collection[str] = (),
                              idle: bool = False) -> EPDConnectorMetadata:
@@ -407,18 +409,18 @@ class EPDSchedulerSide:
         self._news.clear()  # before the next step looks: no news between is lost
         self._deferred_step = False
         self.engine_cache.evicted(evicted)
-        self.features.evicted(evicted)
+        self.items.evicted(evicted)
         place, self._to_place = self._to_place, {}
         inline, self._to_place_inline = self._to_place_inline, {}
         self._said_yes.clear()
         self._renewed.clear()
         if self._unwanted:  # staged copies nobody waits for: free their memory now
-            dropped = self.staging.unwanted(self._unwanted, place)
+            dropped = self.items.unwanted(self._unwanted, place)
             if dropped:
                 self.stats.inc("unwanted_drops", len(dropped))
                 self._drop(dropped)
         self._sweep()
-        self.features.settle(self.staging)
+        self.items.end_step()  # what vLLM prefilled since the last step: DISCARDED
         return EPDConnectorMetadata(place=place, inline=inline)
 
     def _drop(self, item_ids: list[str]) -> None:
@@ -427,13 +429,14 @@ class EPDSchedulerSide:
                 self._to_workers(Drop(item_id=item_id))
 
     def _sweep(self) -> None:
-        """Once a second: forget READY items nobody scheduled (request aborted) so memory
-        staged on workers is released, and FAILED ones past their memory."""
+        """Once a second: drop STAGED items nobody scheduled (request aborted) so memory
+        staged on workers is released, and forget FAILED ones past their memory (due ones
+        only: `ItemTable.sweep` pops a heap, it scans nothing)."""
         now = time.monotonic()
         if now - self._last_sweep < 1.0:
             return
         self._last_sweep = now
-        self._drop(self.staging.sweep(now))
+        self._drop(self.items.sweep(now))
         self.unavailable.sweep(now)
         self.promises.sweep(now)
 
@@ -465,7 +468,7 @@ class EPDSchedulerSide:
         for item_id in self._req_waits.pop(req_id, ()):
             self._release(item_id, req_id)
         self.unavailable.finished(req_id)
-        self.features.finished(req_id)
+        self.items.finished(req_id)
         if not self.is_producer:
             return None
         metadata = (self.placeholders.describe(request.mm_features)

@@ -1,5 +1,21 @@
 """Transports: one small interface (base.Transport), several small backends, and tiers
-(tiered.TieredTransport) that put several of them behind one."""
+(tiered.TieredTransport) that put several of them behind one. `make_transport` builds the one
+a config names.
+
+- base.py: the Transport interface, Placement (which process asks), events, tensor helpers;
+- safetensors_fs.py: the shared-directory backend, one safetensors file per item;
+- shm/: the same-host shared-memory backend (its own map);
+- mooncake_te/: the Mooncake Transfer Engine backend, pulls from producers' pools (its map);
+- mooncake_store/: the Mooncake Store backend, a distributed store (its map);
+- tiered.py: TieredTransport, several backends behind one (save to all, load in order);
+- leases.py: the lease book, the one keep/evict policy of the stores that hold items for
+  consumers (shm's arena, mooncake_te's producer pool): leases, victims, backpressure;
+- memory.py: a registered memory pool (Allocator, MemoryPool, PoolBuffer) for the Mooncake
+  backends, and the allocator shm's arena carves its blocks with;
+- dir_watch.py: inotify over a directory's keys, for the file-backed backends (KeyWatch);
+- engine_ports.py: the port range a process's Mooncake engine may listen on (the port plan).
+Backends are imported only when named: most of them need torch, this package does not.
+"""
 
 from __future__ import annotations
 

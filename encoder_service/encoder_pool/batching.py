@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from encoder_service.encoder_pool.chunking import Assembly, Chunk, chunk_count, split_video
-from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
+from encoder_service.encoder_pool.lifecycle import FeatureStore, PoolItemState
 from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
 
@@ -430,7 +430,7 @@ class EncoderPool:
             except Exception as exc:  # budget: the real size did not fit
                 result = ItemFailed(item_id, "budget", str(exc))
         if isinstance(result, BaseException):
-            if self.store.state(item_id) is not FeatureState.DISCARDED:
+            if self.store.state(item_id) is not PoolItemState.DISCARDED:
                 self.store.discard(item_id)
             code = result.code if isinstance(result, ItemFailed) else "encode_error"
             self.stats.fail(code)

@@ -4,7 +4,8 @@
 
 Either live state may go to DISCARDED (failure, abort, eviction, release: the decode side
 has prefilled it); a released ENCODED_CPU feature stays when kept for multi-turn reuse.
-Anything else raises `IllegalTransition`.
+Anything else raises `IllegalTransition` (the one class the consumer's item table,
+`scheduler_hooks/items.py`, raises too).
 
 Bytes: a feature reserves its *estimated* size when encoding starts (so a full budget is
 known before any work is done), is re-accounted at its real size when encoded, and frees
@@ -23,23 +24,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scheduler_hooks.items import IllegalTransition  # one class for every state table
 
-class FeatureState(str, enum.Enum):
+
+class PoolItemState(str, enum.Enum):
     ENCODING = "encoding"
     ENCODED_CPU = "encoded_cpu"
     DISCARDED = "discarded"
 
 
-S = FeatureState
-TRANSITIONS: dict[FeatureState, frozenset[FeatureState]] = {
+S = PoolItemState
+TRANSITIONS: dict[PoolItemState, frozenset[PoolItemState]] = {
     S.ENCODING: frozenset({S.ENCODED_CPU, S.DISCARDED}),
     S.ENCODED_CPU: frozenset({S.DISCARDED}),
     S.DISCARDED: frozenset(),
 }
-
-
-class IllegalTransition(RuntimeError):
-    """A transition the state machine does not allow (names the item and both states)."""
 
 
 class BudgetExceeded(RuntimeError):
@@ -54,7 +53,7 @@ class UnknownFeature(KeyError):
 class Feature:
     item_id: str
     modality: str
-    state: FeatureState
+    state: PoolItemState
     nbytes: int  # reserved (ENCODING) or actual bytes
     tensor: torch.Tensor | None = None
     keep: bool = False  # keep for reuse after release
@@ -89,21 +88,21 @@ class FeatureStore:
         with self._lock:
             return self._features.get(item_id)
 
-    def state(self, item_id: str) -> FeatureState:
+    def state(self, item_id: str) -> PoolItemState:
         f = self.get(item_id)
         return f.state if f is not None else S.DISCARDED
 
-    def counts(self) -> dict[FeatureState, int]:
+    def counts(self) -> dict[PoolItemState, int]:
         with self._lock:
-            out = dict.fromkeys(FeatureState, 0)
+            out = dict.fromkeys(PoolItemState, 0)
             for f in self._features.values():
                 out[f.state] += 1
             return out
 
-    def bytes_by_state(self) -> dict[FeatureState, int]:
+    def bytes_by_state(self) -> dict[PoolItemState, int]:
         """Bytes held per state (DISCARDED holds none); they sum to `used`."""
         with self._lock:
-            out = dict.fromkeys(FeatureState, 0)
+            out = dict.fromkeys(PoolItemState, 0)
             for f in self._features.values():
                 out[f.state] += f.nbytes
             return out
@@ -118,7 +117,7 @@ class FeatureStore:
             return f.tensor
 
     # -- internals -------------------------------------------------------------------------
-    def _need(self, f: Feature, to: FeatureState) -> None:
+    def _need(self, f: Feature, to: PoolItemState) -> None:
         if to not in TRANSITIONS[f.state]:
             raise IllegalTransition(
                 f"feature {f.item_id!r}: illegal transition {f.state.name} -> {to.name}")
@@ -191,7 +190,7 @@ class FeatureStore:
             return keep
         return f.keep or self.retain == "keep"
 
-    def release(self, item_id: str, keep: bool | None = None) -> FeatureState:
+    def release(self, item_id: str, keep: bool | None = None) -> PoolItemState:
         """A consumer outside this process (vLLM) is done with an ENCODED_CPU feature:
         discard it unless kept for reuse. Unknown ids are a no-op (already discarded)."""
         with self._lock:

@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from encoder_service.encoder_pool.batching import EncoderPool
-from encoder_service.encoder_pool.lifecycle import FeatureState
+from encoder_service.encoder_pool.lifecycle import PoolItemState
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -90,4 +90,4 @@ def make_registry(pool: EncoderPool, publisher=None) -> tuple[CollectorRegistry,
     return registry, hist
 
 
-__all__ = ["FeatureState", "PoolCollector", "make_registry"]
+__all__ = ["PoolItemState", "PoolCollector", "make_registry"]

@@ -13,8 +13,9 @@ instances. Read `app.py`, then `chat.py`.
   instances.
 - `relay.py`: the answer back; `failover.py` (pure) + `resume.py` (I/O): a broken stream
   continued on another instance.
-- `probes.py`: health probes with a real forward; `admin.py`: /health, /instances,
-  /admin/instances; `metrics.py`: Prometheus.
+- `probes.py`: health probes with a real forward; `outages.py`: instances a supervisor
+  (`epd up`) reports down and back; `admin.py`: /health, /instances, /admin/instances;
+  `metrics.py`: Prometheus.
 """
 
 from encoder_service.gateway.app import create_app

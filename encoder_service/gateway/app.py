@@ -44,6 +44,7 @@ from encoder_service.gateway.encoder_clients import (
 )
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
+from encoder_service.gateway.outages import Outages
 from encoder_service.gateway.probes import Prober
 from encoder_service.gateway.relay import Exchange, Relay, Watch
 from encoder_service.gateway.routing import Chooser
@@ -68,7 +69,8 @@ class Gateway:
         self.fetch_client: httpx.AsyncClient | None = None
         self.router: EncoderRouter | None = None
         self.decoders: DecodePool | None = None
-        self.prober: Prober | None = None
+        self.prober: Prober | None = None  # None: no periodic probes
+        self.outages: Outages | None = None  # instances a supervisor (epd up) reports down
         self.flow: ChatFlow | None = None
         self.admin: Admin | None = None
 
@@ -89,9 +91,11 @@ class Gateway:
         self.flow = ChatFlow(self.cfg, self.metrics, self.availability, self.ids, self.router,
                              self.decoders, self.fetch_client, self.admission, self.relay)
         await self.decoders.start()
+        prober = Prober(self.client, self.cfg.model, r.probe_interval_s, r.probe_timeout_s,
+                        self._probe_targets, self._probed)
+        self.outages = Outages([self.decoders, self.router], prober, self._probe_kind)
         if r.probe_interval_s > 0:
-            self.prober = Prober(self.client, self.cfg.model, r.probe_interval_s,
-                                 r.probe_timeout_s, self._probe_targets, self._probed)
+            self.prober = prober
             self.prober.start()
         self.admin = Admin(self.cfg, self.client, self.router, self.decoders, self.prober,
                            self.admission, self._admin_token, self._encoder_client)
@@ -100,10 +104,15 @@ class Gateway:
                     self.cfg.decoders, self.availability.name)
 
     def _probe_targets(self) -> list[tuple[str, str]]:
+        """Every instance but those down (a supervisor probes them back: outages.py)."""
         assert self.decoders is not None and self.router is not None
-        kind = "pool" if self.cfg.encoder_backend == "pool" else "vllm"
-        return [*((u, "vllm") for u in self.decoders.urls),
-                *((u, kind) for u in self.router.clients)]
+        return [(u, self._probe_kind(u)) for u in (*self.decoders.urls, *self.router.clients)
+                if u not in self.decoders.down and u not in self.router.down]
+
+    def _probe_kind(self, url: str) -> str:
+        assert self.decoders is not None
+        pool = self.cfg.encoder_backend == "pool" and url not in self.decoders.urls
+        return "pool" if pool else "vllm"
 
     def _probed(self, url: str, ok: bool) -> None:
         """A failed probe: tried last until the next probe passes; a passed one clears it."""
@@ -114,9 +123,9 @@ class Gateway:
             if url in pool.down_until:
                 pool.cool_down(url, hold)
         if not ok:
+            result = self.outages.prober.results.get(url) if self.outages else None
             logger.warning("probe failed url=%s error=%s action=tried last until a probe "
-                           "passes", url, self.prober.results[url].error if self.prober
-                           else "")
+                           "passes", url, result.error if result else "")
 
     def _encoder_client(self, url: str) -> EncoderClient:
         assert self.client is not None
@@ -131,6 +140,8 @@ class Gateway:
     async def shutdown(self) -> None:
         if self.prober is not None:
             await self.prober.stop()
+        if self.outages is not None:
+            await self.outages.close()
         if self.flow is not None:
             await self.flow.drain(self.cfg.timeouts.connect_s)
         if self.decoders is not None:

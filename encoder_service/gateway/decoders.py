@@ -157,9 +157,9 @@ class DecodePool(Members):
     def order(self, key: str | None = None, exclude: Set[str] = frozenset()) -> list[str]:
         """Instances to try, best first: the policy's order for `key` (the request's first
         item; None: least loaded) among those not cooling down after a failure, then those
-        cooling down. Draining instances get nothing new."""
+        cooling down. Draining and down instances get nothing new."""
         now = time.monotonic()
-        live = [u for u in self.urls if u not in exclude and u not in self.draining]
+        live = [u for u in self.urls if u not in exclude and self.usable(u)]
         up = [u for u in live if self.down_until[u] <= now]
         cooling = [u for u in live if self.down_until[u] > now]
         return (self.chooser.order(key, up, self.inflight)

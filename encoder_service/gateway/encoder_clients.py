@@ -223,9 +223,10 @@ class EncoderRouter(Members):
     def candidates(self, key: str | None = None, exclude: Set[str] = frozenset(),
                    load: dict[str, int] | None = None) -> list[EncoderClient]:
         """Usable encoders for `key`, best first. If all are cooling down, they are all
-        tried anyway rather than none; draining ones never."""
+        tried anyway rather than none; draining and down ones never (none: the items go
+        raw)."""
         now = time.monotonic()
-        pool = [n for n in self.clients if n not in exclude and n not in self.draining]
+        pool = [n for n in self.clients if n not in exclude and self.usable(n)]
         up = [n for n in pool if self.down_until[n] <= now] or pool
         return [self.clients[n] for n in self.chooser.order(key, up, load or self.inflight)]
 
@@ -294,8 +295,13 @@ class EncoderRouter(Members):
         """Each item to its encoder (grouped: one call per encoder), retries included."""
         load = dict(self.inflight)  # this request's items count too: a big one spreads
         groups: dict[str, list[MediaPart]] = {}
+        results: dict[str, _Result] = {}
         for it in items:
             cands = self.candidates(it.item_id, load=load)
+            if not cands:  # every encoder is down (restarting) or draining: raw
+                results[it.item_id] = (None, None)
+                errors.append("no encoder is up")
+                continue
             holder = (self._holders.get(it.item_id) if self.chooser.policy == "affinity"
                       else None)
             target = holder if holder is not None and any(
@@ -305,7 +311,6 @@ class EncoderRouter(Members):
             groups.setdefault(target, []).append(it)
         for target in groups:  # counted now: the next request's choice sees these calls
             self.inflight[target] += 1
-        results: dict[str, _Result] = {}
         await asyncio.gather(*(self._group(self.clients[n], g, request_id, outcome, errors,
                                            results) for n, g in groups.items()))
         return results

@@ -62,3 +62,6 @@ class GatewayMetrics:
             buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)
+        # counted by `epd up`'s supervisor (local/supervise.py), which runs the gateway
+        self.restarts = Counter("epd_restarts", "Servers restarted after they exited unasked "
+                                "(epd up)", ["instance"], registry=r)

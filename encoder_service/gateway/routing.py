@@ -10,7 +10,7 @@ or removing an instance moves only the items whose first choice it was.
 
 Policies: `affinity` (the above), `least_loaded` (fewest in flight, ties rotating),
 `round_robin` (strict rotation), for comparison (benchmarks/routing_bench.py). `Members`: the
-per-instance state both upstream pools keep (in flight, cool-down, draining, counts).
+per-instance state both upstream pools keep (in flight, cool-down, draining, down, counts).
 """
 
 from __future__ import annotations
@@ -72,9 +72,11 @@ class Chooser:
 
 class Members:
     """What a pool of upstream instances (encoders, decode instances) keeps per instance:
-    calls in flight, when a failed one may be tried first again, which are draining, what
-    each was given (`counts`); joining, draining and describing them. A subclass says which
-    instances exist (`names`) and how one is forgotten once drained (`_forget`)."""
+    calls in flight, when a failed one may be tried first again, which are draining, which
+    are down (`down`: their process died; a supervisor, `epd up`, restarts it: outages.py),
+    what each was given (`counts`); joining, draining and describing them. Draining and down
+    instances get nothing new. A subclass says which instances exist (`names`) and how one is
+    forgotten once drained (`_forget`)."""
 
     def __init__(self, names: Sequence[str], cooldown_s: float, counts: dict[str, int]) -> None:
         self.cooldown_s = cooldown_s
@@ -83,6 +85,7 @@ class Members:
         self.down_until: dict[str, float] = {}
         self.counts: dict[str, dict[str, int]] = {}
         self.draining: set[str] = set()
+        self.down: set[str] = set()
         for name in names:
             self._join(name)
 
@@ -97,6 +100,11 @@ class Members:
         self.down_until[name] = 0.0
         self.counts.setdefault(name, dict(self._zero_counts))
         self.draining.discard(name)
+        self.down.discard(name)
+
+    def usable(self, name: str) -> bool:
+        """Neither draining nor down: it may get new work."""
+        return name not in self.draining and name not in self.down
 
     def cool_down(self, name: str, seconds: float | None = None) -> None:
         """`name` failed: try it last for `seconds` (default `cooldown_s`; 0 clears it)."""
@@ -119,6 +127,7 @@ class Members:
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
         return [{"url": n, "state": "draining" if n in self.draining else
+                 "down" if n in self.down else
                  "cooling_down" if self.down_until.get(n, 0) > now else "up",
                  "inflight": self.inflight.get(n, 0), **self.counts.get(n, {})}
                 for n in self.names()]

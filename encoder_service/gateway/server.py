@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -39,7 +40,8 @@ def serve(cfg: GatewayConfig) -> None:
 
 class GatewayThread:
     """The gateway on a background thread with its own event loop. `start()` returns once it
-    accepts connections (or raises); `stop()` shuts it down gracefully."""
+    accepts connections (or raises); `stop()` shuts it down gracefully; `call_soon(fn, *args)`
+    runs `fn` on its loop, from any thread (`epd up`'s supervisor: gateway.outages)."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
         setup_logging(cfg.log_level)
@@ -49,6 +51,7 @@ class GatewayThread:
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self._run, name="epd-gateway", daemon=True)
         self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def url(self) -> str:
@@ -59,10 +62,21 @@ class GatewayThread:
         return self.app.state.gateway
 
     def _run(self) -> None:
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve()
+
         try:
-            asyncio.run(self.server.serve())
+            asyncio.run(serve())
         except BaseException as exc:  # noqa: BLE001 - reported by start()
             self._error = exc
+
+    def call_soon(self, fn, *args) -> None:
+        """`fn(*args)` on the gateway's event loop (dropped once the gateway has stopped)."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(fn, *args)
 
     def start(self, timeout_s: float = 15.0) -> GatewayThread:
         self.thread.start()

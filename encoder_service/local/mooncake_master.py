@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 import httpx
 
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.net import port_open
+from ec_connectors.protocol.net import port_holder, port_open
 from encoder_service.local.processes import ManagedProcess, ServerFailed
 
 if TYPE_CHECKING:
@@ -92,8 +92,10 @@ class MasterServer(ManagedProcess):
     def start(self) -> Self:
         for port in (self.port, self.http_port, self.metrics_port):
             if port_open(self.host, port, 0.2):
-                raise ServerFailed(f"{self.name}: {self.host}:{port} is already in use; "
-                                   "stop what holds it or pick other master ports")
+                held = port_holder(port)
+                raise ServerFailed(f"{self.name}: {self.host}:{port} is already in use"
+                                   f"{f' by {held}' if held else ''}; stop what holds it or "
+                                   "pick other master ports")
         super().start()
         return self
 

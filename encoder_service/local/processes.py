@@ -1,13 +1,15 @@
 """The processes the local stack manages: start, health-check and stop real servers (`epd up`,
-the demo, tests, benchmarks). `ManagedProcess` is what they share; `VllmServer` (`vllm serve`)
-and `PoolServer` (`epd encoder`) are here, `MasterServer` (`mooncake_master`) is in
-mooncake_master.py.
+the demo, tests, benchmarks). `ManagedProcess` is what they share; `VllmServer` (`vllm serve`),
+`PoolServer` (`epd encoder`) and `UpProcess` (a whole `epd up`, for tests and benchmarks) are
+here, `MasterServer` (`mooncake_master`) is in mooncake_master.py.
 
-Every managed process runs in a session of its own (stopped as a process group: SIGTERM, then
-SIGKILL) and dies with the thread that started it, even when its parent is SIGKILLed
-(`ec_connectors.child_process`: parent-death signal; for vLLM, whose SIGTERM handling misses
-a signal that arrives during start-up, a process-group guard on top). Start them from a thread
-that lives as long as they should (the main thread: `epd up`, `start_all`, test fixtures).
+Every managed process runs in a session of its own (stopped as a whole: SIGTERM, then
+SIGKILL, even when the process itself is already gone) and dies with the thread that started
+it, even when its parent is SIGKILLed (`ec_connectors.child_process`: parent-death signal; for
+vLLM, whose SIGTERM handling misses a signal that arrives during start-up, a process-group
+guard on top; vLLM's EngineCore and workers die with their API server: ec_connectors.plugin).
+Start them from a thread that lives as long as they should (the main thread: `epd up`,
+`start_all`, test fixtures). `epd up` restarts what exits unasked: supervise.py.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -146,18 +147,12 @@ class ManagedProcess:
                            f"{self.log_path}:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM to the process group, SIGKILL after `timeout_s`; idempotent."""
-        if not self.running:
-            return
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        """SIGTERM to its whole session (process group), SIGKILL after `timeout_s`;
+        idempotent. Also once the process itself is gone: what it started may not be (an
+        API server SIGKILLed, its EngineCore left), so until no process of the session
+        remains (`child_process.stop_session`)."""
+        if self.proc is not None:
+            child_process.stop_session(self.proc, timeout_s)
 
     def __enter__(self) -> Self:
         return self.start()
@@ -255,6 +250,54 @@ class PoolServer(ManagedProcess):
         self.write_config()
         super().start()
         return self
+
+
+@dataclass
+class UpProcess(ManagedProcess):
+    """A whole `epd up` as one child process (tests, benchmarks): `config` is its up.json
+    (written to work_dir/up.json), `work_dir` its work dir (EPD_WORK_DIR), its output in
+    work_dir/epd-up.log. Healthy once its gateway answers /health naming its decoders: this
+    deployment's gateway, not whatever else holds the port. `stop()` is a SIGTERM: `epd up`
+    stops what it started."""
+
+    config: dict
+    work_dir: Path
+    name: str = "epd-up"
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    startup_timeout_s: ClassVar[float] = 420.0  # vLLM servers on two shared cores
+
+    @property
+    def port(self) -> int:  # the gateway's: the config's base_port
+        return int(self.config["base_port"])
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.get('host', '127.0.0.1')}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "epd-up.log"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "encoder_service.cli", "up", "--config",
+                str(self.work_dir / "up.json")]
+
+    def child_env(self) -> dict[str, str]:
+        return dict(os.environ, EPD_WORK_DIR=str(self.work_dir))
+
+    def healthy(self) -> bool:
+        try:
+            r = httpx.get(self.url + "/health", timeout=5.0)
+            return r.status_code == 200 and "decoders" in r.json()
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def start(self) -> Self:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "up.json").write_text(json.dumps(self.config))
+        return super().start()
 
 
 def start_all(servers: Sequence[ManagedProcess], timeout_s: float = 420.0,

@@ -8,12 +8,13 @@ $VLLM_API_KEY, never on a command line) and the gateway presents it; without one
 key and listen on 127.0.0.1 only, as the data plane does (said at start). Gateway clients need
 a key when `gateway` sets api_keys / api_keys_file or $EPD_GATEWAY_API_KEY is set (said at
 start too). `run_up` waits for health with progress output, then serves the gateway
-in-process and prints the endpoint. Ctrl-C or SIGTERM stops everything: the gateway, then
-every vLLM server's whole process group (SIGTERM, then SIGKILL after a grace period), the
-store master last, so no process is left behind. A SIGKILL of `epd up` itself cannot be
-handled; its servers then get their parent-death signal and go too
-(`ec_connectors.child_process`: they are started from the main thread, which lives as long as
-`epd up`). The command line: up_cli.py.
+in-process and prints the endpoint, then supervises: a server or the store master that exits
+unasked is restarted with backoff, the gateway told (supervise.py). Ctrl-C or SIGTERM stops
+everything: the gateway, then every server's whole session (SIGTERM, then SIGKILL after a
+grace period; also of one that died), the store master last, so no process is left behind.
+A SIGKILL of `epd up` itself cannot be handled; its servers then get their parent-death
+signal and go too (`ec_connectors.child_process`: they are started from the main thread,
+which lives as long as `epd up`). The command line: up_cli.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.protocol import ports
+from ec_connectors.protocol.net import port_holder
 from ec_connectors.protocol.secret import (
     API_KEY_ENV,
     SECRET_ENV,
@@ -48,6 +50,7 @@ from encoder_service.local.processes import (
     VllmServer,
     start_all,
 )
+from encoder_service.local.supervise import supervise
 from encoder_service.local.up_config import (
     UpConfig,
     UpError,
@@ -77,6 +80,7 @@ class Deployment:
     master: MasterServer | None = None  # the Mooncake Store master (mooncake_store, tiered)
     gateway: Any = None  # GatewayThread
     gateway_cfg: GatewayConfig | None = None
+    engine_ports: tuple[str, str] | None = None  # MC_MIN/MAX_RPC_PORT of every Mooncake process
 
     @property
     def servers(self) -> list[ManagedProcess]:
@@ -100,7 +104,7 @@ class Deployment:
             raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers")
         port = cfg.base_port + 1
         mooncake = cfg.uses_te or cfg.uses_store
-        env = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"} if mooncake else {}
+        env = self.mooncake_env() if mooncake else {}
         if cfg.uses_store:
             self.master = master_server(logs, cfg.master_port)
             self.master.env = dict(env)
@@ -165,6 +169,17 @@ class Deployment:
         except GatewayConfigError as exc:
             raise UpError(str(exc)) from None
 
+    def mooncake_env(self) -> dict[str, str]:
+        """What every Mooncake process gets: loopback, and the range its engines' own
+        listeners take ports from (the port plan's, or the user's own when clear of every
+        fixed port; refused naming the collisions when not)."""
+        try:
+            engine = ports.engine_env(self.cfg.fixed_ports, os.environ)
+        except ValueError as exc:
+            raise UpError(str(exc)) from None
+        self.engine_ports = (engine[ports.ENGINE_MIN_ENV], engine[ports.ENGINE_MAX_ENV])
+        return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", **engine}
+
     def trust_lines(self) -> list[str]:
         """What `epd up` says about keys and listeners at start (never a key itself)."""
         cfg, gw = self.cfg, self.gateway_cfg
@@ -183,12 +198,17 @@ class Deployment:
                    "use it; set gateway.api_keys_file (one key per line) or gateway.api_keys "
                    "in the config, or $EPD_GATEWAY_API_KEY")
         lines = [servers, clients]
-        if cfg.uses_te or cfg.uses_store:  # Mooncake cannot be told their address
+        engines = [name for name, used in (
+            ("Transfer Engine", cfg.uses_te and not EPDConfig.from_dict(
+                connector_extra(cfg, "ec_consumer")).te_socket),
+            ("Store clients", cfg.uses_store)) if used]
+        if engines and self.engine_ports:  # Mooncake cannot be told their address
             master = (f", as the Store master's HTTP metadata server "
                       f"(:{ports.master_http_port(cfg.master_port)}) "
                       "does" if cfg.uses_store else "")
-            lines.append("the Mooncake Transfer Engine's own listeners (two per Mooncake "
-                         "process, random ports in 15000-17000 by default) bind every "
+            lines.append(f"the Mooncake engines' own listeners ({' and '.join(engines)}: "
+                         "two per process, random ports in "
+                         f"{'-'.join(self.engine_ports)}, the port plan) bind every "
                          f"interface{master}: firewall them on a shared host (docs/trust.md)")
         return lines
 
@@ -222,8 +242,10 @@ class Deployment:
                 try:
                     sock.bind((host, port))
                 except OSError as exc:
-                    raise UpError(f"port {port} on {host} is not free ({exc}); pick "
-                                  f"another {key}") from None
+                    held = port_holder(port)
+                    raise UpError(f"port {port} on {host} is not free ({exc})"
+                                  f"{f', held by {held}' if held else ''}; pick another "
+                                  f"{key}") from None
 
     def start(self, progress=print) -> None:
         from encoder_service.gateway.server import GatewayThread
@@ -249,14 +271,16 @@ class Deployment:
         alive = [s for s in self.servers if s.running]
         if alive:
             progress(f"stopping {', '.join(s.name for s in alive)}")
-        threads = [threading.Thread(target=s.stop) for s in alive]  # in parallel
+        # in parallel; every server's session, also of one that died (what it left)
+        threads = [threading.Thread(target=s.stop) for s in self.servers]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         m = self.master  # last: the servers' store clients unmount their segments from it
-        if m is not None and m.running:
-            progress(f"stopping {m.name}")
+        if m is not None:
+            if m.running:
+                progress(f"stopping {m.name}")
             m.stop()
 
 
@@ -304,17 +328,13 @@ def run_up(cfg: UpConfig, work_dir: Path,
             f"metrics {dep.url}/metrics; logs {work_dir / 'up'}")
         if demo is not None:
             return demo(dep)
-        say("serving; Ctrl-C or SIGTERM stops everything")
-        reported: set[str] = set()  # names of servers whose exit was reported
-        while True:
-            for s in (*dep.servers, *([dep.master] if dep.master else [])):
-                if s.proc is not None and s.proc.poll() is not None and s.name not in reported:
-                    reported.add(s.name)
-                    routes = ("store loads miss from now on (other tiers, else local "
-                              "encodes)" if s is dep.master else "the gateway routes around it")
-                    say(f"WARNING: {s.name} exited with code {s.proc.returncode}; {routes} "
-                        f"(log {s.log_path})")
-            time.sleep(1.0)
+        say("serving; Ctrl-C or SIGTERM stops everything; " + (
+            "what exits unasked is restarted (supervise.py)" if cfg.restart.enabled
+            else "restarts are off"))
+        supervisor = supervise(dep, cfg.restart, cfg.startup_timeout_s, say)
+        while True:  # on this thread: restarted servers die with it
+            supervisor.poll()
+            time.sleep(0.5)
     except _Shutdown as exc:
         say(f"{exc} received")
         return 0

@@ -35,6 +35,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--master-port", type=int, help=f"Mooncake Store master RPC port "
                    f"(default {ports.MASTER_RPC_PORT}; metadata +1, metrics +2)")
     p.add_argument("--encoder-backend", choices=["vllm", "pool"])
+    p.add_argument("--no-restart", action="store_true",
+                   help="leave a server that exits unasked down (default: restarted with "
+                   "backoff; the config's restart table)")
     p.add_argument("--demo", action="store_true",
                    help="send real image, video and audio requests through the gateway, "
                    "print them, stop")
@@ -49,6 +52,9 @@ def main(argv: list[str]) -> int:
         cfg = load_up_config(args.config, overrides)
         if args.demo and "model" not in cfg.model_fields_set:
             cfg = cfg.model_copy(update={"model": DEMO_MODEL})
+        if args.no_restart:
+            cfg = cfg.model_copy(update={"restart": cfg.restart.model_copy(
+                update={"enabled": False})})
     except (UpError, GatewayConfigError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2

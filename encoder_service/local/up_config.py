@@ -23,8 +23,10 @@ Transports (`transport`):
 - `tiered`: tiers ["mooncake", "mooncake_store", "safetensors"] (loads try them in that
   order, saves write all): the Transfer Engine wiring, the master and the shared directory
   together; the gateway's availability follows the Mooncake announcements.
-All Mooncake processes bind to 127.0.0.1 (MC_TCP_BIND_ADDRESS; the Transfer Engine's own two
-listeners cannot be told an address: docs/trust.md). `connector_extra` adds
+All Mooncake processes bind to 127.0.0.1 (MC_TCP_BIND_ADDRESS; a Mooncake engine's own two
+listeners cannot be told an address, docs/trust.md: over TCP with host pools the Transfer
+Engine transport starts none, Store clients do) and get MC_MIN_RPC_PORT / MC_MAX_RPC_PORT
+from the port plan: a range clear of every fixed port (`fixed_ports`). `connector_extra` adds
 ec_connector_extra_config keys and may change sizes (memory_pool_bytes, store_segment_bytes,
 store_buffer_bytes, ...), never the wiring (transport, host, ports, producers, store_master,
 store_metadata).
@@ -43,6 +45,7 @@ from ec_connectors.config_files import read_config_file, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
 from ec_connectors.protocol.secret import SECRET_ENV, read_secret
+from encoder_service.local.supervise import RestartPolicy
 from encoder_service.local.testmodels import SPECS, ModelSpec
 
 # Ports: ec_connectors/protocol/ports.py (gateway = base_port, then encoders, then decoders)
@@ -97,6 +100,9 @@ class UpConfig(BaseModel):
         "encoder pool alike (e.g. {\"video\": {\"num_frames\": 120}}: the frames kept "
         "decide the embedding, so encoders and decode instances must agree)")
     startup_timeout_s: float = Field(420.0, gt=0)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy, description="restarts of "
+                                   "servers (and the store master) that exit unasked: "
+                                   "backoff, a cap per window (supervise.py)")
     clear_cache: bool = Field(True, description="empty the storage directory at start")
     gateway: dict[str, Any] = Field(default_factory=dict,
                                     description="GatewayConfig keys (limits, media, client "
@@ -168,6 +174,15 @@ class UpConfig(BaseModel):
     def uses_store(self) -> bool:
         """Whether the Mooncake Store tier (and so a master) is used."""
         return "mooncake_store" in self.tiers
+
+    @property
+    def fixed_ports(self) -> dict[int, str]:
+        """Every fixed port of the deployment -> what holds it (ports.up_fixed_ports): what
+        the Mooncake engines' range must stay clear of."""
+        return ports.up_fixed_ports(
+            self.base_port, self.encoders + self.decoders,
+            self.mooncake_base_port if self.uses_te else None, self.encoders,
+            self.master_port if self.uses_store else None)
 
 
 class UpError(RuntimeError):

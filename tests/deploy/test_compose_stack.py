@@ -34,10 +34,10 @@ from encoder_service.local.requests import (
 )
 from encoder_service.local.testmodels import SPECS
 from tests.deploy import engine
-from tests.helpers import epd_up, wait_for
+from tests.helpers import epd_up, port_block, wait_for
 
-PUBLISHED = 18750  # the gateway on the host (127.0.0.1)
-UP_PORT = 18770  # the `epd up` reference: gateway; its encoder +1, decode instance +2
+UP_PORT = port_block(__name__)[0]  # the `epd up` reference: gateway; encoder +1, decode +2
+PUBLISHED = UP_PORT + 3  # the compose stack's gateway on the host (127.0.0.1)
 MODEL = SPECS[engine.settings()["model"]["spec"]]
 PROMPT = "describe this"
 MAX_TOKENS = 8

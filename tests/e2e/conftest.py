@@ -7,10 +7,10 @@ import pytest
 
 from encoder_service.local.processes import VllmServer
 from encoder_service.local.testmodels import SPECS, build
-from tests.helpers import WORK
+from tests.helpers import WORK, port_block
 
 _HERE = __file__.rsplit("/", 1)[0]
-AGG_PORT = 18390  # outside every test module's port range
+AGG_PORT = port_block(__name__)[0]  # the aggregated reference's own block
 
 
 def pytest_collection_modifyitems(config, items):

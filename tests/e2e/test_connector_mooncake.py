@@ -24,11 +24,11 @@ from tests.e2e.client import (
     wait_metric,
 )
 from tests.e2e.client import metric as cons_metric
-from tests.helpers import LOOPBACK, WORK, stop_all
+from tests.helpers import LOOPBACK, MOONCAKE, WORK, port_block, stop_all
 
 pytest.importorskip("mooncake.engine")
-BASE_PORT = 18350
-MC_BASE_PORT = 17950
+BASE_PORT = port_block(__name__)[0]
+MC_BASE_PORT = port_block(__name__, MOONCAKE)[0]
 
 
 def mooncake_extra(**more) -> dict:

@@ -29,9 +29,9 @@ from tests.e2e.client import (
     tokens,
     wait_metric,
 )
-from tests.helpers import WORK, stop_all, wait_for
+from tests.helpers import WORK, port_block, stop_all, wait_for
 
-BASE_PORT = 18300
+BASE_PORT = port_block(__name__)[0]
 
 
 @pytest.fixture(scope="module")

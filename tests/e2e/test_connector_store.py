@@ -16,12 +16,12 @@ from encoder_service.local.processes import VllmServer, metric_value, start_all
 from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
-from tests.e2e.client import MODEL_NAME, ask, tokens
-from tests.helpers import LOOPBACK, WORK, Peers, wait_for
+from tests.e2e.client import MODEL_NAME, ask, metric, tokens, wait_metric
+from tests.helpers import LOOPBACK, MASTER, WORK, Peers, port_block, wait_for
 
 pytest.importorskip("mooncake.store")
-BASE_PORT = 18360
-MASTER_PORT = 19850
+BASE_PORT = port_block(__name__)[0]
+MASTER_PORT = port_block(__name__, MASTER)[0]
 
 
 @pytest.fixture(scope="module")
@@ -62,15 +62,6 @@ def cluster(tmp_path_factory):
         master.stop()
 
 
-def metric(c, server, name) -> float:
-    return metric_value(c["client"].get(server.url + "/metrics").text, f"vllm:epd_{name}")
-
-
-def wait_metric(c, server, name, at_least, timeout=15.0) -> float:
-    wait_for(lambda: metric(c, server, name) >= at_least, timeout, interval=0.2)
-    return metric(c, server, name)
-
-
 def encode_and_store(c, image, item_id) -> None:
     """Ask producer A for the item and wait until its save reached the store (saves run in
     the background: a request sent without params before that would just encode locally)."""
@@ -92,10 +83,10 @@ def test_consumer_loads_from_the_store_with_no_params(cluster):
     item_id = content_item_id(image, MODEL_NAME)
     expected = reference(c, image)
     encode_and_store(c, image, item_id)
-    hits = metric(c, c["cons"], "tier_mooncake_store_hits_total")
+    hits = metric(c, "tier_mooncake_store_hits_total")
     # No ec_transfer_params: the consumer's scheduler finds the item by probing the store.
     assert tokens(ask(c, c["cons"], image, item_id)) == expected
-    assert wait_metric(c, c["cons"], "tier_mooncake_store_hits_total", hits + 1) == hits + 1
+    assert wait_metric(c, "tier_mooncake_store_hits_total", hits + 1) == hits + 1
 
 
 def test_second_encoder_instance_does_not_encode_again(cluster):
@@ -103,12 +94,12 @@ def test_second_encoder_instance_does_not_encode_again(cluster):
     image = sample_image_png(seed=602)
     item_id = content_item_id(image, MODEL_NAME)
     encode_and_store(c, image, item_id)
-    saves_b = metric(c, c["b"], "saves_total")
-    skipped_b = metric(c, c["b"], "skipped_saves_total")
+    saves_b = metric(c, "saves_total", c["b"])
+    skipped_b = metric(c, "skipped_saves_total", c["b"])
     params = ask(c, c["b"], image, item_id, max_tokens=1).get("ec_transfer_params")
     assert params and item_id in params["epd"]["items"]  # B still promises the item
-    assert wait_metric(c, c["b"], "skipped_saves_total", skipped_b + 1) >= skipped_b + 1
-    assert metric(c, c["b"], "saves_total") == saves_b  # B encoded and stored nothing
+    assert wait_metric(c, "skipped_saves_total", skipped_b + 1, server=c["b"]) >= skipped_b + 1
+    assert metric(c, "saves_total", c["b"]) == saves_b  # B encoded and stored nothing
     expected = reference(c, image)
     assert tokens(ask(c, c["cons"], image, item_id, params)) == expected
 
@@ -124,14 +115,14 @@ def test_master_killed_mid_run_requests_still_answered(cluster):
     expected = reference(c, image)
     params = ask(c, c["a"], image, item_id, max_tokens=1).get("ec_transfer_params")
     assert params and item_id in params["epd"]["items"]
-    hits = metric(c, c["cons"], "tier_safetensors_hits_total")
+    hits = metric(c, "tier_safetensors_hits_total")
     assert tokens(ask(c, c["cons"], image, item_id, params)) == expected
-    assert wait_metric(c, c["cons"], "tier_safetensors_hits_total", hits + 1) == hits + 1
-    assert metric(c, c["cons"], "tier_mooncake_store_skipped_total") >= 1
-    assert metric(c, c["cons"], "transport_down_total") >= 1
+    assert wait_metric(c, "tier_safetensors_hits_total", hits + 1) == hits + 1
+    assert metric(c, "tier_mooncake_store_skipped_total") >= 1
+    assert metric(c, "transport_down_total") >= 1
     # An item no tier has: encoded locally, answered all the same.
     other = sample_image_png(seed=604)
     assert tokens(ask(c, c["cons"], other, content_item_id(other, MODEL_NAME)))
     # vLLM publishes a server's connector stats on its next step: give producer A one.
     ask(c, c["a"], other, content_item_id(other, MODEL_NAME), max_tokens=1)
-    assert wait_metric(c, c["a"], "tier_mooncake_store_put_failures_total", 1) >= 1
+    assert wait_metric(c, "tier_mooncake_store_put_failures_total", 1, server=c["a"]) >= 1

@@ -23,15 +23,14 @@ from PIL import Image
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
-from encoder_service.local.processes import VllmServer, metric_value, start_all
-from encoder_service.local.requests import chat_body, data_url, sample_image_png
+from encoder_service.local.processes import VllmServer, start_all
+from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
-from tests.e2e.client import MODEL_NAME
-from tests.helpers import WORK, Served, wait_for
+from tests.e2e.client import MODEL_NAME, ask, metric
+from tests.helpers import WORK, Served, port_block, wait_for
 
-PROMPT = "what is in this picture"
-BASE_PORT = 18420
+BASE_PORT = port_block(__name__)[0]
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +56,6 @@ def cluster(tmp_path_factory):
 MIME = {13: "image/jpeg"}
 
 
-def chat(c, server, image, item_id, params=None, max_tokens=8, mime=None) -> dict:
-    body = chat_body(MODEL_NAME, image, PROMPT, item_id=item_id, max_tokens=max_tokens,
-                     ec_transfer_params=params)
-    if mime:
-        part = body["messages"][0]["content"][0]
-        part["image_url"]["url"] = data_url(image, mime)
-    r = c["client"].post(server.url + "/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def pool_encode(c, image, item_id) -> dict:
     r = c["client"].post(c["pool"].url + "/v1/encode", json={"items": [
         {"id": item_id, "data": base64.b64encode(image).decode()}]})
@@ -75,11 +63,6 @@ def pool_encode(c, image, item_id) -> dict:
     body = r.json()
     assert body["items"][item_id]["status"] == "ok", body
     return body["ec_transfer_params"]
-
-
-def loads(c) -> float:
-    text = c["client"].get(c["cons"].url + "/metrics").text
-    return metric_value(text, "vllm:epd_loads_total")
 
 
 def exif_rotated_jpeg(seed: int) -> bytes:
@@ -111,7 +94,7 @@ def test_pool_embedding_matches_the_vllm_producers(cluster):
     images = {11: sample_image_png(11), 12: sample_image_png(12), 13: exif_rotated_jpeg(13),
               14: transparent_png(14)}
     for seed, image in images.items():
-        chat(c, c["prod"], image, f"vllm-{seed}", max_tokens=1, mime=MIME.get(seed))
+        ask(c, c["prod"], image, f"vllm-{seed}", max_tokens=1, mime=MIME.get(seed))
         pool_encode(c, image, f"pool-{seed}")
         from_vllm = reader.get(f"vllm-{seed}", deadline=time.monotonic() + 10)
         from_pool = reader.get(f"pool-{seed}", deadline=time.monotonic() + 10)
@@ -128,11 +111,12 @@ def test_vllm_consumer_fed_by_the_pool_answers_like_vllm_itself(cluster):
     c = cluster
     for seed in (21, 22):
         image = sample_image_png(seed)
-        before = loads(c)
-        reference = chat(c, c["cons"], image, f"local-{seed}")["choices"][0]["token_ids"]
+        before = metric(c, "loads_total")
+        reference = ask(c, c["cons"], image, f"local-{seed}")["choices"][0]["token_ids"]
         time.sleep(1.0)  # vLLM publishes connector stats a step later
-        assert loads(c) == before, "the reference must be the consumer's own encode"
+        assert metric(c, "loads_total") == before, "the reference must be the consumer's own encode"
         params = pool_encode(c, image, f"pool-chat-{seed}")
-        answer = chat(c, c["cons"], image, f"pool-chat-{seed}", params)
+        answer = ask(c, c["cons"], image, f"pool-chat-{seed}", params)
         assert answer["choices"][0]["token_ids"] == reference and reference
-        assert wait_for(lambda b=before: loads(c) >= b + 1, timeout=15, interval=0.2)
+        assert wait_for(lambda b=before: metric(c, "loads_total") >= b + 1, timeout=15,
+                        interval=0.2)

@@ -18,7 +18,6 @@ code path as Qwen2.5-VL, plus audio).
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 
@@ -29,11 +28,10 @@ import torch
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
-from encoder_service.local.processes import VllmServer, metric_value
+from encoder_service.local.processes import VllmServer
 from encoder_service.local.requests import (
     audio_part,
     image_part,
-    parts_body,
     sample_audio,
     sample_frames,
     sample_image_png,
@@ -43,11 +41,12 @@ from encoder_service.local.requests import (
 )
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
-from tests.helpers import WORK, Served, wait_for
+from tests.e2e.client import answer_parts, metric, post_parts
+from tests.helpers import WORK, Served, port_block, wait_for
 
 SPEC = SPECS["qwen-omni"]
 MODEL = SPEC.model_name
-BASE_PORT = 18430
+BASE_PORT = port_block(__name__)[0]
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +68,6 @@ def cluster(tmp_path_factory):
         cons.stop()
 
 
-def answer(c, parts, **extra) -> list[int]:
-    r = c["client"].post(c["cons"].url + "/v1/chat/completions",
-                         json=parts_body(MODEL, copy.deepcopy(parts), "describe this", **extra))
-    assert r.status_code == 200, r.text
-    ids = r.json()["choices"][0]["token_ids"]
-    assert ids
-    return ids
-
-
-def loads(c) -> float:
-    return metric_value(c["client"].get(c["cons"].url + "/metrics").text,
-                        "vllm:epd_loads_total")
-
-
 @pytest.mark.parametrize("modality", ["image", "video", "audio"])
 def test_pool_embedding_serves_a_metadata_only_request(cluster, modality):
     c = cluster
@@ -100,11 +85,12 @@ def test_pool_embedding_serves_a_metadata_only_request(cluster, modality):
     params = body["ec_transfer_params"]
     metadata = params["epd"]["items"][item_id]["metadata"]
     kind = f"{modality}_embeds"
-    before = loads(c)
-    got = answer(c, [{"type": kind, kind: metadata, "uuid": item_id}],
-                 ec_transfer_params=params)
-    assert wait_for(lambda: loads(c) >= before + 1, 15, 0.2)  # the pool's embedding
-    reference = answer(c, [{**part, "uuid": f"{item_id}-encoded-here"}])
+    before = metric(c, "loads_total")
+    got = answer_parts(c, c["cons"], [{"type": kind, kind: metadata, "uuid": item_id}], MODEL,
+                       ec_transfer_params=params)
+    # the pool's embedding was loaded
+    assert wait_for(lambda: metric(c, "loads_total") >= before + 1, 15, 0.2)
+    reference = answer_parts(c, c["cons"], [{**part, "uuid": f"{item_id}-encoded-here"}], MODEL)
     assert got == reference
 
 
@@ -151,8 +137,8 @@ def test_pool_embedding_is_bit_identical_to_vllms_encoder(cluster):
     cases = parity_cases(2611)
     before = c["client"].get(c["pool"].url + "/v1/stats").json()["chunked_items"]
     for name, part in cases:
-        r = c["client"].post(c["cons"].url + "/v1/chat/completions", json=parts_body(
-            MODEL, [{**copy.deepcopy(part), "uuid": f"vllm-{name}"}], "describe", max_tokens=1))
+        r = post_parts(c, c["cons"], [{**part, "uuid": f"vllm-{name}"}], MODEL, "describe",
+                       max_tokens=1)
         assert r.status_code == 200, (name, r.text)
         vllm_meta = r.json()["ec_transfer_params"]["epd"]["items"][f"vllm-{name}"]["metadata"]
         modality, data = media_of(part)
@@ -189,7 +175,7 @@ def test_reported_breaks_answer_as_aggregated_vllm(cluster, name):
     kind = f"{modality}_embeds"
     metadata = params["epd"]["items"][item_id]["metadata"]
     for max_tokens in (8, 24):  # first encode, then the consumer's cache
-        got = answer(c, [{"type": kind, kind: metadata, "uuid": item_id}],
-                     ec_transfer_params=params, max_tokens=max_tokens)
-        assert got == answer(c, [{**part, "uuid": f"{item_id}-raw-{max_tokens}"}],
-                             max_tokens=max_tokens)
+        got = answer_parts(c, c["cons"], [{"type": kind, kind: metadata, "uuid": item_id}],
+                           MODEL, ec_transfer_params=params, max_tokens=max_tokens)
+        assert got == answer_parts(c, c["cons"], [{**part, "uuid": f"{item_id}-raw-{max_tokens}"}],
+                                   MODEL, max_tokens=max_tokens)

@@ -1,8 +1,10 @@
 """The gateway end to end: `epd up` (a real subprocess: vLLM encoder + vLLM prefill/decode +
 gateway on the tiny model) beside the session's aggregated vLLM server (the reference).
 Answers through the gateway must equal the aggregated server's; counts come from /metrics. The
-last tests kill the encoder, then stop `epd up` with SIGTERM and check that nothing is left
-behind."""
+last tests kill servers under `epd up` (a decode instance's API server and the encoder's
+EngineCore, then the encoder's API server: each is restarted and taken back, no request
+fails; tests/e2e/outage.py), then stop `epd up` with SIGINT and check that nothing is left
+behind, in any session it ever started."""
 
 from __future__ import annotations
 
@@ -15,20 +17,27 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from ec_connectors import child_process
+from ec_connectors.child_process import session_members
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
-from tests.e2e.client import MODEL_NAME
-from tests.helpers import ROOT, WORK, alive, descendants, epd_up, wait_for
+from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at
+from tests.e2e.outage import (
+    Traffic,
+    engine_core,
+    instance_states,
+    server_session,
+    sessions_of,
+    wait_back,
+)
+from tests.helpers import ROOT, WORK, alive, descendants, epd_up, port_block, wait_for
 
-PROMPT = "what is in this picture"
-UP_PORT = 18570  # up: gateway 18570, encoder 18571, decode 18572
+UP_PORT = port_block(__name__)[0]  # up: gateway, encoder +1, decode +2; +20..+26 more
 ENC_URL, DEC_URL = f"http://127.0.0.1:{UP_PORT + 1}", f"http://127.0.0.1:{UP_PORT + 2}"
 GW = f"http://127.0.0.1:{UP_PORT}"
 
@@ -48,22 +57,8 @@ def cluster(tmp_path_factory, aggregated):
                "storage": storage, "work": work}
 
 
-def ask(c, url, image, max_tokens=8, **extra):
-    r = c["client"].post(url + "/v1/chat/completions",
-                         json={**chat_body(MODEL_NAME, image, PROMPT, max_tokens=max_tokens),
-                               **extra})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]
-
-
-def reference(c, image) -> list[int]:
-    ids = ask(c, c["agg"].url, image)["token_ids"]
-    assert ids
-    return ids
-
-
 def gw_metric(c, name) -> float:
-    return metric_value(c["client"].get(GW + "/metrics").text, name)
+    return metric_at(c, GW, name)
 
 
 def finished(c, url, reason) -> float:
@@ -77,14 +72,14 @@ def finished(c, url, reason) -> float:
 def test_answers_equal_the_aggregated_server_streamed_and_not(cluster):
     c = cluster
     image = sample_image_png(seed=501)
-    ref = reference(c, image)
+    ref = answer(c, c["agg"], image)
     encoded = gw_metric(c, 'epd_gateway_items_total{outcome="encoded"}')
-    assert ask(c, GW, image)["token_ids"] == ref
+    assert answer(c, GW, image) == ref
     assert gw_metric(c, 'epd_gateway_items_total{outcome="encoded"}') == encoded + 1
     # a fresh image, streamed: now that the encoder was seen to publish no placeholder
     # metadata (LLaVA), the decode request goes out while the image is encoded (overlap)
     image2 = sample_image_png(seed=502)
-    ref2 = reference(c, image2)
+    ref2 = answer(c, c["agg"], image2)
     overlapped = gw_metric(c, 'epd_gateway_items_total{outcome="overlapped"}')
     body = {**chat_body(MODEL_NAME, image2, PROMPT, max_tokens=8), "stream": True}
     tokens = []
@@ -105,26 +100,22 @@ def test_answers_equal_the_aggregated_server_streamed_and_not(cluster):
 def test_repeated_image_skips_encoding(cluster):
     c = cluster
     image = sample_image_png(seed=503)
-    ref = reference(c, image)
-    assert ask(c, GW, image)["token_ids"] == ref
+    ref = answer(c, c["agg"], image)
+    assert answer(c, GW, image) == ref
     enc_calls = finished(c, ENC_URL, "length") + finished(c, ENC_URL, "stop")
     hits = gw_metric(c, 'epd_gateway_items_total{outcome="cache_hit"}')
-    assert ask(c, GW, image)["token_ids"] == ref
+    assert answer(c, GW, image) == ref
     assert gw_metric(c, 'epd_gateway_items_total{outcome="cache_hit"}') == hits + 1
     time.sleep(0.5)
     assert finished(c, ENC_URL, "length") + finished(c, ENC_URL, "stop") == enc_calls
 
 
-def vllm_metric(c, url, name) -> float:
-    return metric_value(c["client"].get(url + "/metrics").text, name)
-
-
 def assert_aborted_early(c, tokens_before: float, what: str) -> None:
     """The decode instance stopped the 900-token request long before its end (client
     aborts are not counted in vllm:request_success_total, so count generated tokens)."""
-    assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:num_requests_running") == 0,
+    assert wait_for(lambda: metric_at(c, DEC_URL, "vllm:num_requests_running") == 0,
                     timeout=10, interval=0.1), f"{what}: still running on the decode instance"
-    made = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total") - tokens_before
+    made = metric_at(c, DEC_URL, "vllm:generation_tokens_total") - tokens_before
     assert made < 450, f"{what}: {made:.0f} tokens generated after the client left"
 
 
@@ -132,7 +123,7 @@ def test_client_disconnect_aborts_the_upstream_request(cluster):
     c = cluster
     long = {"max_tokens": 900, "ignore_eos": True}
     gone = gw_metric(c, "epd_gateway_client_disconnects_total")
-    tokens = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    tokens = metric_at(c, DEC_URL, "vllm:generation_tokens_total")
     body = {**chat_body(MODEL_NAME, sample_image_png(seed=504), PROMPT), **long, "stream": True}
     with httpx.Client(timeout=60) as client, client.stream(
             "POST", GW + "/v1/chat/completions", json=body) as r:
@@ -142,21 +133,21 @@ def test_client_disconnect_aborts_the_upstream_request(cluster):
     assert_aborted_early(c, tokens, "streamed")
     # non-streamed: the client hangs up once the decode instance is generating (watched on
     # its metrics, not timed: on an idle machine 900 tokens take about a second)
-    tokens = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    tokens = metric_at(c, DEC_URL, "vllm:generation_tokens_total")
     body = {**chat_body(MODEL_NAME, sample_image_png(seed=505), PROMPT), **long}
     payload = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", UP_PORT), timeout=60) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
-        assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:num_requests_running") >= 1,
+        assert wait_for(lambda: metric_at(c, DEC_URL, "vllm:num_requests_running") >= 1,
                         timeout=30, interval=0.02), "the request never reached the decode"
     assert_aborted_early(c, tokens, "non-streamed")
     assert gw_metric(c, "epd_gateway_client_disconnects_total") == gone + 2
     # control: the same request left alone does generate all 900 tokens
-    tokens = vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    tokens = metric_at(c, DEC_URL, "vllm:generation_tokens_total")
     ask(c, GW, sample_image_png(seed=505), max_tokens=900, ignore_eos=True)
-    assert wait_for(lambda: vllm_metric(c, DEC_URL, "vllm:generation_tokens_total")
+    assert wait_for(lambda: metric_at(c, DEC_URL, "vllm:generation_tokens_total")
                     >= tokens + 900, timeout=5, interval=0.1)
 
 
@@ -194,7 +185,7 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
     inside each gateway, affinity across them, and the encoder's own cache: one encode."""
     c = cluster
     image = sample_image_png(seed=777)
-    ref = reference(c, image)
+    ref = answer(c, c["agg"], image)
     gw2 = Gateway2(c, UP_PORT + 20, [DEC_URL])
     gw2_url = gw2.url
     try:
@@ -203,7 +194,7 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
                                     f'epd_gateway_items_total{{outcome="{outcome}"}}')
                        for u in (GW, gw2_url))
 
-        saves = vllm_metric(c, ENC_URL, "vllm:epd_saves_total")
+        saves = metric_at(c, ENC_URL, "vllm:epd_saves_total")
         before = {o: items(o) for o in ("encoded", "shared", "cache_hit")}
         start = threading.Barrier(16)
 
@@ -218,9 +209,9 @@ def test_sixteen_concurrent_requests_for_one_new_image_encode_once_across_two_ga
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(one, range(16)))
         assert answers == [ref] * 16
-        wait_for(lambda: vllm_metric(c, ENC_URL, "vllm:epd_saves_total") > saves, timeout=5)
+        wait_for(lambda: metric_at(c, ENC_URL, "vllm:epd_saves_total") > saves, timeout=5)
         time.sleep(0.5)  # a second save, if there were one, would be counted by now
-        assert vllm_metric(c, ENC_URL, "vllm:epd_saves_total") - saves == 1  # one encode
+        assert metric_at(c, ENC_URL, "vllm:epd_saves_total") - saves == 1  # one encode
         delta = {o: items(o) - n for o, n in before.items()}
         print("two gateways, 16 requests:", delta)
         assert delta["encoded"] <= 2  # at most one leader per gateway; the rest shared or hit
@@ -238,10 +229,10 @@ def test_concurrent_requests_new_images_share_calls_to_the_vllm_encoder(cluster)
     aggregated server's."""
     c = cluster
     images = [sample_image_png(seed=930 + i) for i in range(12)]
-    refs = [reference(c, im) for im in images]
+    refs = [answer(c, c["agg"], im) for im in images]
     calls = gw_metric(c, "epd_gateway_encoder_call_items_count")
     items = gw_metric(c, "epd_gateway_encoder_call_items_sum")
-    saves = vllm_metric(c, ENC_URL, "vllm:epd_saves_total")
+    saves = metric_at(c, ENC_URL, "vllm:epd_saves_total")
     start = threading.Barrier(12)
 
     def one(i: int) -> list[int]:
@@ -260,8 +251,8 @@ def test_concurrent_requests_new_images_share_calls_to_the_vllm_encoder(cluster)
     assert 0 < n_calls < 12
     # The encoder's engine steps until its workers report the saves (has_pending_push_work):
     # the count is current once the burst is over, not at the next request.
-    wait_for(lambda: vllm_metric(c, ENC_URL, "vllm:epd_saves_total") >= saves + 12, timeout=5)
-    assert vllm_metric(c, ENC_URL, "vllm:epd_saves_total") - saves == 12  # each encoded once
+    wait_for(lambda: metric_at(c, ENC_URL, "vllm:epd_saves_total") >= saves + 12, timeout=5)
+    assert metric_at(c, ENC_URL, "vllm:epd_saves_total") - saves == 12  # each encoded once
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +279,7 @@ def test_decode_instances_join_and_leave_under_load_and_no_request_is_lost(clust
     c, dec2 = cluster, second_decoder
     gw2 = Gateway2(c, UP_PORT + 23, [DEC_URL])
     images = [sample_image_png(seed=850 + i) for i in range(4)]
-    refs = [reference(c, im) for im in images]
+    refs = [answer(c, c["agg"], im) for im in images]
     admin = gw2.url + "/admin/instances"  # no secret: loopback callers may
     try:
         def one(i: int) -> bool:
@@ -384,6 +375,66 @@ def test_streams_cut_mid_answer_continue_exactly_for_each_field_or_end_with_an_e
             p.stop()
 
 
+ENCODED = 'epd_gateway_items_total{outcome="encoded"}'
+
+
+def restarts(c, name: str) -> float:
+    return gw_metric(c, f'epd_restarts_total{{instance="{name}"}}')
+
+
+def test_epd_up_restarts_killed_servers_and_no_request_fails(cluster, second_decoder):
+    """`epd up` supervises its servers. With the second decode instance joined to its
+    gateway (so that one may be down), the decode instance's API server and the encoder's
+    EngineCore are SIGKILLed together while requests flow: no process of either server's
+    session remains (the API server's engine went with it; the encoder's API server exits
+    once its engine is dead), both are restarted on their ports and taken back by the
+    gateway within 120 s, every request is answered correctly (the items go raw while the
+    encoder is down), and each restarted server then serves a new request. The encoder's
+    API server: test_encoder_killed_mid_run_..."""
+    from ec_connectors.protocol.keys import content_item_id
+    from encoder_service.gateway.routing import rendezvous
+
+    c, dec2, client = cluster, second_decoder, cluster["client"]
+    admin = GW + "/admin/instances"
+    joined = client.post(admin, json={"role": "decoder", "url": dec2.url, "action": "add"})
+    assert joined.status_code == 200, joined.text
+    try:
+        enc, dec = (server_session(c["up"].pid, UP_PORT + i) for i in (1, 2))
+        c.setdefault("sessions", set()).update({enc, dec})
+        core = engine_core(enc)
+        with Traffic(c, GW, first_seed=1000) as traffic:
+            assert wait_for(lambda: traffic.sent >= 2, timeout=30)
+            t0 = time.monotonic()
+            os.kill(dec, signal.SIGKILL)  # decode-0's API server
+            os.kill(core, signal.SIGKILL)  # the encoder's EngineCore
+            assert wait_for(lambda: not session_members(dec) and not session_members(enc),
+                            timeout=20, interval=0.1), "a process of a killed server remains"
+            assert wait_for(lambda: set(instance_states(client, GW).values()) >= {"down"},
+                            timeout=10, interval=0.1)
+            took = wait_back(client, GW, [ENC_URL, DEC_URL], t0)
+        print(f"decode API server + encoder EngineCore killed: both back in {took:.0f} s, "
+              f"{traffic.sent} requests meanwhile")
+        assert not traffic.failures, traffic.failures
+        assert restarts(c, "decode-0") == 1 and restarts(c, "encoder-0") == 1
+        log = c["log"].read_text()
+        assert "WARNING: decode-0 killed by SIGKILL" in log
+        assert "WARNING: encoder-0 exited" in log and "restarted encoder-0" in log
+        # each serves a new request: an image whose affinity is decode-0, encoded
+        image = next(im for im in (sample_image_png(seed=n) for n in range(1100, 1200))
+                     if rendezvous(content_item_id(im, MODEL_NAME), [DEC_URL, dec2.url])[0]
+                     == DEC_URL)
+        ref = answer(c, c["agg"], image)
+        served, encoded = metric_at(c, DEC_URL, "vllm:request_success_total"), gw_metric(
+            c, ENCODED)
+        assert answer(c, GW, image) == ref
+        assert gw_metric(c, ENCODED) == encoded + 1
+        assert wait_for(lambda: metric_at(c, DEC_URL, "vllm:request_success_total")
+                        > served, timeout=5, interval=0.1)
+    finally:
+        client.post(admin, json={"role": "decoder", "url": dec2.url, "action": "remove"},
+                    timeout=120)
+
+
 def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluster,
                                                                           second_decoder):
     """A second decode instance serves a long greedy stream and is SIGKILLed after the first
@@ -402,7 +453,7 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
                      if rendezvous(content_item_id(im, MODEL_NAME), [DEC_URL, dec2.url])[0]
                      == dec2.url)  # its affinity: the instance that will die
         long = {"max_tokens": 300, "ignore_eos": True}
-        ref = ask(c, c["agg"].url, image, **long)["token_ids"]
+        ref = answer(c, c["agg"], image, **long)
         body = {**chat_body(MODEL_NAME, image, PROMPT), **long, "stream": True}
         got: list[int] = []
         errors: list[dict] = []
@@ -433,29 +484,48 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
             gw2.stop()
 
 
-def test_encoder_killed_mid_run_answers_stay_correct(cluster):
+def test_encoder_killed_mid_run_answers_stay_correct_and_it_comes_back(cluster):
+    """The encoder's API server SIGKILLed between requests: they go raw (fallback), its
+    EngineCore goes with it, `epd up` restarts it and the gateway takes it back within
+    120 s while requests flow, all answered; then it encodes again."""
     c = cluster
     images = [sample_image_png(seed=600 + i) for i in range(5)]
-    refs = [reference(c, im) for im in images]
+    refs = [answer(c, c["agg"], im) for im in images]
     fallbacks = gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}')
-    encoder = next(p for p in descendants(c["up"].pid)
-                   if f"--port\0{UP_PORT + 1}\0" in Path(f"/proc/{p}/cmdline").read_text())
+    encoder = server_session(c["up"].pid, UP_PORT + 1)
+    c.setdefault("sessions", set()).add(encoder)
     for i, (im, ref) in enumerate(zip(images, refs, strict=True)):
         if i == 2:
-            os.killpg(encoder, signal.SIGKILL)
-        assert ask(c, GW, im)["token_ids"] == ref, f"request {i}"
+            t0 = time.monotonic()
+            os.kill(encoder, signal.SIGKILL)  # the API server alone
+        assert answer(c, GW, im) == ref, f"request {i}"
     assert gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}') == fallbacks + 3
     assert "encoder failure" in c["log"].read_text()
+    assert wait_for(lambda: not session_members(encoder), timeout=10, interval=0.1), \
+        "the killed encoder's EngineCore remains"
+    with Traffic(c, GW, first_seed=1300) as traffic:
+        took = wait_back(c["client"], GW, [ENC_URL], t0)
+    print(f"encoder API server killed: back in {took:.0f} s, {traffic.sent} requests meanwhile")
+    assert not traffic.failures, traffic.failures
+    assert restarts(c, "encoder-0") == 2
+    encoded, image = gw_metric(c, ENCODED), sample_image_png(seed=1399)
+    assert answer(c, GW, image) == answer(c, c["agg"], image)
+    assert gw_metric(c, ENCODED) == encoded + 1
 
 
-def test_epd_up_stops_everything_on_sigterm(cluster):
+def test_epd_up_stops_everything_on_sigint_kills_included(cluster):
+    """Ctrl-C (SIGINT; every other `epd up` test stops it with SIGTERM) stops every process
+    `epd up` started and all they started, in every session it had (killed servers too)."""
     c = cluster
     up = c["up"]
     procs = descendants(up.pid)
     assert len(procs) >= 2  # the decode instance's API server and engine core at least
-    up.send_signal(signal.SIGTERM)
+    # and every server session `epd up` ever had, those of servers killed and restarted too
+    sessions = (sessions_of(procs) | c.get("sessions", set())) - {os.getsid(0)}
+    up.send_signal(signal.SIGINT)
     assert up.wait(timeout=90) == 0
     assert wait_for(lambda: not any(alive(p) for p in procs), timeout=10)
+    assert not any(session_members(s) for s in sessions), "left behind"
     with pytest.raises(httpx.ConnectError):
         httpx.get(DEC_URL + "/health", timeout=2)
     assert "stopped" in c["log"].read_text()

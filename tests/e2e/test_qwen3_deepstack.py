@@ -10,28 +10,27 @@ with."""
 
 from __future__ import annotations
 
-import copy
 import json
 
 import httpx
 import pytest
 
-from encoder_service.local.processes import VllmServer, metric_value, start_all
+from encoder_service.local.processes import VllmServer, start_all
 from encoder_service.local.requests import (
     image_part,
-    parts_body,
     sample_frames,
     sample_image_png,
     video_part,
 )
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
-from tests.helpers import LOOPBACK, WORK, wait_for
+from tests.e2e.client import answer_parts, ask_parts, metric
+from tests.helpers import LOOPBACK, MOONCAKE, WORK, port_block, wait_for
 
 pytest.importorskip("mooncake.engine")
 SPEC = SPECS["qwen3-vl"]
 MODEL = SPEC.model_name
-BASE_PORT, MC_BASE_PORT = 18360, 17960
+BASE_PORT, MC_BASE_PORT = port_block(__name__)[0], port_block(__name__, MOONCAKE)[0]
 
 
 def extra(**more) -> dict:
@@ -62,21 +61,13 @@ def cluster(tmp_path_factory):
             s.stop()
 
 
-def answer(c, server, parts, **extra) -> dict:
-    r = c["client"].post(server.url + "/v1/chat/completions",
-                         json=parts_body(MODEL, copy.deepcopy(parts), "describe this",
-                                         **extra))
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 @pytest.mark.parametrize("modality", ["image", "video"])
 def test_metadata_only_deepstack_items_equal_the_aggregated_answer(cluster, modality):
     c = cluster
     part = (image_part(sample_image_png(700)) if modality == "image"
             else video_part(sample_frames(701)))
     part["uuid"] = f"q3-{modality}"
-    params = answer(c, c["prod"], [part], max_tokens=1)["ec_transfer_params"]
+    params = ask_parts(c, c["prod"], [part], MODEL, max_tokens=1)["ec_transfer_params"]
     entry = params["epd"]["items"][part["uuid"]]
     if "shape" in entry:  # described once the save is reported (usually already)
         assert entry["shape"][1] == 2 * SPEC.lm_hidden  # DeepStack: wider than the LM
@@ -86,12 +77,10 @@ def test_metadata_only_deepstack_items_equal_the_aggregated_answer(cluster, moda
         assert "timestamps" in metadata
     kind = f"{modality}_embeds"
     meta_only = [{"type": kind, kind: metadata, "uuid": part["uuid"]}]
-    loads = metric_value(c["client"].get(c["cons"].url + "/metrics").text,
-                         "vllm:epd_loads_total")
-    got = answer(c, c["cons"], meta_only, ec_transfer_params=params)
+    loads = metric(c, "loads_total")
+    got = ask_parts(c, c["cons"], meta_only, MODEL, ec_transfer_params=params)
     local = {**part, "uuid": f"q3-{modality}-encoded-here"}
-    reference = answer(c, c["cons"], [local])["choices"][0]["token_ids"]
+    reference = answer_parts(c, c["cons"], [local], MODEL)
     assert reference and got["choices"][0]["token_ids"] == reference
     # the embedding came through the transport (vLLM publishes the counter a step later)
-    assert wait_for(lambda: metric_value(c["client"].get(c["cons"].url + "/metrics").text,
-                                         "vllm:epd_loads_total") >= loads + 1, 15, 0.2)
+    assert wait_for(lambda: metric(c, "loads_total") >= loads + 1, 15, 0.2)

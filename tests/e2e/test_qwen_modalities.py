@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from ec_connectors.protocol.keys import item_key
-from encoder_service.local.processes import VllmServer, metric_value
+from encoder_service.local.processes import VllmServer
 from encoder_service.local.requests import (
     audio_part,
     image_part,
@@ -31,13 +31,15 @@ from encoder_service.local.requests import (
     video_part,
 )
 from encoder_service.local.testmodels import SPECS, build
-from tests.helpers import WORK, epd_up
-from tests.hostile import HUGE_GRID, grid_part, hostile_request
+from tests.e2e.client import answer_parts, metric_at, post_parts
+from tests.helpers import WORK, epd_up, port_block
+from tests.hostile import HUGE_GRID, grid_part, hostile_request, meta_part
 
 SPEC = SPECS["qwen-omni"]
 MODEL = SPEC.model_name
 PROMPT = "describe this"
-AGG_PORT, UP_PORT = 18680, 18670  # up: gateway 18670, encoder 18671, decode 18672
+UP_PORT = port_block(__name__)[0]  # up: gateway, encoder +1, decode +2
+AGG_PORT = UP_PORT + 3
 ENC_URL, DEC_URL = f"http://127.0.0.1:{UP_PORT + 1}", f"http://127.0.0.1:{UP_PORT + 2}"
 GW = f"http://127.0.0.1:{UP_PORT}"
 META_ONLY = 'epd_gateway_items_total{outcome="metadata_only"}'
@@ -68,20 +70,15 @@ def cluster(tmp_path_factory):
 
 
 def post(c, url, parts, **extra) -> httpx.Response:
-    body = parts_body(MODEL, copy.deepcopy(parts), PROMPT, **extra)
-    return c["client"].post(url + "/v1/chat/completions", json=body)
+    return post_parts(c, url, parts, MODEL, PROMPT, **extra)
 
 
 def tokens(c, url, parts, **extra) -> list[int]:
-    r = post(c, url, parts, **extra)
-    assert r.status_code == 200, r.text
-    ids = r.json()["choices"][0]["token_ids"]
-    assert ids
-    return ids
+    return answer_parts(c, url, parts, MODEL, PROMPT, **extra)
 
 
 def gw(c, name) -> float:
-    return metric_value(c["client"].get(GW + "/metrics").text, name)
+    return metric_at(c, GW, name)
 
 
 def samples(seed):
@@ -226,7 +223,7 @@ def test_each_decode_instance_refusal_has_its_reason(cluster):
     # a grid that does not match the stored embedding (16 tokens; the request says 32)
     _, item_id, params = _encoded(c, 400)
     wrong = [grid_part([1, 8, 16], "image", item_id)]
-    assert _refusal(post(c, DEC_URL, wrong, ec_transfer_params=params), 503) \
+    assert _refusal(post(c, DEC_URL, wrong, ec_transfer_params=params), 400) \
         == "embedding_mismatch"
     # verification failure: the stored file damaged in place (the index still lists it)
     _, item_id, params = _encoded(c, 401)
@@ -247,6 +244,48 @@ def test_each_decode_instance_refusal_has_its_reason(cluster):
     events = [json.loads(line[6:]) for line in r.text.splitlines()
               if line.startswith("data: {")]
     assert events[-1]["error"]["code"] == "embedding_unavailable", r.text
+
+
+def test_a_stored_item_that_does_not_fit_the_part_is_a_400_with_its_id(cluster):
+    """A metadata-only part naming a stored image (grid [1, 8, 8], 16 embeddings) with a
+    smaller grid, a larger one, a video grid or an audio length: a 400 `embedding_mismatch`
+    naming the item (scheduler_hooks/fit.py), before and after vLLM's encoder cache holds
+    the item, with the producer's params (its published metadata) and, for another token
+    count, without; the engine keeps serving and the item still serves the part it fits."""
+    c = cluster
+    parts, item_id, params = _encoded(c, 600)
+    ref = tokens(c, c["agg"].url, parts)
+    wrong = {"smaller grid": grid_part([1, 4, 4], "image", item_id),
+             "larger grid": grid_part([1, 16, 16], "image", item_id),
+             "video grid for an image": grid_part([1, 8, 8], "video", item_id),
+             "audio for an image": meta_part("audio", {"audio_feature_lengths": [64]},
+                                             item_id)}
+    right = [grid_part([1, 8, 8], "image", item_id)]
+
+    def refused(name: str, part: dict, **extra) -> None:
+        r = post(c, DEC_URL, [part], **extra)
+        assert _refusal(r, 400) == "embedding_mismatch", (name, extra.keys())
+        assert item_id in r.json()["error"]["message"], (name, r.text)
+        assert c["client"].get(DEC_URL + "/health").status_code == 200, name
+
+    for cached in (False, True):  # the second round: vLLM's encoder cache holds the item
+        for name, part in wrong.items():
+            refused(name, part, ec_transfer_params=params)
+        for name in ("smaller grid", "larger grid"):  # no params: the rows tell
+            refused(name, wrong[name])
+        # the item is not spoiled for the part it fits (served, or placed again)
+        assert tokens(c, DEC_URL, right, ec_transfer_params=params) == ref, cached
+        assert tokens(c, DEC_URL, right) == ref, cached
+    # without the producer's metadata a video grid of the image's row count cannot be told
+    # apart (a stored item records no modality): answered, never the engine's death
+    r = post(c, DEC_URL, [wrong["video grid for an image"]])
+    assert r.status_code in (200, 400), r.text
+    # a metadata-only video that cannot be had fails alone (Qwen2.5-Omni gives every video a
+    # `use_audio_in_video` field: it was taken for media and sent to vLLM's encoder with no
+    # frames, which killed the engine)
+    r = post(c, DEC_URL, [grid_part([1, 8, 8], "video", "never-encoded-video")])
+    assert _refusal(r, 503) == "embedding_unavailable"
+    assert tokens(c, DEC_URL, right, ec_transfer_params=params) == ref
 
 
 def _server_rss(port: int) -> tuple[psutil.Process, int]:
@@ -295,3 +334,4 @@ def test_hostile_metadata_only_requests_end_in_a_4xx_within_a_second(cluster):
     assert c["client"].get(DEC_URL + "/health").status_code == 200
     parts = samples(500)["image"]
     assert tokens(c, DEC_URL, parts) == tokens(c, c["agg"].url, parts)
+

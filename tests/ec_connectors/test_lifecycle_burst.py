@@ -9,13 +9,13 @@ import time
 
 import torch
 
-from scheduler_hooks.lifecycle import FeatureState
+from scheduler_hooks.items import LIFECYCLE, ItemState
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.ec_connectors.test_roles import Pair, produce, wait_until
 from tests.ec_connectors.test_roles import pair_factory as pair_factory  # noqa: F401 (fixture)
 
-S = FeatureState
-ZERO = dict.fromkeys([s.value for s in S], 0)
+S = ItemState
+ZERO = dict.fromkeys([s.value for s in LIFECYCLE], 0)
 ITEM_BYTES = NUM_EMBEDS * 32 * 4  # float32 [16, 32]
 
 
@@ -71,7 +71,7 @@ def test_a_burst_under_a_small_budget_waits_for_room_and_ends_at_zero(pair_facto
     totals = cons.sched.stats.totals
     assert totals["budget_waits"] > 0 and not totals.get("local_encode_fallbacks")
     assert not totals.get("load_failures") and book.errors == 0
-    assert book.peak_held <= budget and book.life.by_state() == ZERO
+    assert book.peak_held <= budget and book.items.by_state() == ZERO
     assert cons.worker.staged_bytes == 0
     wait_until(lambda: cons.sched.stats.pending)  # the zeros wait for vLLM's next take
     assert cons.sched.stats.take().data["gauges"]["feature_bytes"] == ZERO
@@ -81,23 +81,23 @@ def test_each_vllm_signal_moves_an_item_one_step(pair_factory):
     prod, cons = pair_factory("producer"), pair_factory("consumer")
     tensors = {i: torch.randn(NUM_EMBEDS, 32) for i in ("a", "b", "c")}
     params = _stored(prod, tensors)
-    sched, book = cons.sched, cons.sched.features
+    sched, items = cons.sched, cons.sched.items
     reqs = {i: request(f"c-{i}", i, params=params[i]) for i in tensors}
     for r in reqs.values():
         cons.step_until_ready(r)
-    assert book.life.by_state() == {**ZERO, "staged": 3 * ITEM_BYTES}
+    assert items.by_state() == {**ZERO, "staged": 3 * ITEM_BYTES}
     cache: dict = {}
     for r in reqs.values():
         sched.has_cache_item(r.mm_features[0].identifier)
         sched.update_state_after_alloc(r, 0)
     cons.worker.place(cache, sched.build_connector_meta().place)
-    assert book.life.by_state() == {**ZERO, "merged": 3 * ITEM_BYTES}
+    assert items.by_state() == {**ZERO, "merged": 3 * ITEM_BYTES}
     sched.update_state_after_free(reqs["a"], 0)  # a's prefill passed it
     sched.request_finished(reqs["b"])  # b aborted before its prefill
-    assert {i: book.life.state(i) for i in tensors} == {
+    assert {i: items.state(i) for i in tensors} == {
         "a": S.PREFILLED, "b": S.DISCARDED, "c": S.MERGED}
     sched.build_connector_meta(evicted=["c"])  # vLLM evicted c (preempted, room needed)
-    assert book.life.by_state() == ZERO and book.errors == 0
+    assert items.by_state() == ZERO and items.errors == 0
 
 
 def test_an_item_that_never_finds_room_is_encoded_locally_at_its_deadline(pair_factory):
@@ -113,4 +113,4 @@ def test_an_item_that_never_finds_room_is_encoded_locally_at_its_deadline(pair_f
     assert not cons.sched.has_cache_item("late")  # vLLM encodes it: not failed, not dropped
     assert cons.sched.stats.totals["budget_waits"] > 0
     assert cons.sched.take_unavailable_requests() == set()
-    assert cons.sched.features.life.state("late") is S.DISCARDED
+    assert cons.sched.items.state("late") is S.DISCARDED

@@ -17,7 +17,7 @@ from ec_connectors.control.endpoint import control_address
 from ec_connectors.sched.scheduler import EPDSchedulerSide
 from ec_connectors.transports import make_transport
 from ec_connectors.workers.worker import EPDWorker
-from scheduler_hooks.staging import Status
+from scheduler_hooks.items import ItemState
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.helpers import wait_for
 
@@ -129,7 +129,7 @@ def test_an_item_the_prefix_cache_covers_is_neither_waited_for_nor_moved(pair_fa
     pos = req.mm_features[0].mm_position
     assert cons.sched.ensure_cache_available(req, pos.offset + pos.length)
     assert cons.sched.stats.totals.get("prefix_cached") == 1
-    assert not cons.sched.has_cache_item("img") and len(cons.sched.staging) == 0
+    assert not cons.sched.has_cache_item("img") and len(cons.sched.items) == 0
     time.sleep(0.2)
     assert cons.worker.staged_bytes == 0 and not cons.sched.stats.totals.get("loads")
 
@@ -140,7 +140,7 @@ def test_consumer_finds_items_without_params_through_the_index(pair_factory):
     produce(prod, request("p", "img"), {"img": x})
     req = request("c", "img")
     wait_until(lambda: cons.sched.ensure_cache_available(req, 0) is False
-             or cons.sched.staging.get("img") is not None)
+             or cons.sched.items.get("img") is not None)
     cons.step_until_ready(req)
     _, cache = cons.schedule(req)
     assert torch.equal(cache["img"], x)
@@ -184,7 +184,7 @@ def test_corrupt_file_falls_back_to_local_encode(pair_factory, inline):
     req = request("c", "img", params=params)
     cons.step_until_ready(req)
     assert not cons.sched.has_cache_item("img")
-    assert cons.sched.staging.get("img").status is Status.FAILED
+    assert cons.sched.items.state("img") is ItemState.FAILED
 
 
 @pytest.mark.parametrize("inline", [0, 1 << 20], ids=["workers", "inline"])
@@ -229,7 +229,7 @@ def test_garbled_control_message_is_dropped(pair_factory, ctl_dir):
     sock.close(0)
     req = request("c", "x", params={"epd": {"items": ["x"]}})
     cons.step_until_ready(req)  # still serving: the prefetch runs and times out normally
-    assert cons.sched.staging.get("x").status is Status.FAILED
+    assert cons.sched.items.state("x") is ItemState.FAILED
 
 
 def test_second_request_for_an_item_in_vllms_cache_neither_waits_nor_loads(pair_factory):
@@ -240,13 +240,13 @@ def test_second_request_for_an_item_in_vllms_cache_neither_waits_nor_loads(pair_
     cons.schedule(first)  # placed: vLLM's encoder cache now holds it
     second = request("c2", "img", params=params)
     assert cons.sched.ensure_cache_available(second, 0)  # no deferral, no prefetch
-    assert cons.sched.staging.get("img") is None
+    assert cons.sched.items.state("img") is ItemState.MERGED  # placed for c1: no new load
     assert cons.sched.stats.totals["engine_cache_hits"] == 1
     cons.sched.build_connector_meta(evicted=["img"])  # vLLM evicted it: load it again
     third = request("c3", "img", params=params)
     # (not asserting a deferral: the worker may stage a tiny item before the scheduler looks)
     cons.sched.ensure_cache_available(third, 0)
-    assert cons.sched.staging.get("img") is not None  # a new load began
+    assert cons.sched.items.state("img") in (ItemState.LOADING, ItemState.STAGED)  # a new load
     assert cons.sched.stats.totals["engine_cache_hits"] == 1
     cons.step_until_ready(third)
     placed, cache = cons.schedule(third)
@@ -266,7 +266,7 @@ def test_a_staged_copy_the_request_did_not_use_is_freed(pair_factory):
     assert cons.sched.ensure_cache_available(req, pos.offset + pos.length)  # running, past it
     assert cons.sched.build_connector_meta().place == {}
     wait_until(lambda: cons.worker.staged_bytes == 0)
-    assert cons.sched.staging.get("img") is None
+    assert cons.sched.items.get("img") is None
 
 
 def test_an_aborted_request_frees_its_staged_copy(pair_factory):
@@ -288,6 +288,9 @@ class MetadataOnlyItems:
 
     def describe(self, features) -> dict:
         return {f.identifier: {"image_grid_thw": [1, 4, 4]} for f in features}
+
+    def asked(self, feature) -> dict:
+        return {"image_grid_thw": [1, 4, 4]}
 
 
 def steps_until_failed(pair: Pair, req, timeout=5.0) -> int:
@@ -325,6 +328,30 @@ def test_metadata_only_item_that_lands_is_placed(pair_factory):
     x = torch.randn(NUM_EMBEDS, 8)
     params = produce(prod, request("p", "meta-img"), {"meta-img": x})
     assert params["epd"]["items"]["meta-img"]["metadata"] == {"image_grid_thw": [1, 4, 4]}
+    req = request("c", "meta-img", params=params)
+    cons.step_until_ready(req)
+    _, cache = cons.schedule(req)
+    assert torch.equal(cache["meta-img"], x)
+
+
+def test_a_metadata_only_part_the_item_does_not_fit_fails_alone(pair_factory):
+    """The producer published another grid (or the item holds other rows): the request fails
+    at once with `embedding_mismatch` (never placed, nothing loaded); a part it fits still
+    gets it."""
+    prod = pair_factory("producer", placeholders=MetadataOnlyItems())
+    cons = pair_factory("consumer", placeholders=MetadataOnlyItems())
+    x = torch.randn(NUM_EMBEDS, 8)
+    params = produce(prod, request("p", "meta-img"), {"meta-img": x})
+    entry = params["epd"]["items"]["meta-img"]
+    other = {"epd": {"items": {"meta-img": {**entry, "metadata": {"video_grid_thw": [1, 4, 4]}}}}}
+    more = {"epd": {"items": {"meta-img": {**entry, "num_embeds": NUM_EMBEDS + 4,
+                                           "shape": [NUM_EMBEDS + 4, 8]}}}}
+    for name, bad in (("metadata", other), ("rows", more)):
+        assert steps_until_failed(cons, request(f"c-{name}", "meta-img", params=bad)) == 1
+        assert not cons.sched.has_cache_item("meta-img"), name
+        board = cons.sched.unavailable.reasons
+        code, message = board.read(["meta-img"], time.time() - 5)
+        assert code == "embedding_mismatch" and "meta-img" in message, (name, message)
     req = request("c", "meta-img", params=params)
     cons.step_until_ready(req)
     _, cache = cons.schedule(req)
@@ -446,7 +473,7 @@ def test_inline_copy_nobody_places_is_released(pair_factory):
     assert cons.sched.inline.held_bytes == NUM_EMBEDS * 8 * 4
     cons.sched.request_finished(req)  # aborted before it was scheduled
     cons.sched.build_connector_meta()
-    assert cons.sched.inline.held_bytes == 0 and cons.sched.staging.get("img") is None
+    assert cons.sched.inline.held_bytes == 0 and cons.sched.items.get("img") is None
 
 
 PENDING = {"epd": {"items": {"img": {"pending": True}}}}
@@ -462,7 +489,7 @@ def test_a_pending_item_is_waited_for_and_loaded_once_it_lands(pair_factory, inl
     req = request("c1", "img", params=PENDING)
     for _ in range(3):
         assert not cons.sched.ensure_cache_available(req, 0)
-    assert cons.sched.staging.get("img") is None  # no load started: nothing to load yet
+    assert cons.sched.items.get("img") is None  # no load started: nothing to load yet
     assert cons.worker.staged_bytes == 0
     x = torch.randn(NUM_EMBEDS, 32).bfloat16()
     produce(prod, request("p1", "img"), {"img": x})

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import importlib.util
 import json
-import socket
 import sys
 import threading
 import time
@@ -33,15 +32,7 @@ from encoder_service.bench import (
     run_bench,
     summarize,
 )
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+from tests.helpers import free_port, port_block
 
 
 def test_zipf_sequences_favour_the_first_images():
@@ -92,7 +83,7 @@ def _stub_server(seen: list[str]):
             yield "data: [DONE]\n\n"
         return StreamingResponse(gen(), media_type="text/event-stream")
 
-    port = next(p for p in range(18540, 18550) if _free(p))
+    port = free_port(iter(port_block(__name__)))
     server = uvicorn.Server(uvicorn.Config(Starlette(routes=[
         Route("/v1/chat/completions", chat, methods=["POST"])]), port=port, log_level="error"))
     server.install_signal_handlers = lambda: None

@@ -16,6 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.net import parse_endpoint, port_open, resolve_host
+from ec_connectors.transports.engine_ports import EngineRangeError, plan_engine_ports
 
 logger = get_logger(__name__)
 
@@ -62,6 +63,10 @@ class StoreClient:
 
     # -- setup -----------------------------------------------------------------------------
     def _connect(self, deadline: float) -> None:
+        try:  # its engine's listeners: the port plan's range, read when mooncake.store loads
+            plan_engine_ports(self.config, "mooncake.store")
+        except EngineRangeError as exc:
+            raise StoreUnavailable(str(exc)) from None
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:

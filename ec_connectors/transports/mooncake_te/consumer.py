@@ -100,6 +100,10 @@ class PeerLink:
             if pending is not None:
                 return pending
             # the producer takes no data connection (engine path): it writes with the engine
+            if not session:  # ... which this process does not run (needs_engine)
+                return PendingPull(buf, finished=True, reply=PullFailed(
+                    pull_id=0, code="unregistered", error=f"{self.endpoint} writes with the "
+                    "engine only; this process has none (set te_data_path alike everywhere)"))
         pull_id = next(self._ids)
         pending = PendingPull(buf)
         with self._lock:
@@ -283,7 +287,7 @@ class Puller:
     the transport's counters."""
 
     def __init__(self, config: EPDConfig, pool: MemoryPool, session: str, namespace: str,
-                 hello: Register, context: zmq.Context, curve: CurveKeys | None,
+                 hello: Register | None, context: zmq.Context, curve: CurveKeys | None,
                  events: TransportEvents, stats: dict[str, int]) -> None:
         self.config, self.pool, self.session, self.namespace = config, pool, session, namespace
         self._hello, self._zmq, self._curve = hello, context, curve

@@ -1,18 +1,33 @@
 """Starting the Mooncake Transfer Engine of a worker process (P2P handshake, TCP or RDMA),
-with one clear error when the wheel or its libraries are missing."""
+with one clear error when the wheel or its libraries are missing, only where items move
+through it (`needs_engine`), its listeners' ports from the port plan (engine_ports.py)."""
 
 from __future__ import annotations
 
 import os
 
 from ec_connectors.config import EPDConfig
+from ec_connectors.transports.engine_ports import EngineRangeError, plan_engine_ports
 
 
 class TransferEngineUnavailable(RuntimeError):
     pass
 
 
+def needs_engine(config: EPDConfig) -> bool:
+    """Whether this process moves items with the engine: not on the socket data path
+    (`te_data_path`, by default over TCP with a host pool), where an engine would only add
+    two listeners on every interface (Mooncake binds them there whatever it is told) that
+    nothing uses. A process without one neither proves nor writes into registered ranges:
+    every process of a deployment must resolve `te_data_path` alike."""
+    return not config.te_socket
+
+
 def start_engine(config: EPDConfig, host: str):
+    try:
+        plan_engine_ports(config, "mooncake.engine")
+    except EngineRangeError as exc:
+        raise TransferEngineUnavailable(str(exc)) from None
     os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(config.progress_timeout_s))
     # The engine's TCP server listens where MC_TCP_BIND_ADDRESS says (else on every
     # interface): on the data-plane address, loopback without a deployment secret.

@@ -219,6 +219,8 @@ class PullServer:
 
     def _on_message(self, msg: PeerMessage, peer: bytes | None, _payload: list[bytes]) -> None:
         if isinstance(msg, Register) and peer is not None:
+            if self.engine is None:  # nothing is ever written into a consumer: no range
+                return
             claim = self.ranges.register(peer, msg.session, msg.base, msg.length)
             if not claim.done.is_set():
                 self._prove.submit(self.ranges.prove, claim, msg.proof_addr, msg.nonce,
@@ -230,8 +232,9 @@ class PullServer:
             return
         if not isinstance(msg, Pull) or peer is None:
             return
-        try:
-            parse_endpoint(msg.session)
+        try:  # none from a consumer without an engine: inline answers only
+            if msg.session:
+                parse_endpoint(msg.session)
         except ValueError as exc:
             self._reply(peer, PullFailed(pull_id=msg.pull_id, code="bad_request", error=str(exc)))
             return
@@ -306,6 +309,13 @@ class PullServer:
             if msg.capacity < info.nbytes:
                 self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
                                              error=f"needs {info.nbytes} bytes"))
+                return
+            if self.engine is None or not msg.session:
+                self.stats["unregistered"] += 1
+                self._reply(peer, PullFailed(
+                    pull_id=msg.pull_id, code="unregistered", error=f"{self.endpoint} writes "
+                    f"nothing: {'it' if self.engine is None else 'the consumer'} runs no "
+                    "transfer engine (te_data_path socket); set te_data_path alike everywhere"))
                 return
             refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
                                         min(expires, time.monotonic() + _REGISTER_WAIT_S))

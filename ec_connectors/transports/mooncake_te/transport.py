@@ -1,28 +1,37 @@
 """Mooncake Transfer Engine transport: consumers pull items from producers' registered pools.
 
 Producer worker: `put` copies the encoder output once into its registered pool and announces
-it (ZMQ PUB). A ZMQ ROUTER side channel answers `Pull`: the producer writes the item straight
-into the consumer's registered buffer with the transfer engine (RDMA or TCP), then replies
-`Pulled`. Small items ride inline in the reply (one round trip, no engine call). Every connection of
-the side channel opens with the consumer's `Register`: its pool's range, proven by a nonce the
-producer reads back from the consumer's memory; writes go only into that range, so a peer
-cannot aim a producer at another consumer's buffers.
-Items are held under a byte budget (the pool): leased for `lease_ttl_s` after their save,
-never deleted on pull (any number of consumers), LRU-evicted only once unleased and unpinned;
-when everything is leased a save waits (backpressure) and then fails loudly.
+it (ZMQ PUB). A ZMQ ROUTER side channel answers `Pull`; small items ride inline in the reply
+(one round trip, no data path). Larger items take one of two data paths (`te_data_path`, the
+same in every process of a deployment; `auto`: socket over TCP with host pools, else engine):
+- engine: the producer writes the item straight into the consumer's registered buffer with
+  the transfer engine (RDMA or TCP; engine.py), then replies `Pulled`. Every side-channel
+  connection opens with the consumer's `Register`: its pool's range, proven by a nonce the
+  producer reads back from the consumer's memory; writes go only into that range, so a peer
+  cannot aim a producer at another consumer's buffers.
+- socket: the consumer opens warm data connections of its own to the producer's stream port
+  (a single-use ticket sent over the side channel, CURVE with a deployment secret) and reads
+  each item into its own pool block from one request and one reply (stream.py has the
+  protocol; stream_server.py the producer's end, stream_client.py the consumer's). Nothing is
+  written into the consumer's memory from outside, and no engine is started (needs_engine).
+Items are held under a byte budget (the pool, producer_store.py): leased for `lease_ttl_s`
+after their save or latest promise, never deleted on pull (any number of consumers), evicted
+only when unpinned, by the lease book's order (../leases.py); when everything is leased a
+save waits (backpressure) and then fails loudly.
 
-Consumer worker: `get` allocates from its own pool, asks the producer to write, waits with a
-size-scaled deadline, verifies the checksum, and hands the pool block itself over as the
-tensor (no copy; the block returns to the pool when the tensor is dropped, so size the
-consumer pool for vLLM's encoder cache plus pulls in flight; a full pool only delays pulls
-until their deadline, then the item is encoded locally).
-A buffer whose pull timed out may still be written by a frozen producer: it is quarantined
-until that producer answers or disconnects (or `quarantine_ttl_s`), never reused early.
+Consumer worker: `get` allocates from its own pool, has the item written or streams it in,
+waits with a size-scaled deadline, verifies the checksum, and hands the pool block itself
+over as the tensor (no copy; the block returns to the pool when the tensor is dropped, so
+size the consumer pool for vLLM's encoder cache plus pulls in flight; a full pool only delays
+pulls until their deadline, then the item is encoded locally). On the engine path a buffer
+whose pull timed out may still be written by a frozen producer: it is quarantined until that
+producer answers or disconnects (or `quarantine_ttl_s`), never reused early.
 
 Scheduler process: `catalog.MooncakeCatalog` subscribes to producers'
 announcements and answers `list_keys` / `locate` from memory (the availability index).
 
-Routing, retries across tiers and request lifecycle live above (worker.py, scheduler_hooks/).
+Routing, retries across tiers and request lifecycle live above (ec_connectors/workers/,
+scheduler_hooks/).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.protocol.net import resolve_host
+from ec_connectors.protocol.net import holders, resolve_host
 from ec_connectors.protocol.ports import (
     PURPOSE_ANNOUNCE,
     PURPOSE_SERVE,
@@ -57,7 +66,11 @@ from ec_connectors.transports.base import (
 )
 from ec_connectors.transports.memory import MemoryPool
 from ec_connectors.transports.mooncake_te.consumer import Puller
-from ec_connectors.transports.mooncake_te.engine import TransferEngineUnavailable, start_engine
+from ec_connectors.transports.mooncake_te.engine import (
+    TransferEngineUnavailable,
+    needs_engine,
+    start_engine,
+)
 from ec_connectors.transports.mooncake_te.messages import Register
 from ec_connectors.transports.mooncake_te.producer import (
     Announcer,
@@ -89,9 +102,10 @@ class MooncakeTransport(Transport):
                            "not %s; give every EPD process the same secret to serve other "
                            "hosts", SECRET_ENV, resolve_host(config.host))
         self.namespace = config.scope  # one model (name and fingerprint) per producer process
-        self.engine = start_engine(config, self.host)
+        # none on the socket data path: its listeners would bind every interface for nothing
+        self.engine = start_engine(config, self.host) if needs_engine(config) else None
         self._zmq = zmq.Context()  # ours alone, so close() can terminate it
-        self.session = f"{self.host}:{self.engine.get_rpc_port()}"
+        self.session = f"{self.host}:{self.engine.get_rpc_port()}" if self.engine else ""
         self.pool = MemoryPool(config.memory_pool_bytes, config.memory_pool_device,
                                register=self._register)
         # Our own registered page: the nonce a consumer proves its session with (first
@@ -111,7 +125,7 @@ class MooncakeTransport(Transport):
                            "stream_connections": 0}
         hello = Register(session=self.session, base=self.pool.base_addr,
                          length=self.pool.capacity, proof_addr=self._own.data_ptr(),
-                         nonce=nonce)
+                         nonce=nonce) if self.engine else None  # no engine: nothing to write
         self.puller = Puller(config, self.pool, self.session, self.namespace, hello, self._zmq,
                              self.curve, self.events, self.pull_stats)
         if placement.is_producer:
@@ -122,6 +136,8 @@ class MooncakeTransport(Transport):
         return self._endpoint
 
     def _register(self, addr: int, size: int, location: str = "") -> None:
+        if self.engine is None:
+            return
         location = location or ("cpu:0" if self.config.memory_pool_device == "cpu" else
                                 f"cuda:{torch.cuda.current_device()}")
         try:
@@ -138,8 +154,8 @@ class MooncakeTransport(Transport):
                  for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE, PURPOSE_STREAM)]
         self._endpoint = f"{self.host}:{ports[0]}"
         self.store = ProducerStore(self.pool, c.lease_ttl_s, c.lease_min_s)
-        ranges = ConsumerRanges(self.engine.transfer_sync_read, memoryview(self._own.numpy()),
-                                self._own.data_ptr())
+        read = self.engine.transfer_sync_read if self.engine else (lambda *_: -1)
+        ranges = ConsumerRanges(read, memoryview(self._own.numpy()), self._own.data_ptr())
         streams = None
         try:
             if c.te_socket:  # first: a port taken fails the start before any thread runs
@@ -154,12 +170,13 @@ class MooncakeTransport(Transport):
             if streams is not None:
                 streams.close()
             raise TransferEngineUnavailable(
-                f"cannot listen on {self.host}:{'/'.join(map(str, ports))} ({exc}); another "
-                f"process uses the port: set base_port or stage_offset") from exc
+                f"cannot listen on {self.host}:{'/'.join(map(str, ports))} ({exc}); "
+                f"{holders(ports) or 'another process uses the port'}: set base_port or "
+                "stage_offset") from exc
         logger.info("EPD mooncake producer: side channel %s, announcements :%d, %s, engine "
                     "%s, pool %d MiB on %s", self.endpoint, ports[1],
                     f"data connections :{ports[2]}" if streams else "engine writes",
-                    self.session, self.pool.capacity >> 20, c.memory_pool_device)
+                    self.session or "none", self.pool.capacity >> 20, c.memory_pool_device)
 
     # -- producer ------------------------------------------------------------------------------
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
@@ -182,7 +199,7 @@ class MooncakeTransport(Transport):
         info = ItemInfo(item_id=item_id, key=key, shape=tuple(tensor.shape),
                         dtype=dtype_name(tensor.dtype), nbytes=len(data),
                         checksum=checksum(data), location=self.endpoint)
-        self.store.add(info, buf)
+        info = self.store.add(info, buf)
         if evicted:
             self.events.evictions += len(evicted)
             self.events.evicted_bytes += sum(h.info.nbytes for h in evicted)
@@ -237,7 +254,7 @@ class MooncakeTransport(Transport):
         if self.store is not None:
             self.store.clear()
         self.pool.close()
-        for addr in (self.pool.base_addr, self._own.data_ptr()):
+        for addr in (self.pool.base_addr, self._own.data_ptr()) if self.engine else ():
             with contextlib.suppress(Exception):
                 self.engine.unregister_memory(addr)
         self.engine = None

@@ -27,6 +27,7 @@ from ec_connectors.protocol.refusals import (
     EMBEDDING_UNAVAILABLE,
     ReasonBoard,
     classify,
+    failure_status,
 )
 from encoder_service.local.testmodels import SPECS, build
 from tests.helpers import WORK
@@ -276,12 +277,39 @@ def test_an_engine_failure_of_a_lost_embedding_is_a_503_with_its_reason(guarded)
     assert client.post("/v1/chat/completions", json=lost).status_code == 500
 
 
+def test_an_item_that_does_not_fit_its_part_is_a_400_with_its_id(guarded):
+    """The stored item is not what the metadata-only part says (scheduler_hooks/fit.py): the
+    request is wrong, not the server, so a 400 (a 503 would invite the same retry)."""
+    client, up, board = guarded
+    up.mode = "engine_failed"
+    misfit = body(MODEL, [grid_part([1, 4, 4], uuid="stored-item")])
+    up.engine = lambda: board.post("stored-item", EMBEDDING_MISMATCH, "item 'stored-item': "
+                                   "token count: the item holds 16 embeddings, the image "
+                                   "part (image_grid_thw [1, 4, 4]) takes 4")
+    r = client.post("/v1/chat/completions", json=misfit)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == EMBEDDING_MISMATCH and err["type"] == "invalid_request_error"
+    assert "stored-item" in err["message"] and "metadata its producer" in err["message"]
+    up.mode = "stream_failed"
+    r = client.post("/v1/chat/completions", json={**misfit, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == EMBEDDING_MISMATCH
+    assert events[-1]["error"]["type"] == "invalid_request_error"
+
+
 def test_reason_codes_and_board(tmp_path):
     assert classify("not in the transport") == "embedding_unavailable"
     assert classify("promised as pending, not stored within 10 s") == "embedding_timeout"
     assert classify("deadline passed") == "embedding_timeout"
     assert classify("token count: the item holds 4 embeddings, the request expects 16") \
         == "embedding_mismatch"
+    assert classify("embedding mismatch: its producer published it as image_grid_thw "
+                    "[1, 8, 8]; the video part asks for video_grid_thw [1, 8, 8]") \
+        == "embedding_mismatch"
+    assert failure_status("embedding_mismatch") == 400
+    assert failure_status("embedding_unavailable") == 503
     assert classify("not available (missing, corrupt or timed out)") == "embedding_load_failed"
     board = ReasonBoard(tmp_path / "b")
     t0 = time.time()

@@ -1,6 +1,6 @@
 """What the Mooncake Transfer Engine test modules share (test_mooncake_te_server.py: the
 serving side, test_mooncake_te_puller.py: the pulling side, test_mooncake_te_hosts.py: other
-hosts and the deployment secret). Each module owns a range of base ports (`base_ports`), so
+hosts and the deployment secret). Each module owns a block of base ports (`base_ports`), so
 two of them can run at once on two xdist workers."""
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ec_connectors.testing.peer_process import PeerClient
+from tests.helpers import MOONCAKE, port_block
 
 MiB = 1 << 20
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 
 
-def base_ports(module: int) -> Iterator[int]:
-    """Base ports of test module `module` (0, 1, 2): 30 of them, 10 apart (a producer serves
-    on the base port, announces on base + 1000). 21000-21899 and 22000-22899: clear of the
-    184xx-190xx test servers, the store masters' 195xx-199xx and the engines' own ports."""
-    start = 21000 + 300 * module
-    return iter(range(start, start + 300, 10))
+def base_ports(module: str) -> Iterator[int]:
+    """Base ports of test module `module` (its `__name__`), 10 apart: its Mooncake block of
+    tests/helpers.py (a producer's ranks serve from the base port, announce on base + 1000,
+    take data connections on base + 2000)."""
+    return iter(port_block(module, MOONCAKE)[::10])
 
 
 def mc_config(base_port: int, **extra) -> dict:

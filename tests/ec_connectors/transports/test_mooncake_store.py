@@ -11,12 +11,12 @@ import pytest
 
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from tests.ec_connectors.transports import forked_peers
-from tests.helpers import WORK, expected, free_port, wait_for
+from tests.helpers import MASTER, WORK, expected, free_port, port_block, wait_for
 
 pytest.importorskip("mooncake.store")
 peers = forked_peers.fixture()  # peers forked warm, killed after the test
 MiB = 1 << 20
-_ports = iter(range(19500, 19800, 5))  # master: rpc, rpc+1 metadata, rpc+2 metrics
+_ports = iter(port_block(__name__, MASTER)[::5])  # master: rpc, +1 metadata, +2 metrics
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 SCHEDULER = {"role": "scheduler", "is_producer": False, "is_consumer": True}

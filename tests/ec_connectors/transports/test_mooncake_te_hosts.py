@@ -26,7 +26,7 @@ from tests.helpers import expected, wait_for
 
 pytest.importorskip("mooncake.engine")
 peers = forked_peers.fixture()  # peers forked warm, killed after the test
-_ports = base_ports(2)
+_ports = base_ports(__name__)
 
 
 @pytest.mark.skipif(not netns_ok(), reason="needs root and `ip netns` (network namespaces)")
@@ -262,8 +262,10 @@ print(json.dumps({"target": target, "rc": rc}))
 
 def test_an_outsiders_write_into_a_registered_pool_is_caught_and_the_item_refetched(
         peers, tmp_path):
-    """The Transfer Engine's handshake and TCP data listeners bind every interface and take
-    no credential (Mooncake has no setting for their address: docs/trust.md). A process that
+    """On the engine data path (te_data_path engine: RDMA, cuda pools; over TCP with host
+    pools no engine runs) the Transfer Engine's handshake and TCP data listeners bind every
+    interface and take no credential (Mooncake has no setting for their address:
+    docs/trust.md). A process that
     reaches them, without the deployment secret, learns a producer's pool address from the
     handshake and writes into it. The consumer's verification (the xxh3 the producer sent
     over the CURVE side channel) refuses those bytes, asks the next producer, and gets the
@@ -273,14 +275,15 @@ def test_an_outsiders_write_into_a_registered_pool_is_caught_and_the_item_refetc
     import sys
 
     secret = secret_file(tmp_path)
-    a, b = (peers.start(PRODUCER, **mc_config(next(_ports), secret_file=secret))
+    a, b = (peers.start(PRODUCER, **mc_config(next(_ports), secret_file=secret,
+                                              te_data_path="engine"))
             for _ in range(2))
     shape = [512, 1024]  # 1 MiB: through the engine, not inline
     puts = [p.call({"op": "put", "id": "x", "seed": 21, "shape": shape, "dtype": "bfloat16"})
             for p in (a, b)]
     assert puts[0]["checksum"] == puts[1]["checksum"] == expected(21, shape)
     cons = peers.start(CONSUMER, **mc_config(next(_ports), secret_file=secret, producers=[
-        puts[0]["location"], puts[1]["location"]]))
+        puts[0]["location"], puts[1]["location"]], te_data_path="engine"))
     ha = health(a)
     run = subprocess.run([sys.executable, "-c", _OUTSIDER, ha["session"], "4096"],
                          capture_output=True, text=True, timeout=60,

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from ec_connectors.protocol import ports
 from tests.ec_connectors.transports import forked_peers
 from tests.ec_connectors.transports.mooncake_te_helpers import (
     CONSUMER,
@@ -26,7 +27,7 @@ from tests.helpers import expected, wait_for
 
 pytest.importorskip("mooncake.engine")
 peers = forked_peers.fixture()  # peers forked warm, killed after the test
-_ports = base_ports(1)
+_ports = base_ports(__name__)
 
 
 def test_small_items_ride_inline_and_unknown_items_miss_at_once(peers):
@@ -249,19 +250,33 @@ def test_pulls_on_a_warm_connection_get_the_side_channels_answers(peers):
     assert health(other)["pool_used_bytes"] == 0
 
 
-def test_the_engine_path_still_works_forced_or_with_a_producer_that_has_no_stream(peers):
+def test_the_engine_path_works_forced_and_a_process_without_an_engine_says_why_at_once(peers):
+    """Only processes off the socket data path start an engine (TCP with a host pool: none,
+    so no listener on every interface). Forced to the engine on both sides, items move; a
+    socket consumer asking an engine-only producer, or an engine consumer asking a socket
+    producer, misses at once with the reason, not at its deadline."""
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base, te_data_path="engine"))
     forced = peers.start(CONSUMER, **mc_config(base, te_data_path="engine"))
-    streams = peers.start(CONSUMER, **mc_config(base))  # asks for a stream, gets engine writes
     shape = [4096, 4096]
     prod.call({"op": "put", "id": "e", "seed": 6, "shape": shape, "dtype": "bfloat16"})
-    for cons in (forced, streams):
+    got = forced.call({"op": "get", "id": "e", "timeout_s": 10,
+                       "location": prod.info["endpoint"], "nbytes": 32 * MiB})
+    assert got["found"] and got["checksum"] == expected(6, shape)
+    h = health(forced)
+    assert h["streamed"] == 0 and h["pool_used_bytes"] == 0
+    first, last = ports.ENGINE_PORTS  # its listeners: the port plan's range, not 15000-17000
+    assert first <= int(h["session"].rsplit(":", 1)[1]) <= last
+    socket_prod = peers.start(PRODUCER, **mc_config(base + 1))
+    socket_prod.call({"op": "put", "id": "e", "seed": 6, "shape": shape, "dtype": "bfloat16"})
+    assert health(socket_prod)["session"] == ""  # no engine started
+    streams = peers.start(CONSUMER, **mc_config(base))
+    for cons, producer in ((streams, prod), (forced, socket_prod)):
         got = cons.call({"op": "get", "id": "e", "timeout_s": 10,
-                         "location": prod.info["endpoint"], "nbytes": 32 * MiB})
-        assert got["found"] and got["checksum"] == expected(6, shape)
-        h = health(cons)
-        assert h["streamed"] == 0 and h["pool_used_bytes"] == 0
+                         "location": producer.info["endpoint"], "nbytes": 32 * MiB})
+        assert not got["found"] and got["get_s"] < 2.0, got
+        assert health(cons)["pool_used_bytes"] == 0
+    assert health(streams)["session"] == ""
 
 
 def test_a_frozen_producer_on_the_stream_path_frees_the_block_at_the_deadline(peers):

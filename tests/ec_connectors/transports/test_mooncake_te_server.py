@@ -28,7 +28,7 @@ from tests.helpers import expected, wait_for
 
 pytest.importorskip("mooncake.engine")
 peers = forked_peers.fixture()  # peers forked warm, killed after the test
-_ports = base_ports(0)
+_ports = base_ports(__name__)
 
 
 def test_one_producer_two_consumers_same_48mb_item(peers):

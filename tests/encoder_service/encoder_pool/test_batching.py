@@ -1,11 +1,10 @@
 """The async pool's logic: batching, max wait, backpressure, dispatch, deadlines, failure
-isolation and OOM retry. The encoder here is a fake (this tests the logic around it); the
-real LLaVA encoder runs in test_pool_server.py and test_pool_e2e_vllm.py."""
+isolation and OOM retry. The encoder is the fake of fakes.py (this tests the logic around
+it); the real LLaVA encoder runs in test_server.py and tests/e2e/test_encoder_pool.py."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -13,46 +12,12 @@ import torch
 from PIL import Image
 
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
-from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureState, FeatureStore
+from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore, PoolItemState
 from encoder_service.encoder_pool.media import MediaItem
+from tests.encoder_service.encoder_pool.fakes import DIM, TOKENS, FakeEncoder
 from tests.helpers import run_pool as run
 
-TOKENS, DIM = 3, 4
 ITEM_BYTES = TOKENS * DIM * 4
-
-
-class FakeEncoder:
-    """Records batches; optional delay, failing ids, OOM above a width."""
-
-    modalities = ("image",)
-    hidden_size = DIM
-    dtype = torch.float32
-    device = torch.device("cpu")
-
-    def __init__(self, delay: float = 0.0, fail: set[str] | None = None,
-                 oom_above: int | None = None, oom_batch_above: int | None = None):
-        self.delay, self.fail = delay, fail or set()
-        self.oom_above, self.oom_batch_above = oom_above, oom_batch_above
-        self.batches: list[list[str]] = []
-        self.widths: list[int] = []
-        self.lock = threading.Lock()
-
-    def estimate_tokens(self, item):
-        return TOKENS * (item.size[0] // 64 or 1)  # wider images: more tokens (budget tests)
-
-    def encode(self, items):
-        with self.lock:
-            self.batches.append([it.item_id for it in items])
-        time.sleep(self.delay)
-        if self.oom_batch_above and len(items) > self.oom_batch_above:
-            raise torch.OutOfMemoryError("batch too big")
-        for it in items:
-            self.widths.append(it.size[0])
-            if it.item_id in self.fail:
-                raise ValueError(f"cannot encode {it.item_id}")
-            if self.oom_above and it.size[0] > self.oom_above:
-                raise torch.OutOfMemoryError("image too big")
-        return [torch.full((TOKENS, DIM), float(len(it.item_id))) for it in items]
 
 
 def image(item_id: str, side: int = 64) -> MediaItem:
@@ -74,7 +39,7 @@ def test_concurrent_items_form_full_batches():
     out = run(go, pool)
     assert len(out) == 32 and all(t.shape == (TOKENS, DIM) for t in out)
     assert sorted(len(b) for b in enc.batches) == [8, 8, 8, 8]
-    assert pool.store.counts()[FeatureState.ENCODED_CPU] == 32
+    assert pool.store.counts()[PoolItemState.ENCODED_CPU] == 32
 
 
 def test_batching_off_runs_one_item_per_batch():
@@ -191,7 +156,7 @@ def test_an_encoder_exception_fails_only_that_item():
     assert isinstance(a, torch.Tensor) and isinstance(c, torch.Tensor)
     assert isinstance(bad, ItemFailed) and bad.code == "encode_error" and "bad" in str(bad)
     assert enc.batches[0] == ["a", "bad", "c"]  # tried together, then alone
-    assert pool.store.get("bad") is None and pool.store.state("a") is FeatureState.ENCODED_CPU
+    assert pool.store.get("bad") is None and pool.store.state("a") is PoolItemState.ENCODED_CPU
 
 
 def test_oom_splits_the_batch_and_never_publishes_a_reduced_item():

@@ -1,13 +1,12 @@
 """Chunked video encoding: the split on temporal-patch boundaries, the assembly by position
-map, and the pool queueing chunks as jobs of their own. The encoder is a fake that maps each
-pixel row group to an embedding row (a tower that attends within temporal groups only); the
+map, and the pool queueing chunks as jobs of their own. The encoder is the fake of fakes.py
+as a tower (`video_tower`): each pixel row group maps to an embedding row (a tower that
+attends within temporal groups only); the
 real Qwen towers are checked bit for bit against vLLM in tests/e2e/test_encoder_pool_qwen.py."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 import torch
@@ -23,12 +22,12 @@ from vllm.multimodal.inputs import (
 
 from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.chunking import Assembly, chunk_count, split_video
-from encoder_service.encoder_pool.lifecycle import FeatureState, FeatureStore
+from encoder_service.encoder_pool.lifecycle import FeatureStore, PoolItemState
 from encoder_service.encoder_pool.media import MediaItem
+from tests.encoder_service.encoder_pool.fakes import MERGE, video_tower
 from tests.helpers import run_pool
 
-MERGE = 4  # pixel rows per embedding row (a 2x2 spatial merge)
-DIM = 3
+DIM = video_tower().hidden_size
 
 
 def video(item_id: str, t: int, h: int = 4, w: int = 4, seed: int = 0) -> MediaItem:
@@ -45,42 +44,8 @@ def video(item_id: str, t: int, h: int = 4, w: int = 4, seed: int = 0) -> MediaI
     return MediaItem(item_id, "video", prepared=kwargs, num_embeds=t * h * w // MERGE)
 
 
-class FakeTower:
-    """Embedding row i = the mean of pixel rows [4i, 4i+4) (first DIM columns): what a tower
-    attending within temporal groups gives, whatever the chunking. Images: 1 row."""
-
-    modalities = ("image", "video")
-    hidden_size = DIM
-    dtype = torch.float32
-    device = torch.device("cpu")
-    chunks_video = True
-
-    def __init__(self, delay_per_row: float = 0.0, fail: set[str] | None = None) -> None:
-        self.delay_per_row, self.fail = delay_per_row, fail or set()
-        self.log: list[list[str]] = []
-        self.lock = threading.Lock()
-
-    def estimate_tokens(self, item):
-        return item.num_embeds if item.modality == "video" else 1
-
-    def encode(self, items):
-        with self.lock:
-            self.log.append([it.item_id for it in items])
-        out = []
-        for it in items:
-            if it.item_id in self.fail:
-                raise ValueError(f"cannot encode {it.item_id}")
-            if it.modality == "image":
-                out.append(torch.ones(1, DIM))
-                continue
-            px = it.prepared["pixel_values_videos"].data
-            out.append(px[:, :DIM].reshape(-1, MERGE, DIM).mean(1).contiguous())
-        time.sleep(self.delay_per_row * sum(o.shape[0] for o in out))
-        return out
-
-
 def whole_embedding(item: MediaItem) -> torch.Tensor:
-    return FakeTower().encode([item])[0]
+    return video_tower().encode([item])[0]
 
 
 @settings(max_examples=60, deadline=None)
@@ -146,7 +111,7 @@ def pool_of(tower, **kw) -> EncoderPool:
 
 
 def test_pool_encodes_a_long_video_in_chunks_equal_to_the_whole():
-    tower = FakeTower()
+    tower = video_tower()
     pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8)
     item = video("v", 12, seed=5)
 
@@ -155,16 +120,16 @@ def test_pool_encodes_a_long_video_in_chunks_equal_to_the_whole():
 
     out = run_pool(go, pool)
     assert torch.equal(out, whole_embedding(item))
-    assert [b for b in tower.log] == [[f"v#{i}"] for i in range(6)]  # 2 groups = 8 rows each
+    assert [b for b in tower.batches] == [[f"v#{i}"] for i in range(6)]  # 2 groups = 8 rows each
     assert pool.stats.chunked_items == 1 and pool.stats.chunks == 6
-    assert pool.store.state("v") is FeatureState.ENCODED_CPU
+    assert pool.store.state("v") is PoolItemState.ENCODED_CPU
     assert pool.store.lookup("v") is out
 
 
 def test_a_video_batch_holds_at_most_the_chunk_rows():
     """Chunks of one video, all queued at once, still go one batch each (else the long video
     is one batch again); short videos batch together under the same rows."""
-    tower = FakeTower()
+    tower = video_tower()
     pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=1 << 14, max_wait_ms=20)
 
     async def go():
@@ -172,15 +137,15 @@ def test_a_video_batch_holds_at_most_the_chunk_rows():
                              pool.encode(video("b", 1), 10))
 
     run_pool(go, pool)
-    assert [b for b in tower.log if b[0].startswith("v")] == [["v#0"], ["v#1"], ["v#2"]]
-    assert ["a", "b"] in tower.log
+    assert [b for b in tower.batches if b[0].startswith("v")] == [["v#0"], ["v#1"], ["v#2"]]
+    assert ["a", "b"] in tower.batches
 
 
 def test_images_run_between_a_videos_chunks():
     """The point of chunking: an image queued while a long video encodes waits one chunk,
     not the whole video. Whole (chunking off), it waits for all of it."""
     def order(chunk_tokens):
-        tower = FakeTower(delay_per_row=0.004)
+        tower = video_tower(delay_per_row=0.004)
         pool = pool_of(tower, video_chunk_tokens=chunk_tokens, max_batch_tokens=8)
 
         async def go():
@@ -190,7 +155,7 @@ def test_images_run_between_a_videos_chunks():
             await pool.encode(img, 30)
             done_when_image_done = vid.done()
             await vid
-            return done_when_image_done, tower.log
+            return done_when_image_done, tower.batches
 
         return run_pool(go, pool)
 
@@ -210,7 +175,7 @@ def _images(n: int, prefix: str = "img") -> list[MediaItem]:
 def test_batches_of_images_all_run_before_a_long_videos_next_chunk():
     """Shortest remaining work first: two image batches formed while a video encodes both
     go before the video's next chunk (ticket order put a chunk between them)."""
-    tower = FakeTower(delay_per_row=0.004)
+    tower = video_tower(delay_per_row=0.004)
     pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8, max_batch_size=2)
 
     async def go():
@@ -218,7 +183,7 @@ def test_batches_of_images_all_run_before_a_long_videos_next_chunk():
         await asyncio.sleep(0.02)  # the video's first chunk is running
         await asyncio.gather(*(pool.encode(img, 30) for img in _images(4)))
         await vid
-        return tower.log
+        return tower.batches
 
     log = run_pool(go, pool)
     image_batches = [i for i, batch in enumerate(log) if batch[0].startswith("img")]
@@ -233,7 +198,7 @@ def test_a_passed_over_video_chunk_goes_first_once_aged(monkeypatch, aging_s, pr
     from encoder_service.encoder_pool import batching
 
     monkeypatch.setattr(batching, "AGING_S", aging_s)
-    tower = FakeTower(delay_per_row=0.01)  # a chunk 80 ms, an image 10 ms
+    tower = video_tower(delay_per_row=0.01)  # a chunk 80 ms, an image 10 ms
     pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8, max_batch_size=1)
 
     async def go():
@@ -251,7 +216,7 @@ def test_a_passed_over_video_chunk_goes_first_once_aged(monkeypatch, aging_s, pr
 
         await asyncio.gather(*(flood() for _ in range(3)))
         await vid
-        return tower.log
+        return tower.batches
 
     log = run_pool(go, pool)
     last_image = max(i for i, batch in enumerate(log) if batch[0].startswith("i"))
@@ -263,7 +228,7 @@ def test_a_passed_over_video_chunk_goes_first_once_aged(monkeypatch, aging_s, pr
 
 
 def test_a_failing_chunk_fails_the_item_once_and_skips_the_rest():
-    tower = FakeTower(fail={"v#1"})
+    tower = video_tower(fail={"v#1"})
     pool = pool_of(tower, video_chunk_tokens=4, max_batch_tokens=4)
 
     async def go():
@@ -274,14 +239,14 @@ def test_a_failing_chunk_fails_the_item_once_and_skips_the_rest():
 
     err = run_pool(go, pool)
     assert err.item_id == "v" and err.code == "encode_error" and "chunk 1" in err.reason
-    encoded = [i for batch in tower.log for i in batch]
+    encoded = [i for batch in tower.batches for i in batch]
     assert "v#7" not in encoded  # queued chunks of a failed item are not encoded
     assert pool.stats.items_failed == {"encode_error": 1}
-    assert pool.store.state("v") is FeatureState.DISCARDED
+    assert pool.store.state("v") is PoolItemState.DISCARDED
 
 
 def test_a_chunked_video_takes_a_queue_slot_per_chunk():
-    pool = pool_of(FakeTower(delay_per_row=0.01), video_chunk_tokens=4, max_queue_items=5)
+    pool = pool_of(video_tower(delay_per_row=0.01), video_chunk_tokens=4, max_queue_items=5)
 
     async def go():
         assert pool.slots(video("v", 8)) == 8 and pool.slots(video("s", 2)) == 2

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 from encoder_service.encoder_pool.lifecycle import (
     TRANSITIONS,
     BudgetExceeded,
-    FeatureState,
     FeatureStore,
     IllegalTransition,
+    PoolItemState,
 )
 
-S = FeatureState
+S = PoolItemState
 
 
 def emb(rows: int, dim: int = 4) -> torch.Tensor:  # rows * dim * 4 bytes

@@ -25,9 +25,10 @@ from encoder_service.encoder_pool.server import build_pool, create_app, main, pa
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodels import SPECS, build
-from tests.helpers import WORK, Served
+from tests.helpers import WORK, Served, port_block
 
 NS = "tiny-llava"
+PORTS = port_block(__name__)  # one per test that serves the app (two share one)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def pool_server(model, tmp_path_factory):
         "max_image_pixels": 300 * 300, "max_media_bytes": 400_000,
         "transport": {"storage_path": str(storage)},
     })
-    with Served(create_app(cfg), 18410) as s:
+    with Served(create_app(cfg), PORTS[0]) as s:
         s.storage = storage
         s.client = httpx.Client(base_url=s.url, timeout=60)
         yield s
@@ -207,7 +208,7 @@ def test_full_queue_answers_429_with_retry_after(model, tmp_path):
                                 "max_wait_ms": 0, "max_queue_items": 1, "retry_after_s": 2,
                                 "transport": {"storage_path": str(tmp_path)}})
     pool = build_pool(cfg, encoders=[SlowEncoder(load_encoder(model), 1.0)])
-    with Served(create_app(cfg, pool), 18411) as s:
+    with Served(create_app(cfg, pool), PORTS[1]) as s:
         async def go():
             async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
                 async def gauge(name):
@@ -285,7 +286,7 @@ def test_qwen_pool_serves_images_frame_lists_and_containers_with_their_metadata(
     qmodel = build(WORK / "models" / spec.model_name, spec)
     cfg = PoolConfig.from_dict({"model": qmodel, "served_model_name": spec.model_name,
                                 "transport": {"storage_path": str(tmp_path)}})
-    with Served(create_app(cfg), 18411) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+    with Served(create_app(cfg), PORTS[1]) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         video = video_part(sample_frames(5, n=3, size=112))["video_url"]["url"]
         mp4 = video_part(sample_mp4(6, n=4, width=112, height=112, fps=2))["video_url"]["url"]
         mp4_6fps = video_part(sample_mp4(6, n=5, width=112, height=112, fps=6))
@@ -321,7 +322,7 @@ def test_omni_pool_resamples_audio_as_vllm_and_refuses_junk(tmp_path):
     omodel = build(WORK / "models" / spec.model_name, spec)
     cfg = PoolConfig.from_dict({"model": omodel, "served_model_name": spec.model_name,
                                 "transport": {"storage_path": str(tmp_path)}})
-    with Served(create_app(cfg), 18412) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+    with Served(create_app(cfg), PORTS[2]) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         r = c.post("/v1/encode", json={"items": [
             {"id": "a16", "modality": "audio", "data": b64(sample_audio(1, seconds=2.0))},
             {"id": "a44", "modality": "audio",
@@ -348,7 +349,7 @@ def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path, mon
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "transport": {
         "storage_path": str(tmp_path / "store"), "secret_file": str(secret)}})
     key = {"authorization": f"Bearer {api_key(read_secret(secret))}"}
-    with Served(create_app(cfg), 18413) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+    with Served(create_app(cfg), PORTS[3]) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         # an encoder of the deployment: its API needs the deployment's key, health does not
         item = {"id": IdSigner(read_secret(secret)).sign("image-a"), "data": b64(png(112))}
         for path, body in (("/v1/encode", {"items": [item]}),
@@ -371,7 +372,7 @@ def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path, mon
 def test_a_full_memory_budget_is_a_503_with_its_reason(model, tmp_path):
     cfg = PoolConfig.from_dict({"model": model, "served_model_name": NS, "cpu_budget_bytes": 1,
                                 "transport": {"storage_path": str(tmp_path)}})
-    with Served(create_app(cfg), 18414) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+    with Served(create_app(cfg), PORTS[4]) as s, httpx.Client(base_url=s.url, timeout=60) as c:
         r = c.post("/v1/encode", json={"items": [{"id": "a", "data": b64(png(112))}]})
     assert r.status_code == 503 and r.headers["Retry-After"], r.text
     assert r.json()["error"]["code"] == "over_budget"

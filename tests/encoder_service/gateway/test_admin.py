@@ -12,8 +12,9 @@ import httpx
 from ec_connectors.protocol.secret import admin_token
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab
+from tests.helpers import port_block
 
-LAB = Lab(range(18790, 18800))
+LAB = Lab(port_block(__name__))
 
 
 def test_instances_join_and_leave_while_load_runs_and_nothing_is_lost(tmp_path):

@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
+from tests.helpers import port_block
 
-LAB = Lab(range(18520, 18540))
+LAB = Lab(port_block(__name__))
 gateway = LAB.gateway
 
 

@@ -17,10 +17,10 @@ from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.gateway.server import GatewayThread
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
-from tests.helpers import Served, free_port, wait_for
+from tests.helpers import Served, free_port, port_block, wait_for
 
 MODEL = "tiny-llava"
-PORTS = iter(range(18860, 18890))
+PORTS = iter(port_block(__name__))
 CLIENT_A, CLIENT_B = "client-a-key-0001", "client-b-key-0002"
 REFUSED = 'epd_gateway_rejected_total{reason="invalid_api_key"}'
 

@@ -35,12 +35,13 @@ from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.server import GatewayThread
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
+from tests.helpers import MOONCAKE, port_block, wait_for
 from tests.helpers import free_port as _free_port
-from tests.helpers import wait_for
 
 MODEL = "tiny-llava"
-PORTS = iter(range(18600, 18630))
-PRODUCER = "127.0.0.1:16690"  # fake producer's side channel; announcements on 17690
+PORTS = iter(port_block(__name__))
+# a fake producer's side channel (it binds only its announcements, + 1000)
+PRODUCER = f"127.0.0.1:{port_block(__name__, MOONCAKE)[0]}"
 
 
 def free_port() -> int:

@@ -15,8 +15,9 @@ import pytest
 from ec_connectors.protocol.keys import content_item_id
 from encoder_service.local.requests import chat_body, data_url, image_part, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, parts_request, post
+from tests.helpers import port_block
 
-LAB = Lab(range(18720, 18760))
+LAB = Lab(port_block(__name__))
 gateway = LAB.gateway
 
 

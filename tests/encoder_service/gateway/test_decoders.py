@@ -22,8 +22,9 @@ from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.routing import rendezvous
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
+from tests.helpers import port_block
 
-LAB = Lab(range(19000, 19020))
+LAB = Lab(port_block(__name__))
 gateway = LAB.gateway
 
 

@@ -36,8 +36,9 @@ from tests.encoder_service.gateway.stubs import (
     parts_request,
     post,
 )
+from tests.helpers import port_block
 
-LAB = Lab(range(18500, 18520))
+LAB = Lab(port_block(__name__))
 gateway = LAB.gateway
 
 

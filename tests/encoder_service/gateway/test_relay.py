@@ -11,8 +11,9 @@ import httpx
 
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab
+from tests.helpers import port_block
 
-LAB = Lab(range(18760, 18770))
+LAB = Lab(port_block(__name__))
 
 
 def test_streamed_answer_is_passed_through(gw, stubs):

@@ -11,8 +11,9 @@ from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, bounded, rendezvous
 from tests.encoder_service.gateway.stubs import MODEL, FakeEncoder, Lab, items
+from tests.helpers import port_block
 
-LAB = Lab(range(18770, 18790))  # the stub upstreams and gateways of this module
+LAB = Lab(port_block(__name__))  # the stub upstreams, gateways and pools of this module
 NAMES = [f"http://enc{i}:8000" for i in range(4)]
 
 
@@ -232,6 +233,64 @@ def test_a_hung_instance_fails_its_forward_probe_and_is_tried_last_until_it_pass
             s.stop()
 
 
+def test_an_instance_reported_down_gets_nothing_until_a_probe_passes_after_it_is_back():
+    """What `epd up`'s supervisor tells the gateway (outages.py): a decode instance and the
+    encoder whose processes died get no new work (the items go raw) and show as down; once
+    reported back (restarted, healthy) the decode instance gets work again only after a real
+    forward passes; the restarts are counted on /metrics."""
+    import httpx
+
+    from encoder_service.local.requests import chat_body, sample_image_png
+    from tests.encoder_service.gateway.stubs import metric
+    from tests.helpers import wait_for
+
+    enc, first, second = LAB.stub("encoder"), LAB.stub("decoder"), LAB.stub("decoder")
+    g = LAB.gateway([enc.url], [first.url, second.url])
+    outages = g.gateway.outages
+    outages.interval_s = 0.05
+
+    def states() -> dict[str, str]:
+        listed = httpx.get(g.url + "/instances").json()
+        return {e["url"]: e["state"] for e in (*listed["encoders"], *listed["decoders"])}
+
+    def ask(n: int) -> None:
+        r = httpx.post(g.url + "/v1/chat/completions", timeout=10,
+                       json=chat_body(MODEL, sample_image_png(seed=n), "x"))
+        assert r.status_code == 200, r.text
+
+    try:
+        g.call_soon(outages.down, first.url)
+        g.call_soon(outages.down, enc.url)
+        assert wait_for(lambda: states() == {enc.url: "down", first.url: "down",
+                                             second.url: "up"}, timeout=5, interval=0.02)
+        calls = len(first.calls), len(enc.calls)
+        fallback = metric(g, 'epd_gateway_items_total{outcome="fallback"}')
+        for n in range(8):
+            ask(n)
+        assert (len(first.calls), len(enc.calls)) == calls and len(second.calls) >= 8
+        assert metric(g, 'epd_gateway_items_total{outcome="fallback"}') == fallback + 8
+        first.fail = True  # restarted and healthy, but its engine does not answer yet
+        g.call_soon(outages.back, first.url)
+        assert wait_for(lambda: g.gateway.outages.prober.results.get(first.url) is not None,
+                        timeout=5, interval=0.02)
+        assert not wait_for(lambda: states()[first.url] != "down", timeout=0.3)
+        first.fail = False
+        assert wait_for(lambda: states()[first.url] == "up", timeout=5, interval=0.02)
+        for n in range(100, 120):
+            ask(n)
+        assert len(first.calls) > calls[0]  # its share again
+        g.call_soon(outages.back, enc.url)
+        assert wait_for(lambda: states()[enc.url] == "up", timeout=5, interval=0.02)
+        ask(200)
+        assert len(enc.calls) > calls[1]
+        g.gateway.metrics.restarts.labels("decode-0").inc()
+        assert metric(g, 'epd_restarts_total{instance="decode-0"}') == 1
+    finally:
+        g.stop()
+        for s in (enc, first, second):
+            s.stop()
+
+
 def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
     """Two real encoder pools (the tiny LLaVA, real HTTP, safetensors publishing) behind a
     gateway that looks nothing up: the same image three times is encoded once, by the pool
@@ -251,7 +310,8 @@ def test_a_repeated_item_reaches_the_pool_that_encoded_it(tmp_path):
                                   "transport": {"storage_path": str(tmp_path / "ec")}})
             for _ in range(2)]
     dec = LAB.stub("decoder")
-    with Served(create_app(cfgs[0]), 18440) as p0, Served(create_app(cfgs[1]), 18441) as p1:
+    with Served(create_app(cfgs[0]), LAB.port()) as p0, \
+            Served(create_app(cfgs[1]), LAB.port()) as p1:
         g = LAB.gateway([p0.url, p1.url], [dec.url], encoder_backend="pool")
         try:
             image = sample_image_png(seed=4242)

@@ -22,9 +22,9 @@ from encoder_service.gateway.config import LimitsConfig, MediaConfig
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.urls import check_destination, fetch_media
 from encoder_service.local.requests import sample_image_png
-from tests.helpers import free_port
+from tests.helpers import free_port, port_block
 
-PORTS = iter(range(18560, 18570))
+PORTS = iter(port_block(__name__))
 IMAGE = sample_image_png(3)
 
 

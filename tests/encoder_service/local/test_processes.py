@@ -17,11 +17,20 @@ import pytest
 from ec_connectors import child_process
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import ManagedProcess, PoolServer, VllmServer
-from tests.helpers import ROOT, WORK, alive, descendants, free_port, wait_for
+from tests.helpers import (
+    MASTER,
+    ROOT,
+    WORK,
+    alive,
+    descendants,
+    free_port,
+    port_block,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(not child_process.supported(),
                                 reason="parent-death signals are Linux-only")
-_ports = iter(range(19900, 19940, 5))  # this module's master ports (rpc, +1, +2)
+_ports = iter(port_block(__name__, MASTER)[::5])  # this module's masters: rpc, +1, +2
 
 # A child like `vllm serve` during start-up: it ignores SIGTERM (so its parent-death signal
 # does nothing) and has a child of its own that ignores it too; it runs the group guard.
@@ -200,3 +209,40 @@ def test_a_server_on_one_core_runs_its_model_in_engine_core(tmp_path):
         assert server.command().count("--distributed-executor-backend") == 0
         assert server.child_env().get("VLLM_ENABLE_V1_MULTIPROCESSING") == os.environ.get(
             "VLLM_ENABLE_V1_MULTIPROCESSING")
+
+
+
+MP_PARENT = textwrap.dedent("""
+    import multiprocessing, os, time
+    from ec_connectors import child_process
+    from ec_connectors.plugin import VLLM_CHILDREN
+
+    def child():  # what the plugin does in every vLLM process
+        child_process.die_with_parent_process(names=VLLM_CHILDREN)
+        me = multiprocessing.current_process()
+        os.write(1, f"{me.name} {me.pid}\\n".encode())  # one write: no interleaving
+        time.sleep(600)
+
+    ctx = multiprocessing.get_context("fork")  # vLLM: spawn on CPU; the same in the child
+    for name in ("EngineCore", "VllmWorker-0", "SomethingElse"):
+        ctx.Process(target=child, name=name).start()
+    time.sleep(600)
+""")
+
+
+def test_vllm_engine_processes_die_with_their_api_server():
+    """vLLM's own children (EngineCore, workers) ask for a parent-death signal in the
+    plugin: an API server killed by SIGKILL takes them along (they stayed, orphaned). Other
+    multiprocessing children of a vLLM process are left as they were."""
+    parent = child_process.popen([sys.executable, "-c", MP_PARENT], cwd=ROOT,
+                                 stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pids = {name: int(pid) for name, pid in (parent.stdout.readline().split()
+                                                for _ in range(3))}
+    try:
+        sigkill(parent)
+        assert wait_for(lambda: not alive(pids["EngineCore"])
+                        and not alive(pids["VllmWorker-0"]), timeout=10, interval=0.05)
+        assert alive(pids["SomethingElse"])
+    finally:
+        _reap(set(pids.values()))

@@ -12,13 +12,23 @@ import sys
 import pytest
 
 from ec_connectors.child_process import die_with_parent
+from ec_connectors.protocol import ports
 from encoder_service.local import up_config
 from encoder_service.local.up import Deployment
 from encoder_service.local.up_config import UpConfig, UpError, load_up_config
-from tests.helpers import ROOT
+from tests.helpers import MASTER, MOONCAKE, ROOT, port_block
+
+# the ports of the deployments this module checks or lets `epd up` check (it starts none): a
+# gateway and its servers from UP, a Mooncake side channel, a store master; plans that bind
+# nothing name any port
+UP, MC = port_block(__name__)[0], port_block(__name__, MOONCAKE)[0]
+STORE_MASTER = port_block(__name__, MASTER)[0]  # 19960-19962
 
 # a Mooncake server's environment without a deployment secret: loopback, no API key
-NO_SECRET_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_API_KEY": ""}
+# the port plan's engine range (ports.ENGINE_PORTS: clear of this module's ports)
+ENGINE_ENV = {"MC_MIN_RPC_PORT": str(ports.ENGINE_PORTS[0]),
+              "MC_MAX_RPC_PORT": str(ports.ENGINE_PORTS[1])}
+NO_SECRET_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "VLLM_API_KEY": "", **ENGINE_ENV}
 
 
 def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
@@ -42,13 +52,13 @@ def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
 
 def test_a_taken_port_fails_fast_with_no_server_started():
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 18517))
+        taken.bind(("127.0.0.1", UP + 7))  # the decode instance's port
         taken.listen()
         r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--base-port",
-                            "18515"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            str(UP + 5)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                            preexec_fn=die_with_parent())
     assert r.returncode == 1
-    assert "port 18517" in r.stdout and "not free" in r.stdout
+    assert f"port {UP + 7}" in r.stdout and "not free" in r.stdout
     assert "starting encoder" not in r.stdout
 
 
@@ -123,17 +133,15 @@ def test_media_io_kwargs_reach_every_server_and_pool_alike(tmp_path):
 
 
 def test_a_taken_mooncake_port_fails_fast(tmp_path):
-    dep = Deployment(UpConfig(base_port=18630, transport="mooncake", mooncake_base_port=16675),
+    dep = Deployment(UpConfig(base_port=UP, transport="mooncake", mooncake_base_port=MC),
                      tmp_path)
     dep.plan(tmp_path / "model")
-    for port in (17675, 18675):  # encoder 0's announcement and data connection ports
+    # encoder 0's announcement and data connection ports
+    for port in (ports.announce_port(MC), ports.stream_port(MC)):
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", port))
             with pytest.raises(UpError, match=f"{port}.*mooncake_base_port"):
                 dep.check_ports()
-
-
-STORE_MASTER = 19960  # this module's Mooncake Store master ports: 19960-19962 (never started)
 
 
 def test_plan_mooncake_store_starts_a_master_and_wires_every_server_to_it(tmp_path):
@@ -149,7 +157,7 @@ def test_plan_mooncake_store_starts_a_master_and_wires_every_server_to_it(tmp_pa
     m = dep.master
     assert m is not None and (m.port, m.http_port, m.metrics_port) == (19960, 19961, 19962)
     assert m.address == "127.0.0.1:19960" and m.log_path.parent == tmp_path / "up" / "logs"
-    assert m.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+    assert m.env == {"MC_TCP_BIND_ADDRESS": "127.0.0.1", **ENGINE_ENV}
     extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
     assert [e["transport"] for e in extra] == ["mooncake_store"] * 4
     # wiring wins over connector_extra; sizes are the user's
@@ -221,7 +229,7 @@ def test_plan_pool_backend_with_store_tiers_validates(tmp_path):
 
 
 def test_a_taken_master_port_fails_fast(tmp_path):
-    dep = Deployment(UpConfig(base_port=18630, transport="mooncake_store",
+    dep = Deployment(UpConfig(base_port=UP, transport="mooncake_store",
                               master_port=STORE_MASTER), tmp_path)
     dep.plan(tmp_path / "model")
     with socket.socket() as taken:
@@ -238,7 +246,7 @@ def test_a_taken_master_port_fails_fast(tmp_path):
         taken.bind(("127.0.0.1", STORE_MASTER + 2))
         taken.listen()
         r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--base-port",
-                            "18700", "--transport", "mooncake_store", "--master-port",
+                            str(UP + 10), "--transport", "mooncake_store", "--master-port",
                             str(STORE_MASTER)], cwd=ROOT, capture_output=True, text=True,
                            timeout=120, preexec_fn=die_with_parent())
     assert r.returncode == 1, r.stdout + r.stderr
@@ -280,6 +288,12 @@ def test_with_a_secret_every_server_requires_the_derived_key_from_its_environmen
         assert f"deployment secret {secret}" in servers and key not in servers
         assert "no client API key" in clients
         assert "bind every interface" in listeners and "docs/trust.md" in listeners
+        # the Store clients' engines only (the TE over TCP starts none), in the plan's range
+        assert "(Store clients: two per process" in listeners and "25000-25999" in listeners
+    dep = Deployment(UpConfig(base_port=18630, transport="mooncake", secret_file=str(secret)),
+                     tmp_path)
+    dep.plan(tmp_path / "model")
+    assert len(dep.trust_lines()) == 2  # no engine listener to mention
     # without a secret: no key (an inherited one is cleared, the gateway could not present
     # it), loopback only, and said so
     dep = Deployment(UpConfig(base_port=18630, gateway={"api_keys": ["c1", "c2"]}), tmp_path)

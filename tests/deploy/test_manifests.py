@@ -3,8 +3,9 @@ the Kubernetes API schemas (kubernetes-validate, strict: no unknown fields), the
 against the compose specification (the JSON schema check-jsonschema vendors), and both keep
 the trust boundary: clients reach the gateway only, the data plane binds the pod's address,
 EPD processes read the deployment secret. Both files are rendered from deploy/settings.toml
-(deploy/render.py): the checked-in ones must be current. What the compose stack does when it
-runs is the deploy lane's (tests/deploy, `./run.sh test-deploy`)."""
+(deploy/render.py): the checked-in ones must be current. The fast lane's, unlike the rest of
+tests/deploy: what the compose stack does when it runs is the deploy lane's
+(test_compose_stack.py, `./run.sh test-deploy`)."""
 
 from __future__ import annotations
 
