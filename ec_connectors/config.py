@@ -144,7 +144,7 @@ class MooncakeSettings(_Settings):
     # process off the socket path starts a transfer engine (mooncake_te/engine.py): set it
     # alike on every process (a socket consumer and an engine-only producer exchange nothing).
     te_data_path: Literal["auto", "engine", "socket"] = "auto"
-    # Producer: the byte budget of held items (LRU eviction of unleased items, then
+    # Producer: the byte budget of held items (transports/leases.py: unleased items first, then
     # backpressure). Consumer: room for pulls in flight.
     memory_pool_bytes: int = Field(default=2 * GiB, ge=1 * MiB)
     # Large items are written in chunks of this size, each announced as it lands, so the
@@ -220,7 +220,7 @@ class ShmSettings(_Settings):
     and copy each item once into warm memory, verifying it while they copy."""
 
     shm_path: str = Field(default_factory=default_shm_path)  # a tmpfs directory, made 0700
-    # Producer: the arena, its byte budget (LRU eviction of unleased, unread items, then
+    # Producer: the arena, its byte budget (transports/leases.py: unleased, unread items, then
     # backpressure for at most shm_put_timeout_s).
     shm_arena_bytes: int = Field(default=1 * GiB, ge=1 * MiB, le=1 << 40)
     shm_lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, stored items stay this long

@@ -59,12 +59,18 @@ def cluster(tmp_path_factory):
                                 "video_chunk_tokens": 1,  # one temporal group per chunk
                                 "transport": {"storage_path": str(storage)}})
     cons.start()  # the pool loads while vLLM starts
+    # vLLM's encoder runs on one core with one torch thread: so does the pool here, so that
+    # "bit-identical" compares the same arithmetic (with two threads a large image's matmuls
+    # may sum in another order on some CPUs: a few bf16 values one ulp apart)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         app = create_app(cfg)
         cons.wait()
         with Served(app, BASE_PORT + 1) as pool, httpx.Client(timeout=120) as c:
             yield {"cons": cons, "pool": pool, "client": c, "storage": storage}
     finally:
+        torch.set_num_threads(threads)
         cons.stop()
 
 

@@ -1,5 +1,5 @@
 """Producer side of the Mooncake TE transport: the ZMQ PUB that announces the items a worker
-holds (producer_store.py: its registered pool's leases, pins, LRU) to catalogs, the ranges
+holds (producer_store.py: its pool's items and pins, under the lease book) to catalogs, the ranges
 consumers proved are theirs (the only places pulls are written to), and the side channel that
 serves pulls (PullServer: with the engine; or on a consumer's data connection, stream.py)."""
 
