@@ -1,0 +1,308 @@
+"""The rival benchmark's deployments (benchmarks/rivals.py), each started fresh, on this
+machine's two cores, behind one front end, every server through the handoff probe
+(rival_probe.py):
+
+  aggregated     one vLLM server (encoder and prefill/decode in one), both cores, asked
+                 directly (it has nothing to route)
+  ec_example     vLLM encoder (ec_producer, core 0) + vLLM prefill/decode (ec_consumer,
+                 core 1) with vLLM's ECExampleConnector (safetensors files on /dev/shm),
+                 our gateway in front (item ids, routing; no availability lookup and no
+                 overlap: the connector has neither)
+  ec_mooncake    the same two servers with vLLM's ECMooncakeConnector over the Transfer
+                 Engine's TCP, cpu buffers; rival_front.py in front (it pushes: the front
+                 picks the consumer before the encode, both requests carry the transfer ids)
+  ours_shm       `epd up`'s servers: vLLM encoder + vLLM prefill/decode with EPDConnector
+                 over shared memory, our gateway as `epd up` configures it
+  ours_te        the same over the Mooncake Transfer Engine transport (TCP, loopback)
+  ours_pool_shm  the same as ours_shm with our encoder pool (`epd encoder`) on core 0
+
+vLLM's own deployments run plain `vllm serve` (no `--middleware`: our server guard is part of
+our deployment, as the README runs it); ours run exactly what `epd up` starts. Fronts run as
+processes of their own, unpinned, as the benchmark's client does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from benchmarks.rival_front import FrontProcess
+from benchmarks.rival_probe import PROBE_ENV, V1_NO_FORWARD_ENV
+from benchmarks.serve_processes import GatewayProcess
+from benchmarks.video_serve_bench import GATEWAY as VIDEO_GATEWAY
+from benchmarks.video_serve_bench import MEDIA_IO, VLLM_ARGS
+from encoder_service.local.processes import (
+    ManagedProcess,
+    PoolServer,
+    VllmServer,
+    start_all,
+)
+from encoder_service.local.testmodels import SPECS, ModelSpec, build
+from encoder_service.local.up import Deployment
+from encoder_service.local.up_config import UpConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te",
+               "ours_pool_shm")
+RIVALS = ("ec_example", "ec_mooncake")  # vLLM's connectors; aggregated is the reference
+BASE_PORT = 18900  # front; servers +1, +2; ECMooncake control ports +60, +61
+MOONCAKE_BASE_PORT = 15900  # our TE transport's side channels (announce +1000, data +2000)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A model and what every server of every deployment gets for it."""
+
+    name: str
+    spec: ModelSpec
+    vllm_args: tuple[str, ...] = ()
+    media_io: dict | None = None
+    gateway: dict = field(default_factory=dict)  # gateway config keys (limits)
+    buffer_bytes: int = 256 << 20  # ECMooncake ec_buffer_size, our TE pool, our shm sizes
+
+    @property
+    def served(self) -> str:
+        return self.spec.model_name
+
+    @property
+    def server_args(self) -> list[str]:
+        media = ["--media-io-kwargs", _json(self.media_io)] if self.media_io else []
+        return [*self.vllm_args, *media]
+
+
+def _json(obj: object) -> str:
+    return json.dumps(obj)
+
+
+GROUPS = {
+    "llava": Group("llava", SPECS["tiny"]),
+    # items of 6.3 to 125.8 MB, four at once: buffers of 1 GiB on every path
+    "qwen3": Group("qwen3", SPECS["qwen3-vl-video"], tuple(VLLM_ARGS), MEDIA_IO,
+                   VIDEO_GATEWAY, 1 << 30),
+}
+
+
+@dataclass
+class ProbedServer(VllmServer):
+    """`vllm serve` through rival_probe.py; without `guard`, as vLLM ships (no middleware)."""
+
+    guard: bool = True
+
+    def command(self) -> list[str]:
+        cmd = ["benchmarks.rival_probe" if c == "encoder_service.local.vllm_cli" else c
+               for c in super().command()]
+        if not self.guard:
+            i = cmd.index("--middleware")
+            del cmd[i:i + 2]
+        return cmd
+
+
+@dataclass
+class ProbedPool(PoolServer):
+    def command(self) -> list[str]:
+        cmd = super().command()
+        i = cmd.index("encoder_service.encoder_pool.server")
+        return [*cmd[:i], "benchmarks.rival_probe", "pool", *cmd[i + 1:]]
+
+
+def probe_env(probe_dir: Path) -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH")
+    return {PROBE_ENV: str(probe_dir),
+            "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
+def _probed(server: ManagedProcess, probe_dir: Path) -> ManagedProcess:
+    """The same server (an `epd up` plan's) started through the probe."""
+    cls = ProbedServer if isinstance(server, VllmServer) else ProbedPool
+    kw = {f.name: getattr(server, f.name) for f in fields(server)}  # type: ignore[arg-type]
+    kw["env"] = {**kw["env"], **probe_env(probe_dir)}
+    return cls(**kw)
+
+
+@dataclass
+class Stack:
+    """A started deployment: `url` takes the requests; `meter` names the processes whose CPU
+    is counted (`decode`: the prefill/decode instance, the whole server for aggregated)."""
+
+    name: str
+    model: str  # the served model name
+    url: str
+    meter: dict[str, int]
+    probe_dir: Path
+    stop: Callable[[], None]
+
+
+def _pids(**procs: ManagedProcess | GatewayProcess) -> dict[str, int]:
+    """CpuMeter's servers: name -> root pid."""
+    out = {}
+    for name, p in procs.items():
+        assert p.proc is not None
+        out[name] = p.proc.pid
+    return out
+
+
+def _stopper(*procs: ManagedProcess | GatewayProcess | None, after=None) -> Callable[[], None]:
+    def stop() -> None:
+        for p in procs:
+            if p is not None:
+                p.stop()
+        if after is not None:
+            after()
+
+    return stop
+
+
+def _vllm(name: str, g: Group, model: Path, port: int, work: Path, probe_dir: Path,
+          ec: dict | None, core: int | None, env: dict | None = None) -> ProbedServer:
+    return ProbedServer(name, model, port, work, ec, cpu_core=core, served_name=g.served,
+                        extra_args=g.server_args, env={**(env or {}), **probe_env(probe_dir)},
+                        guard=False)
+
+
+def start_aggregated(g: Group, model: Path, work: Path, probe_dir: Path, say) -> Stack:
+    s = _vllm("rv-aggregated", g, model, BASE_PORT + 1, work, probe_dir, None, None)
+    start_all([s], progress=say)
+    return Stack("aggregated", g.served, s.url, _pids(decode=s), probe_dir, s.stop)
+
+
+def _pair(name: str, g: Group, model: Path, work: Path, probe_dir: Path, say,
+          cfg: Callable[[str], dict], env: dict | None = None
+          ) -> tuple[ProbedServer, ProbedServer]:
+    enc = _vllm(f"rv-{name}-encoder", g, model, BASE_PORT + 1, work, probe_dir,
+                cfg("ec_producer"), 0, env)
+    dec = _vllm(f"rv-{name}-decode", g, model, BASE_PORT + 2, work, probe_dir,
+                cfg("ec_consumer"), 1, env)
+    start_all([enc, dec], progress=say)
+    return enc, dec
+
+
+def start_example(g: Group, model: Path, work: Path, probe_dir: Path, say) -> Stack:
+    storage = Path(tempfile.mkdtemp(prefix="epd-rivals-example-", dir="/dev/shm"))
+
+    def cfg(role: str) -> dict:
+        return {"ec_connector": "ECExampleConnector", "ec_role": role,
+                "ec_buffer_device": "cpu",
+                "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+    def rm() -> None:
+        shutil.rmtree(storage, ignore_errors=True)
+
+    try:
+        enc, dec = _pair("example", g, model, work, probe_dir, say, cfg)
+    except BaseException:
+        rm()
+        raise
+    gw = None
+    try:
+        gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None,
+                            work / "logs" / "rv-example-gateway.log",
+                            config={"routing": {"overlap": "off"}, **g.gateway},
+                            model=g.served)
+    except BaseException:
+        _stopper(enc, dec, after=rm)()
+        raise
+    return Stack("ec_example", g.served, gw.url, _pids(decode=dec, encoder=enc, front=gw),
+                 probe_dir, _stopper(gw, enc, dec, after=rm))
+
+
+def mooncake_config(role: str, port: int, buffer_bytes: int) -> dict:
+    """vLLM's ECMooncakeConnector on this host: cpu buffers, the engine over TCP; `port`
+    is the instance's control port (a consumer listens there for reservations)."""
+    return {"ec_connector": "ECMooncakeConnector", "ec_role": role, "ec_buffer_device": "cpu",
+            "ec_buffer_size": buffer_bytes, "ec_ip": "127.0.0.1", "ec_port": port,
+            "ec_connector_extra_config": {"mooncake_protocol": "tcp"}}
+
+
+# the engine advertises vLLM's get_ip() (the machine's other address unless this is set);
+# the V1 runner drives the connector on empty steps as the V2 runner does (rival_probe.py)
+MOONCAKE_ENV = {"VLLM_HOST_IP": "127.0.0.1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+                V1_NO_FORWARD_ENV: "1"}
+
+
+def start_mooncake(g: Group, model: Path, work: Path, probe_dir: Path, say) -> Stack:
+    ports = {"ec_producer": BASE_PORT + 61, "ec_consumer": BASE_PORT + 60}
+    enc, dec = _pair("mooncake", g, model, work, probe_dir, say,
+                     lambda role: mooncake_config(role, ports[role], g.buffer_bytes),
+                     MOONCAKE_ENV)
+    front = FrontProcess("rv-mooncake-front", BASE_PORT, work, encoder=enc.url,
+                         decoders=[(dec.url, f"tcp://127.0.0.1:{ports['ec_consumer']}")],
+                         model=g.served, config=g.gateway)
+    try:
+        start_all([front], timeout_s=60, progress=say)
+    except BaseException:
+        _stopper(enc, dec)()
+        raise
+    return Stack("ec_mooncake", g.served, front.url,
+                 _pids(decode=dec, encoder=enc, front=front), probe_dir,
+                 _stopper(front, enc, dec))
+
+
+def start_ours(name: str, g: Group, model: Path, work: Path, probe_dir: Path, say) -> Stack:
+    """`epd up`'s plan for `name` (its servers, its gateway's config), each server through
+    the probe, the gateway as a process of its own."""
+    sizes = {"memory_pool_bytes": g.buffer_bytes, "shm_arena_bytes": g.buffer_bytes,
+             "shm_consumer_pool_bytes": g.buffer_bytes}
+    cfg = UpConfig(model=g.spec.name, transport="mooncake" if name == "ours_te" else "shm",
+                   encoder_backend="pool" if "pool" in name else "vllm",
+                   base_port=BASE_PORT, mooncake_base_port=MOONCAKE_BASE_PORT,
+                   cpu_cores=[0, 1], vllm_args=list(g.vllm_args),
+                   media_io_kwargs=g.media_io or {}, gateway=g.gateway,
+                   connector_extra=sizes)
+    dep = Deployment(cfg, work / name)
+    dep.plan(model)
+    dep.check_ports()
+    enc, dec = (_probed(s, probe_dir) for s in (dep.encoders[0], dep.decoders[0]))
+    start_all([enc, dec], progress=say)
+    assert dep.gateway_cfg is not None
+    gw = None
+    try:
+        config = {**g.gateway, "encoder_backend": cfg.encoder_backend,
+                  "availability": dep.gateway_cfg.availability.model_dump(
+                      mode="json", exclude_none=True)}
+        gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None,
+                            work / "logs" / f"rv-{name}-gateway.log", config=config,
+                            model=g.served)
+    except BaseException:
+        _stopper(enc, dec)()
+        raise
+    return Stack(name, g.served, gw.url, _pids(decode=dec, encoder=enc, front=gw), probe_dir,
+                 _stopper(gw, enc, dec))
+
+
+class Unsupported(RuntimeError):
+    """A deployment of ours that cannot serve a model at all (not a failure of the run)."""
+
+
+def check_supported(name: str, model: Path) -> None:
+    if name != "ours_pool_shm":
+        return
+    from encoder_service.encoder_pool.models import ENCODERS
+
+    archs = json.loads((model / "config.json").read_text()).get("architectures") or []
+    if not any(a in ENCODERS for a in archs):
+        raise Unsupported(f"the encoder pool has no encoder for {archs} "
+                          f"(encoder_service/encoder_pool/models.py: {', '.join(ENCODERS)})")
+
+
+def start(name: str, group: str, work: Path, models: Path, probe_dir: Path, say) -> Stack:
+    """Deployment `name` of model group `group`, started fresh (its probe dir emptied); the
+    test models built (once) under `models`."""
+    g = GROUPS[group]
+    model = build(models / g.served, g.spec)
+    check_supported(name, model)
+    shutil.rmtree(probe_dir, ignore_errors=True)
+    probe_dir.mkdir(parents=True)
+    if name == "aggregated":
+        return start_aggregated(g, model, work, probe_dir, say)
+    if name == "ec_example":
+        return start_example(g, model, work, probe_dir, say)
+    if name == "ec_mooncake":
+        return start_mooncake(g, model, work, probe_dir, say)
+    if name in ("ours_shm", "ours_te", "ours_pool_shm"):
+        return start_ours(name, g, model, work, probe_dir, say)
+    raise ValueError(f"unknown deployment {name!r}")
