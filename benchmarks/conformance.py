@@ -48,8 +48,10 @@ POOL = {"video_chunk_tokens": 1}
 MEDIA_IO = {"video": {"num_frames": 64}}
 # the aggregated server below every stack's ports (a stack takes base .. base + 31: gateway,
 # encoder, decoders, failover gateway, cutting proxies); it once sat on stack 1's gateway
-# port, where that stack's `epd up` could not start and its requests reached the reference
-AGG_PORT, BASE_PORT, STACK_PORTS = 18800, 18840, 40
+# port, where that stack's `epd up` could not start and its requests reached the reference.
+# 20000-20279: clear of every test module's block (tests/helpers.py PORT_BLOCKS), so a fast
+# lane beside a conformance run cannot answer the reference's requests (it did, from 18800)
+AGG_PORT, BASE_PORT, STACK_PORTS = 20000, 20040, 40
 
 
 def wait(pred, timeout: float, what: str, proc=None) -> None:
