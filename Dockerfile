@@ -36,14 +36,15 @@ COPY scripts/setup_env.py /opt/epd/setup_env.py
 # The same CPU-build fixes as ./run.sh (scripts/setup_env.py: torchvision without its C++ op
 # registrations, torchaudio without its C++ libraries for vLLM's resampling, the `vllm`
 # command). Dropped: torchcodec (a CUDA build; vLLM reads video with opencv), triton (1 GB of
-# GPU compilers; vLLM's CPU path runs without it), torch's C++ test binaries.
+# GPU compilers; vLLM's CPU path runs without it), torch's C++ test binaries. NIXL (E/P/D:
+# vLLM's NixlConnector) without its dependencies, which would pull a CUDA torch.
 RUN set -eu; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS PIP_CERT PIP_CONSTRAINT; do \
       eval "[ -n \"\${$v:-}\" ]" || unset "$v"; done; \
     python3 -m venv /opt/venv; \
     /opt/venv/bin/pip install --no-cache-dir --progress-bar off -r /opt/epd/requirements.txt; \
     /opt/venv/bin/pip uninstall -y -q torchcodec triton || true; \
-    EPD_VENV=/opt/venv python3 -c "import sys; sys.path.insert(0, '/opt/epd'); import setup_env as s; s.fix_torchvision(); s.fix_torchaudio()"; \
+    EPD_VENV=/opt/venv python3 -c "import sys; sys.path.insert(0, '/opt/epd'); import setup_env as s; s.fix_torchvision(); s.fix_torchaudio(); s.ensure_nixl()"; \
     rm -rf /opt/venv/lib/python3*/site-packages/torch/test
 ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_CPU_KVCACHE_SPACE=2 \
     PYTHONUNBUFFERED=1

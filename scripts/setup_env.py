@@ -8,6 +8,9 @@
   torchaudio kept without its C++ libraries (vLLM resamples non-16 kHz audio with its
   pure-Python `transforms.Resample`, as on GPU builds), torchcodec (a CUDA build) removed,
   a working `vllm` command;
+- NIXL for E/P/D (vLLM's NixlConnector hands the KV cache from prefill to decode instances):
+  `nixl` and `nixl-cu12` installed with --no-deps (their declared dependencies pull a CUDA
+  torch; the wheel runs on the CPU torch, UCX moves DRAM to DRAM);
 - the tiny LLaVA test model, built locally (random weights, local tokenizer, no downloads).
 A second run checks stamps and finishes in seconds.
 """
@@ -123,6 +126,17 @@ def fix_torchaudio() -> None:
                     "(torch.zeros(2, 441)).shape == (2, 160)"], check=True)
 
 
+NIXL = ("nixl==1.5.1", "nixl-cu12==1.5.1")
+
+
+def ensure_nixl() -> None:
+    """NIXL without its dependencies (a CUDA torch, about 5 GB): vLLM imports it as
+    `nixl._api` (the `nixl` meta package, then the `nixl-cu12` wheel)."""
+    ok = subprocess.run([str(PY), "-c", "import nixl._api"], capture_output=True)
+    if ok.returncode != 0:
+        run([str(PY), "-m", "pip", "install", "-q", "--no-deps", *NIXL])
+
+
 def write_vllm_launcher() -> None:
     path = VENV / "bin" / "vllm"
     path.write_text(
@@ -167,6 +181,7 @@ def main() -> None:
     t0 = time.time()
     ensure_libibverbs()
     ensure_venv()
+    ensure_nixl()
     ensure_model()
     log(f"ready ({time.time() - t0:.1f} s)")
 

@@ -69,6 +69,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.encoder_service.gateway.test_auth", HTTP): (18860, 30),
     ("tests.encoder_service.gateway.test_decoders", HTTP): (19000, 20),
     ("tests.encoder_service.gateway.test_routing", HTTP): (19100, 30),
+    ("tests.encoder_service.gateway.test_kv_handoff", HTTP): (18800, 20),
     # fast lane: Mooncake Store masters (5 apart) and Transfer Engine producers (10 apart)
     ("tests.ec_connectors.transports.test_mooncake_store", MASTER): (19500, 300),
     ("tests.encoder_service.local.test_processes", MASTER): (19900, 40),
@@ -89,6 +90,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_gateway", HTTP): (18570, 27),
     ("tests.e2e.test_up", HTTP): (18660, 13),
     ("tests.e2e.test_qwen_modalities", HTTP): (18680, 4),
+    ("tests.e2e.test_epd_kv", HTTP): (18700, 8),  # gateway, 3 servers, 2 KV side channels
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_up", MASTER): (19950, 3),
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
@@ -176,12 +178,14 @@ def run_pool(coro_fn: Callable[[], Awaitable], pool):
 
 @contextlib.contextmanager
 def epd_up(conf: dict, work: Path, also_ready: Callable[[], bool] = lambda: True,
-           timeout: float = 420.0, interval: float = 0.5, stop_timeout: float = 90.0):
-    """`epd up` of config `conf` in work dir `work` (`UpProcess`: its output in
-    <work>/epd-up.log); yields (process, gateway URL, log path) once its gateway is healthy
-    and `also_ready()` holds; stopped after (SIGTERM, `stop_timeout` before a SIGKILL). An
-    `epd up` that exits while starting fails the wait with its log's tail."""
-    up = UpProcess(conf, work).start()
+           timeout: float = 420.0, interval: float = 0.5, stop_timeout: float = 90.0,
+           args: list[str] | None = None):
+    """`epd up` of config `conf` (and command-line `args`) in work dir `work` (`UpProcess`:
+    its output in <work>/epd-up.log); yields (process, gateway URL, log path) once its
+    gateway is healthy and `also_ready()` holds; stopped after (SIGTERM, `stop_timeout`
+    before a SIGKILL). An `epd up` that exits while starting fails the wait with its log's
+    tail."""
+    up = UpProcess(conf, work, args=list(args or [])).start()
 
     def ready() -> bool:
         if not up.running:

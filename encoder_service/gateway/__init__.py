@@ -10,7 +10,7 @@ instances. Read `app.py`, then `chat.py`.
 - `availability.py`: items already stored somewhere (skip their encode).
 - `routing.py`: rendezvous hashing with bounded loads; `encoder_clients.py` + `coalescing.py`:
   encoders and the router that gives each item one encode; `decoders.py`: prefill/decode
-  instances.
+  instances; `kv_handoff.py`: E/P/D, the prefill hop whose KV cache a decode instance loads.
 - `relay.py`: the answer back; `failover.py` (pure) + `resume.py` (I/O): a broken stream
   continued on another instance.
 - `probes.py`: health probes with a real forward; `outages.py`: instances a supervisor

@@ -3,7 +3,8 @@
 This file wires the parts together and owns their lifecycle and routes. Reading path:
 POST /v1/chat/completions is the chat flow (chat.py: parsing.py validates and tags the
 media, availability.py skips items already available, encoder_clients.py encodes the rest,
-decoders.py opens the request with its ec_transfer_params on a prefill/decode instance),
+decoders.py opens the request with its ec_transfer_params on a prefill/decode instance;
+E/P/D: kv_handoff.py prefills it first and hands the KV cache to a decode instance),
 relayed to the client by relay.py (SSE chunks forwarded as they arrive; failover: resume.py
 and failover.py). POST /v1/completions and GET /v1/models are passed through (here). GET
 /health, GET /instances, POST /admin/instances: admin.py. GET /metrics. Admission (request
@@ -43,6 +44,7 @@ from encoder_service.gateway.encoder_clients import (
     VllmEncoderClient,
 )
 from encoder_service.gateway.errors import GatewayError
+from encoder_service.gateway.kv_handoff import KvHandoff
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.outages import Outages
 from encoder_service.gateway.probes import Prober
@@ -69,6 +71,7 @@ class Gateway:
         self.fetch_client: httpx.AsyncClient | None = None
         self.router: EncoderRouter | None = None
         self.decoders: DecodePool | None = None
+        self.kv: KvHandoff | None = None  # E/P/D: the prefill instances (cfg.prefills)
         self.prober: Prober | None = None  # None: no periodic probes
         self.outages: Outages | None = None  # instances a supervisor (epd up) reports down
         self.flow: ChatFlow | None = None
@@ -88,20 +91,26 @@ class Gateway:
                                     chooser=Chooser(r.encoders, r.load_factor),
                                     single_flight=r.single_flight)
         self.decoders = DecodePool(self.cfg, self.metrics)
+        self.kv = KvHandoff(self.cfg, self.metrics) if self.cfg.prefills else None
         self.flow = ChatFlow(self.cfg, self.metrics, self.availability, self.ids, self.router,
-                             self.decoders, self.fetch_client, self.admission, self.relay)
+                             self.decoders, self.fetch_client, self.admission, self.relay,
+                             self.kv)
         await self.decoders.start()
+        if self.kv is not None:
+            await self.kv.start()
         prober = Prober(self.client, self.cfg.model, r.probe_interval_s, r.probe_timeout_s,
                         self._probe_targets, self._probed)
-        self.outages = Outages([self.decoders, self.router], prober, self._probe_kind)
+        pools: list = [self.decoders, self.router, *([self.kv.pool] if self.kv else [])]
+        self.outages = Outages(pools, prober, self._probe_kind)
         if r.probe_interval_s > 0:
             self.prober = prober
             self.prober.start()
         self.admin = Admin(self.cfg, self.client, self.router, self.decoders, self.prober,
                            self.admission, self._admin_token, self._encoder_client)
-        logger.info("gateway ready model=%s encoders=%s (%s) decoders=%s availability=%s",
-                    self.cfg.model, self.cfg.encoders, self.cfg.encoder_backend,
-                    self.cfg.decoders, self.availability.name)
+        logger.info("gateway ready model=%s encoders=%s (%s) decoders=%s prefills=%s "
+                    "availability=%s", self.cfg.model, self.cfg.encoders,
+                    self.cfg.encoder_backend, self.cfg.decoders, self.cfg.prefills,
+                    self.availability.name)
 
     def _probe_targets(self) -> list[tuple[str, str]]:
         """Every instance but those down (a supervisor probes them back: outages.py)."""
@@ -111,7 +120,8 @@ class Gateway:
 
     def _probe_kind(self, url: str) -> str:
         assert self.decoders is not None
-        pool = self.cfg.encoder_backend == "pool" and url not in self.decoders.urls
+        pool = (self.cfg.encoder_backend == "pool" and url not in self.decoders.urls
+                and url not in self.cfg.prefills)
         return "pool" if pool else "vllm"
 
     def _probed(self, url: str, ok: bool) -> None:
@@ -146,6 +156,8 @@ class Gateway:
             await self.flow.drain(self.cfg.timeouts.connect_s)
         if self.decoders is not None:
             await self.decoders.close()
+        if self.kv is not None:
+            await self.kv.close()
         for c in (self.client, self.fetch_client):
             if c is not None:
                 await c.aclose()

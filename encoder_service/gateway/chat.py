@@ -36,6 +36,7 @@ from encoder_service.gateway.encoder_clients import (
 )
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.failover import upstream_body
+from encoder_service.gateway.kv_handoff import KvHandoff
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.parsing import (
     MediaPart,
@@ -72,8 +73,9 @@ class ChatFlow:
     def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics,
                  availability: Availability, ids: IdSigner, router: EncoderRouter,
                  decoders: DecodePool, fetch_client: httpx.AsyncClient, admission: Admission,
-                 relay: Relay) -> None:
+                 relay: Relay, kv: KvHandoff | None = None) -> None:
         self.cfg = cfg
+        self.kv = kv  # E/P/D: the prefill hop before each decode request (kv_handoff.py)
         self.metrics = metrics
         self.availability = availability
         self.ids = ids  # signs the item ids it derives (with the deployment secret)
@@ -258,8 +260,7 @@ class ChatFlow:
         info["metadata_only"] = n_meta
         if prepared.stream and self.cfg.routing.failover:  # token ids: a break can resume
             body, raw = upstream_body(body), upstream_body(raw)
-        path = "/v1/chat/completions"
-        up = await self.decoders.request("POST", path, json_encode(body), rid, key=key)
+        up = await self._decode(body, rid, key, info)
         if n_meta and await up.failed_before_answer(prepared.stream):
             # e.g. an embedding evicted or lost on its way: the decode instance has no
             # media to encode it from; the raw media let it (nothing lost)
@@ -270,10 +271,24 @@ class ChatFlow:
                            up.status_code)
             info["metadata_only"] = 0
             body = raw
-            up = await self.decoders.request("POST", path, json_encode(body), rid, key=key)
+            up = await self._decode(body, rid, key, info)
         elif n_meta:
             self.metrics.items_metadata_only.inc(n_meta)
         return up, info, body
+
+    async def _decode(self, body: dict[str, Any], rid: str, key: str | None,
+                      info: dict[str, Any]) -> Upstream:
+        """Open `body` on a decode instance (by `key`'s affinity); E/P/D: prefilled first on
+        a prefill instance (by `key`), then on a decode instance by load with the prefill's
+        kv_transfer_params (none when the handoff failed: it computes the prompt). `body`
+        itself stays without them: a failover resumes on another instance from scratch."""
+        if self.kv is None:
+            return await self.decoders.request("POST", "/v1/chat/completions",
+                                               json_encode(body), rid, key=key)
+        params = await self.kv.prefill(body, rid, key, info)
+        sent = body if params is None else {**body, "kv_transfer_params": params}
+        return await self.decoders.request("POST", "/v1/chat/completions", json_encode(sent),
+                                           rid, key=None)
 
     def _placeholders(self, hints: dict[str, ItemEntry]) -> dict[str, dict[str, Any]]:
         """Placeholder metadata of the hinted items (from this request's encoders, else

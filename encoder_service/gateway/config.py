@@ -192,6 +192,11 @@ class GatewayConfig(_Strict):
                                             "`epd encoder` pools, see encoder_backend); "
                                             "empty = decode instances encode locally")
     decoders: list[str] = Field(min_length=1, description="vLLM ec_consumer base URLs")
+    prefills: list[str] = Field(
+        default_factory=list, description="E/P/D: vLLM prefill instances (ec_consumer and KV "
+        "producer); each request is prefilled on one (chosen by routing.decoders on its first "
+        "item), its KV cache handed to a decode instance of `decoders` (least loaded) through "
+        "vLLM's KV connector (kv_handoff.py); empty = E+PD, `decoders` prefill and decode")
     encoder_backend: Literal["vllm", "pool"] = Field(
         "vllm", description="what `encoders` are: vLLM ec_producers, or `epd encoder` pools")
     cooldown_s: float = Field(5.0, ge=0,
@@ -238,7 +243,7 @@ class GatewayConfig(_Strict):
     def ids(self) -> IdSigner:
         return IdSigner(read_secret(self.secret_file))
 
-    @field_validator("encoders", "decoders")
+    @field_validator("encoders", "decoders", "prefills")
     @classmethod
     def _urls(cls, v: list[str]) -> list[str]:
         return [_check_base_url(u) for u in v]

@@ -31,7 +31,7 @@ from encoder_service.gateway.codec import DecodeError, json_decode
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
-from encoder_service.gateway.routing import Chooser, Members, rendezvous
+from encoder_service.gateway.routing import Chooser, Members, Policy, rendezvous
 
 
 class UpstreamError(Exception):
@@ -133,10 +133,17 @@ class DecodePool(Members):
     """Call `start()` inside the running event loop, `close()` at shutdown. `metrics`: where
     `request()` counts a client request's decode failures and retries."""
 
-    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None) -> None:
-        self.urls = list(cfg.decoders)
+    def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics | None = None,
+                 urls: list[str] | None = None, policy: Policy | None = None,
+                 role: str = "prefill/decode") -> None:
+        # E/P/D (cfg.prefills): a second pool of prefill instances (kv_handoff.py), whose
+        # `urls` are given; decode instances then go by load, not by item
+        self.urls = list(cfg.decoders if urls is None else urls)
         super().__init__(self.urls, cfg.cooldown_s, {"requests": 0, "affinity": 0})
-        self.chooser = Chooser(cfg.routing.decoders, cfg.routing.decoder_load_factor)
+        if policy is None:
+            policy = "least_loaded" if cfg.prefills else cfg.routing.decoders
+        self.chooser = Chooser(policy, cfg.routing.decoder_load_factor)
+        self.role = role  # in its errors: "no <role> instance answered"
         t = cfg.timeouts
         self.timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s,
                                              sock_read=t.decode_s)
@@ -245,7 +252,7 @@ class DecodePool(Members):
                 await up.release()
                 continue
             return up
-        raise GatewayError(502, f"no prefill/decode instance answered ({last_error})",
+        raise GatewayError(502, f"no {self.role} instance answered ({last_error})",
                            "decode_unavailable")
 
     async def request(self, method: str, path: str, content: bytes | None, request_id: str,

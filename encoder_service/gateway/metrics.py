@@ -9,7 +9,8 @@ STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1
 
 
 class GatewayMetrics:
-    """Stages: parse (read + validate + hash), encode (encoder calls), first_token (decode
+    """Stages: parse (read + validate + hash), encode (encoder calls), prefill (E/P/D: the
+    prefill instance's answer, KV cache ready to hand on), first_token (decode
     request sent -> first byte back; includes the decode side's transfer wait and prefill),
     total. Item outcomes: cache_hit (already available, not encoded), encoded, fallback
     (sent as raw media after encoder failure: the decode instance encodes it), metadata_only
@@ -45,9 +46,16 @@ class GatewayMetrics:
                                  "off after the first byte: resumed on another, or not "
                                  "(refused: it could not be continued exactly)", ["outcome"],
                                  registry=r)
+        # E/P/D (kv_handoff.py): prefill answers whose KV cache a decode instance loads
+        self.kv_handoffs = Counter("epd_kv_handoffs", "Prefills whose KV cache was handed to "
+                                   "a decode instance (E/P/D)", registry=r)
+        self.kv_handoff_failures = Counter(
+            "epd_kv_handoff_failures", "Prefills that handed no KV cache on: the decode "
+            "instance computed the prompt itself", ["reason"], registry=r)
         # children bound once: labels() is a dict lookup under a lock on every call
         self.stage_parse = self.stage.labels("parse")
         self.stage_encode = self.stage.labels("encode")
+        self.stage_prefill = self.stage.labels("prefill")  # E/P/D: the prefill hop
         self.stage_first_token = self.stage.labels("first_token")
         self.stage_total = self.stage.labels("total")
         self.items_hit = self.items.labels("cache_hit")

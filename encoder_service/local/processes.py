@@ -265,6 +265,7 @@ class UpProcess(ManagedProcess):
     name: str = "epd-up"
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    args: list[str] = field(default_factory=list)  # command-line flags over the config
 
     startup_timeout_s: ClassVar[float] = 420.0  # vLLM servers on two shared cores
 
@@ -282,7 +283,7 @@ class UpProcess(ManagedProcess):
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "encoder_service.cli", "up", "--config",
-                str(self.work_dir / "up.json")]
+                str(self.work_dir / "up.json"), *self.args]
 
     def child_env(self) -> dict[str, str]:
         return dict(os.environ, EPD_WORK_DIR=str(self.work_dir))

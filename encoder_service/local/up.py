@@ -1,20 +1,21 @@
 """`epd up`: a whole local EPD deployment, its processes. `Deployment` turns an `UpConfig`
 (up_config.py: the transports and the connector keys they imply) into servers: the encoder(s)
 (vLLM ec_producer, or `epd encoder` batching pools with `encoder_backend = "pool"`), the
-prefill/decode instance(s) (vLLM ec_consumer), the Mooncake Store master where a store tier is
-used, and the gateway. Keys: with a deployment secret (`secret_file`, else $EPD_SECRET_FILE)
-every vLLM server and encoder pool requires the API key derived from it (passed in
-$VLLM_API_KEY, never on a command line) and the gateway presents it; without one they take no
-key and listen on 127.0.0.1 only, as the data plane does (said at start). Gateway clients need
-a key when `gateway` sets api_keys / api_keys_file or $EPD_GATEWAY_API_KEY is set (said at
-start too). `run_up` waits for health with progress output, then serves the gateway
-in-process and prints the endpoint, then supervises: a server or the store master that exits
-unasked is restarted with backoff, the gateway told (supervise.py). Ctrl-C or SIGTERM stops
-everything: the gateway, then every server's whole session (SIGTERM, then SIGKILL after a
-grace period; also of one that died), the store master last, so no process is left behind.
-A SIGKILL of `epd up` itself cannot be handled; its servers then get their parent-death
-signal and go too (`ec_connectors.child_process`: they are started from the main thread,
-which lives as long as `epd up`). The command line: up_cli.py.
+prefill/decode instance(s) (vLLM ec_consumer; E/P/D with `prefills`: decode and prefill
+instances, ec_consumers with vLLM's NixlConnector: kv_transfer_config), the Mooncake Store
+master where a store tier is used, and the gateway. Keys: with a deployment secret
+(`secret_file`, else $EPD_SECRET_FILE) every vLLM server and encoder pool requires the API key
+derived from it (passed in $VLLM_API_KEY, never on a command line) and the gateway presents it;
+without one they take no key and listen on 127.0.0.1 only, as the data plane does (said at
+start). Gateway clients need a key when `gateway` sets api_keys / api_keys_file or
+$EPD_GATEWAY_API_KEY is set (said at start too). `run_up` waits for health with progress output,
+then serves the gateway in-process and prints the endpoint, then supervises: a server or the
+store master that exits unasked is restarted with backoff, the gateway told (supervise.py).
+Ctrl-C or SIGTERM stops everything: the gateway, then every server's whole session (SIGTERM,
+then SIGKILL after a grace period; also of one that died), the store master last, so no process
+is left behind. A SIGKILL of `epd up` itself cannot be handled; its servers then get their
+parent-death signal and go too (`ec_connectors.child_process`: they are started from the main
+thread, which lives as long as `epd up`). The command line: up_cli.py.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from encoder_service.local.up_config import (
     UpConfig,
     UpError,
     connector_extra,
+    kv_side_channel_port,
+    kv_transfer_config,
     mooncake_endpoint,
 )
 
@@ -77,6 +80,7 @@ class Deployment:
     work_dir: Path
     encoders: list[ManagedProcess] = field(default_factory=list)  # VllmServer or PoolServer
     decoders: list[VllmServer] = field(default_factory=list)
+    prefills: list[VllmServer] = field(default_factory=list)  # E/P/D (cfg.prefills)
     master: MasterServer | None = None  # the Mooncake Store master (mooncake_store, tiered)
     gateway: Any = None  # GatewayThread
     gateway_cfg: GatewayConfig | None = None
@@ -84,7 +88,7 @@ class Deployment:
 
     @property
     def servers(self) -> list[ManagedProcess]:
-        return [*self.encoders, *self.decoders]
+        return [*self.encoders, *self.decoders, *self.prefills]
 
     @property
     def url(self) -> str:
@@ -99,7 +103,7 @@ class Deployment:
         storage.mkdir(parents=True, exist_ok=True)
         ncpu = os.cpu_count() or 1
         cores = list(cfg.cpu_cores or [])
-        n = cfg.encoders + cfg.decoders
+        n = cfg.servers
         if cores and len(cores) < n:
             raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers")
         port = cfg.base_port + 1
@@ -131,18 +135,14 @@ class Deployment:
                             **media, **cfg.pool,
                             "transport": {"storage_path": str(storage), **extra}}))
                     continue
-                role, name = "ec_producer", f"encoder-{i}"
+                s = VllmServer(f"encoder-{i}", model, port + i, logs,
+                               epd_config("ec_producer", storage, extra), cpu_core=core,
+                               served_name=cfg.served_model_name,
+                               extra_args=list(cfg.vllm_args) + media_args, env=dict(env))
+                self.encoders.append(s)
             else:
-                extra = connector_extra(cfg, "ec_consumer")
-                role, name = "ec_consumer", f"decode-{i - cfg.encoders}"
-            # decode instances serve vLLM's token-in API (render + generate): the gateway
-            # continues a broken stream there token for token (gateway/failover.py)
-            args = (list(cfg.vllm_args) + media_args
-                    + ([] if i < cfg.encoders else DECODE_ARGS))
-            s = VllmServer(name, model, port + i, logs, epd_config(role, storage, extra),
-                           cpu_core=core, served_name=cfg.served_model_name,
-                           extra_args=args, env=dict(env))
-            (self.encoders if i < cfg.encoders else self.decoders).append(s)
+                self._lm_server(i - cfg.encoders, model, port + i, core, storage, env,
+                                media_args)
         for extra in ({"storage_path": str(storage), **connector_extra(cfg, "ec_producer")},
                       connector_extra(cfg, "ec_consumer")):
             try:  # fail now, not after minutes of vLLM start-up
@@ -165,9 +165,30 @@ class Deployment:
                 "host": cfg.host, "port": cfg.base_port,
                 "model": cfg.served_model_name, "encoders": [s.url for s in self.encoders],
                 "encoder_backend": cfg.encoder_backend,
-                "decoders": [s.url for s in self.decoders], "availability": availability})
+                "decoders": [s.url for s in self.decoders],
+                "prefills": [s.url for s in self.prefills], "availability": availability})
         except GatewayConfigError as exc:
             raise UpError(str(exc)) from None
+
+    def _lm_server(self, j: int, model: Path, port: int, core: int, storage: Path,
+                   env: dict[str, str], media_args: list[str]) -> None:
+        """Language-model instance j: decode instances, then (E/P/D) prefill instances;
+        with prefill instances all of them get the KV connector and a side channel."""
+        cfg = self.cfg
+        prefill = j >= cfg.decoders
+        name = f"prefill-{j - cfg.decoders}" if prefill else f"decode-{j}"
+        # decode instances serve vLLM's token-in API (render + generate): the gateway
+        # continues a broken stream there token for token (gateway/failover.py)
+        args = list(cfg.vllm_args) + media_args + ([] if prefill else DECODE_ARGS)
+        env = dict(env)
+        if cfg.prefills:  # E/P/D: the KV connector and its side channel
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg, prefill))]
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv_side_channel_port(cfg, j))
+        s = VllmServer(name, model, port, self.work_dir / "up",
+                       epd_config("ec_consumer", storage, connector_extra(cfg, "ec_consumer")),
+                       cpu_core=core, served_name=cfg.served_model_name, extra_args=args,
+                       env=env)
+        (self.prefills if prefill else self.decoders).append(s)
 
     def mooncake_env(self) -> dict[str, str]:
         """What every Mooncake process gets: loopback, and the range its engines' own
@@ -319,8 +340,11 @@ def run_up(cfg: UpConfig, work_dir: Path,
             say(f"transport auto -> {chosen}: {why}")
         over = (chosen if len(cfg.tiers) == 1 else
                 f"tiers {', '.join(cfg.tiers)}")
-        say(f"starting {cfg.encoders} encoder(s) ({kind}) and {cfg.decoders} prefill/decode "
-            f"instance(s) of {cfg.served_model_name} (EPDConnector over {over})")
+        lm = (f"{cfg.prefills} prefill and {cfg.decoders} decode instance(s) (KV handed over "
+              f"by {kv_transfer_config(cfg, True)['kv_connector']})" if cfg.prefills
+              else f"{cfg.decoders} prefill/decode instance(s)")
+        say(f"starting {cfg.encoders} encoder(s) ({kind}) and {lm} of "
+            f"{cfg.served_model_name} (EPDConnector over {over})")
         for line in dep.trust_lines():
             say(line)
         dep.start(progress=say)

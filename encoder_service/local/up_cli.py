@@ -26,7 +26,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", help="a test model built locally (tiny = LLaVA, qwen-vl, "
                    "qwen-omni, ...) or a model directory (default tiny; qwen-omni with --demo)")
     p.add_argument("--encoders", type=int)
-    p.add_argument("--decoders", type=int)
+    p.add_argument("--decoders", type=int, help="prefill/decode instances (E+PD)")
+    p.add_argument("--prefill", type=int, help="E/P/D: prefill instances, whose KV cache "
+                   "vLLM's NixlConnector hands to the --decode instances")
+    p.add_argument("--decode", type=int, help="E/P/D: decode instances (with --prefill)")
     p.add_argument("--transport", choices=["auto", *TIERS],
                    help="auto (default) = shm, same-host shared memory, where /dev/shm is a "
                    "tmpfs, else safetensors; tiered = mooncake, then mooncake_store, then "
@@ -43,8 +46,14 @@ def main(argv: list[str]) -> int:
                    "print them, stop")
     p.add_argument("--prompt", default="describe this")
     args = p.parse_args(argv)
+    if args.decode is not None and args.decoders is not None:
+        p.error("--decode (E/P/D) and --decoders (E+PD) are two modes: give one")
+    if args.decode is not None and not args.prefill:
+        p.error("--decode needs --prefill N (N >= 1); E+PD: --decoders")
     overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
-                                   ("decoders", args.decoders), ("transport", args.transport),
+                                   ("decoders", args.decoders if args.decode is None
+                                    else args.decode), ("prefills", args.prefill),
+                                   ("transport", args.transport),
                                    ("encoder_backend", args.encoder_backend),
                                    ("master_port", args.master_port), ("model", args.model))
                  if v is not None}

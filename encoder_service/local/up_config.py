@@ -38,7 +38,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ec_connectors.config import default_shm_path
 from ec_connectors.config_files import read_config_file, validate
@@ -70,6 +70,14 @@ class UpConfig(BaseModel):
                                     "(tiny-llava, tiny-qwen-omni, ...) or the directory's")
     encoders: int = Field(1, ge=0, le=16)
     decoders: int = Field(1, ge=1, le=16)
+    prefills: int = Field(0, ge=0, le=16, description="E/P/D: this many prefill instances "
+                          "(EC consumer, KV producer) hand each prompt's KV cache to the "
+                          "`decoders` (KV consumers) through vLLM's KV connector (kv_transfer);"
+                          " 0 = E+PD, the decoders prefill and decode")
+    kv_transfer: dict[str, Any] = Field(
+        default_factory=dict, description="E/P/D: --kv-transfer-config keys over the default "
+        "(NixlConnector, kv_role kv_both, kv_buffer_device cpu; decode instances recompute "
+        "a prompt whose KV cache could not be loaded: kv_load_failure_policy recompute)")
     base_port: int = Field(ports.GATEWAY_PORT, ge=1024, le=65000)
     host: str = "127.0.0.1"
     transport: UpTransport = Field(
@@ -110,6 +118,12 @@ class UpConfig(BaseModel):
     secret_file: str | None = Field(None, description="the deployment secret (default "
                                     "$EPD_SECRET_FILE): CURVE on the data plane, signed item "
                                     "ids, sealed objects, and the API key of every server")
+
+    @model_validator(mode="after")
+    def _kv_instances(self) -> UpConfig:
+        if self.prefills and self.decoders + self.prefills > 16:
+            raise ValueError("decoders + prefills: at most 16 KV instances")
+        return self
 
     @field_validator("secret_file")
     @classmethod
@@ -179,10 +193,23 @@ class UpConfig(BaseModel):
     def fixed_ports(self) -> dict[int, str]:
         """Every fixed port of the deployment -> what holds it (ports.up_fixed_ports): what
         the Mooncake engines' range must stay clear of."""
-        return ports.up_fixed_ports(
-            self.base_port, self.encoders + self.decoders,
+        fixed = ports.up_fixed_ports(
+            self.base_port, self.servers,
             self.mooncake_base_port if self.uses_te else None, self.encoders,
             self.master_port if self.uses_store else None)
+        fixed.update({kv_side_channel_port(self, j): f"KV side channel {j}"
+                      for j in range(self.kv_instances)})
+        return fixed
+
+    @property
+    def servers(self) -> int:
+        """vLLM servers and encoder pools: encoders, decoders, then prefill instances."""
+        return self.encoders + self.decoders + self.prefills
+
+    @property
+    def kv_instances(self) -> int:
+        """Servers with a KV connector (E/P/D: decode and prefill instances; else none)."""
+        return self.decoders + self.prefills if self.prefills else 0
 
 
 class UpError(RuntimeError):
@@ -194,6 +221,21 @@ def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -
     data.update(overrides or {})
     return validate(UpConfig, data, "invalid epd up configuration", UpError)
 
+
+
+def kv_side_channel_port(cfg: UpConfig, j: int) -> int:
+    """E/P/D: KV instance j's (decoders, then prefill instances) NIXL side channel
+    (VLLM_NIXL_SIDE_CHANNEL_PORT): the ports after every server's."""
+    return cfg.base_port + 1 + cfg.servers + j
+
+
+def kv_transfer_config(cfg: UpConfig, prefill: bool) -> dict[str, Any]:
+    """E/P/D: a decode or prefill instance's --kv-transfer-config (`kv_transfer` on top)."""
+    out: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                           "kv_buffer_device": "cpu"}
+    if not prefill:
+        out["kv_load_failure_policy"] = "recompute"
+    return {**out, **cfg.kv_transfer}
 
 
 def mooncake_endpoint(cfg: UpConfig, i: int) -> str:

@@ -96,6 +96,11 @@ class Stub:
         await asyncio.sleep(self.delay)
         if self.fail:
             return JSONResponse({"error": "boom"}, status_code=500)
+        if self.role == "prefill":  # E/P/D: one token, the KV cache kept for a decode
+            return JSONResponse({"choices": [{"message": {"content": "o"}}],
+                                 "kv_transfer_params": {
+                                     "do_remote_prefill": True, "remote_block_ids": [1, 2],
+                                     "remote_engine_id": self.netloc}})
         if self.role == "encoder":
             extra = {"metadata": self.metadata} if self.metadata else {}
             return JSONResponse({"choices": [], "ec_transfer_params": {

@@ -50,6 +50,41 @@ def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
                    tmp_path).plan(tmp_path / "m")
 
 
+def test_plan_epd_gives_prefill_and_decode_instances_the_kv_connector(tmp_path):
+    dep = Deployment(UpConfig(decoders=1, prefills=2, base_port=18510, transport="safetensors",
+                              kv_transfer={"kv_buffer_device": "cpu"}), tmp_path)
+    dep.plan(tmp_path / "model")
+    assert [s.name for s in dep.servers] == ["encoder-0", "decode-0", "prefill-0", "prefill-1"]
+    assert [s.port for s in dep.servers] == [18511, 18512, 18513, 18514]
+    kv = [json.loads(s.extra_args[s.extra_args.index("--kv-transfer-config") + 1])
+          for s in dep.servers[1:]]
+    assert all(k["kv_connector"] == "NixlConnector" and k["kv_role"] == "kv_both" for k in kv)
+    assert [k.get("kv_load_failure_policy") for k in kv] == ["recompute", None, None]
+    assert [s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in dep.servers[1:]] == [
+        "18515", "18516", "18517"]
+    assert "--enable-scale-out" in dep.servers[1].extra_args  # decode only
+    assert "--enable-scale-out" not in dep.servers[2].extra_args
+    assert "--kv-transfer-config" not in dep.servers[0].extra_args
+    assert all(s.ec_config["ec_role"] == "ec_consumer" for s in dep.servers[1:])
+    g = dep.gateway_cfg
+    assert g.decoders == [dep.servers[1].url] and g.prefills == [s.url for s in dep.servers[2:]]
+    assert set(range(18510, 18518)) <= set(dep.cfg.fixed_ports)
+    plain = Deployment(UpConfig(base_port=18510, transport="safetensors"), tmp_path / "pd")
+    plain.plan(tmp_path / "model")  # E+PD: no KV connector, no prefill pool
+    assert not any("--kv-transfer-config" in s.extra_args for s in plain.servers)
+    assert plain.gateway_cfg.prefills == []
+
+
+def test_up_cli_prefill_and_decode_flags():
+    r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--decode", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--decode needs --prefill" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--prefill", "1",
+                        "--decode", "1", "--decoders", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "two modes" in r.stderr
+
+
 def test_a_taken_port_fails_fast_with_no_server_started():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", UP + 7))  # the decode instance's port

@@ -1,0 +1,87 @@
+"""E/P/D through a real gateway in front of stub upstreams (stubs.py): the prefill instance
+gets the request for one token with `kv_transfer_params: {"do_remote_decode": true}` (and
+the items' ec_transfer_params), the decode instance gets the kv_transfer_params the prefill
+answered; a handoff that fails (prefill instance down or failing) leaves the decode instance
+to compute the prompt itself, counted by reason (epd_kv_handoff_failures_total)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ec_connectors.protocol.keys import content_item_id
+from encoder_service.gateway.kv_handoff import handoff_params, prefill_body
+from encoder_service.local.requests import chat_body, sample_image_png
+from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
+from tests.helpers import port_block
+
+LAB = Lab(port_block(__name__))
+FAILED = "epd_kv_handoff_failures_total"
+
+
+@pytest.fixture(scope="module")
+def epd():
+    enc, dec, pre = LAB.stub("encoder"), LAB.stub("decoder"), LAB.stub("prefill")
+    g = LAB.gateway([enc.url], [dec.url], prefills=[pre.url])
+    yield enc, dec, pre, g
+    g.stop()
+    for s in (enc, dec, pre):
+        s.stop()
+
+
+def test_prefill_then_decode_with_the_handed_kv_params(epd):
+    enc, dec, pre, g = epd
+    image = sample_image_png(41)
+    body = {**chat_body(MODEL, image, "x", max_tokens=7), "stream": False,
+            "min_tokens": 3}
+    r = post(g, body)
+    assert r.status_code == 200, r.text
+    item = content_item_id(image, MODEL)
+    p, d = pre.calls[-1], dec.calls[-1]
+    assert p["max_tokens"] == 1 and p["stream"] is False and "min_tokens" not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert item in p["ec_transfer_params"]["epd"]["items"]  # the prefill loads the item
+    assert d["kv_transfer_params"]["do_remote_prefill"] is True
+    assert d["kv_transfer_params"]["remote_engine_id"] == pre.netloc
+    assert d["max_tokens"] == 7 and d["min_tokens"] == 3
+    assert item in d["ec_transfer_params"]["epd"]["items"]  # a failed load: it computes
+    assert metric(g, "epd_kv_handoffs_total") == 1 and metric(g, FAILED) == 0
+
+
+def test_a_failed_prefill_leaves_the_decode_instance_to_compute(epd):
+    enc, dec, pre, g = epd
+    pre.fail = True
+    try:
+        r = post(g, chat_body(MODEL, sample_image_png(42), "x"))
+    finally:
+        pre.fail = False
+    assert r.status_code == 200, r.text
+    assert "kv_transfer_params" not in dec.calls[-1]
+    assert metric(g, f'{FAILED}{{reason="status"}}') == 1
+
+
+def test_no_prefill_instance_answering_is_no_lost_request():
+    enc, dec = LAB.stub("encoder"), LAB.stub("decoder")
+    dead = f"http://127.0.0.1:{LAB.port()}"  # nothing listens there
+    g = LAB.gateway([enc.url], [dec.url], prefills=[dead])
+    try:
+        r = post(g, chat_body(MODEL, sample_image_png(43), "x"))
+        assert r.status_code == 200, r.text
+        assert "kv_transfer_params" not in dec.calls[-1]
+        assert metric(g, f'{FAILED}{{reason="unavailable"}}') == 1
+    finally:
+        g.stop()
+        enc.stop()
+        dec.stop()
+
+
+def test_prefill_body_and_answer_parsing():
+    body = {"messages": [], "stream": True, "stream_options": {"include_usage": True},
+            "max_completion_tokens": 9, "kv_transfer_params": {"x": 1}}
+    assert prefill_body(body) == {"messages": [], "max_tokens": 1, "stream": False,
+                                  "kv_transfer_params": {"do_remote_decode": True}}
+    assert body["stream"] is True  # left as it was
+    assert handoff_params(b'{"kv_transfer_params": {"do_remote_prefill": true}}') == {
+        "do_remote_prefill": True}
+    for bad in (b"nope", b"[]", b'{"kv_transfer_params": null}',
+                b'{"kv_transfer_params": {"do_remote_prefill": false}}'):
+        assert handoff_params(bad) is None
