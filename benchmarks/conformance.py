@@ -35,13 +35,16 @@ from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.workdir import work_dir  # noqa: E402
 
 WORK = work_dir(ROOT)
-STACKS = {  # name: (encoder backend, transport, decoders)
-    "vllm+safetensors": ("vllm", "safetensors", 2),
-    "pool+safetensors": ("pool", "safetensors", 1),
-    "vllm+mooncake": ("vllm", "mooncake", 1),
-    "pool+mooncake": ("pool", "mooncake", 1),
-    "vllm+shm": ("vllm", "shm", 1),  # what `epd up` picks on one host (transport auto)
-    "pool+shm": ("pool", "shm", 1),
+STACKS = {  # name: (encoder backend, transport, decoders, prefill instances)
+    "vllm+safetensors": ("vllm", "safetensors", 2, 0),
+    "pool+safetensors": ("pool", "safetensors", 1, 0),
+    "vllm+mooncake": ("vllm", "mooncake", 1, 0),
+    "pool+mooncake": ("pool", "mooncake", 1, 0),
+    "vllm+shm": ("vllm", "shm", 1, 0),  # what `epd up` picks on one host (transport auto)
+    "pool+shm": ("pool", "shm", 1, 0),
+    # E/P/D: a prefill instance hands each prompt's KV cache to one of two decode instances
+    # (NixlConnector): the failover path cuts the decode instances' streams
+    "epd-kv+shm": ("vllm", "shm", 2, 1),
 }
 # pools encode every video of two or more temporal groups in chunks of one group
 POOL = {"video_chunk_tokens": 1}
@@ -73,13 +76,14 @@ class Stack:
 
     def __init__(self, name: str, port: int, model: str, work: Path, spec_name: str,
                  media_io: dict) -> None:
-        backend, transport, decoders = STACKS[name]
-        self.name, self.port, self.decoders = name, port, decoders
+        backend, transport, decoders, prefills = STACKS[name]
+        self.name, self.port, self.decoders, self.prefills = name, port, decoders, prefills
         self.work = work / name
         self.work.mkdir(parents=True, exist_ok=True)
         self.storage = Path(tempfile.mkdtemp(prefix="ec-", dir=self.work))
         self.up = UpProcess({
             "model": spec_name, "base_port": port, "encoders": 1, "decoders": decoders,
+            "prefills": prefills,
             "encoder_backend": backend, "transport": transport,
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
             "vllm_args": ["--trust-request-mm-kwargs"], "media_io_kwargs": media_io,
@@ -104,6 +108,8 @@ class Stack:
             [sys.executable, "-m", "encoder_service.cli", "gateway", "--port", str(gw_port),
              "--model", self.model, "--encoder", f"http://127.0.0.1:{self.port + 1}",
              *(x for p in self.proxies for x in ("--decoder", p.url)),
+             *(x for i in range(self.prefills)  # E/P/D: after the decode instances
+               for x in ("--prefill", f"http://127.0.0.1:{self.port + 2 + self.decoders + i}")),
              "--storage-path", str(self.storage)],
             cwd=ROOT, stdout=self.gw2_log, stderr=subprocess.STDOUT)
         self.failover_url = f"http://127.0.0.1:{gw_port}"

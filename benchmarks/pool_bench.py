@@ -4,7 +4,7 @@
 
 Builds the `vitl32` random LLaVA (ViT-L/32-style tower, 49 tokens x 2048 per image) once,
 then for each mode starts `epd encoder` (python -m encoder_service.encoder_pool.server) as its own
-process on port 18430 and drives it over real HTTP with `--clients` concurrent clients, each
+process on port 20700 and drives it over real HTTP with `--clients` concurrent clients, each
 sending one distinct 224 px image per request. Every embedding is published through the
 safetensors transport. Prints images/s per mode, the batching speed-up (target >= 2x), the
 mean batch size, and the pool's peak feature bytes vs its CPU budget and the server's peak RSS.
@@ -31,7 +31,7 @@ from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.workdir import work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-PORT = 18430
+PORT = 20700
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te",
                "ours_pool_shm")
 RIVALS = ("ec_example", "ec_mooncake")  # vLLM's connectors; aggregated is the reference
-BASE_PORT = 18900  # front; servers +1, +2; ECMooncake control ports +60, +61
+BASE_PORT = 20800  # front; servers +1, +2; ECMooncake control ports +60, +61
 MOONCAKE_BASE_PORT = 15900  # our TE transport's side channels (announce +1000, data +2000)
 
 

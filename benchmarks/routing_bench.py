@@ -36,7 +36,7 @@ from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
 from encoder_service.local.workdir import work_dir  # noqa: E402
 
-PORT = 18640  # gateway 18640; pools 18641-18644; decode 18645-18646
+PORT = 20400  # gateway 20400; pools 20401-20404; decode 20405-20406
 POLICIES = ("affinity", "least_loaded", "round_robin")
 
 

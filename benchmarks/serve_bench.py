@@ -61,7 +61,7 @@ from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
 from encoder_service.local.workdir import work_dir  # noqa: E402
 
-PORT = 18590  # 18590-18599
+PORT = 20300  # 20300-20309
 
 
 def example_config(role: str, storage: Path) -> dict:

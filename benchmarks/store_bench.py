@@ -4,7 +4,7 @@ the Mooncake Store transport (`transport: "mooncake_store"`, with a real `moonca
 one run.
 
     .venv/bin/python benchmarks/store_bench.py [--sizes-mb 8 48 125] [--reps 5]
-        [--master-port 19900] [--te-base-port 16000] [--json PATH] [--secret]
+        [--master-port 20900] [--te-base-port 16000] [--json PATH] [--secret]
 
 `--secret` runs the TE get and the store put/get again with a deployment secret (CURVE on the
 side channel, sealed store objects: HMAC-SHA256 on put and get) and prints the cost of
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[8, 48, 125],
                     help="item sizes in MiB (rounded down to whole rows of 4096 bf16)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--master-port", type=int, default=19900,
+    ap.add_argument("--master-port", type=int, default=20900,
                     help="store master RPC port; metadata on +1, metrics on +2")
     ap.add_argument("--te-base-port", type=int, default=16000,
                     help="TE producer side channel; its announcements use this + 1000")

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="images follow the video by this much (the video is then encoding)")
     p.add_argument("--chunk-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--base-port", type=int, default=18640)
+    p.add_argument("--base-port", type=int, default=20500)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     res = {mode: measure(mode, tokens, a)

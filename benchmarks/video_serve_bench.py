@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS, default=list(DEPLOYMENTS))
-    p.add_argument("--base-port", type=int, default=18700)
+    p.add_argument("--base-port", type=int, default=20600)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     if any(not 2 <= n <= 128 for n in a.frames):

@@ -1,7 +1,8 @@
 """Render docker-compose.yml and deploy/k8s/epd.yaml from deploy/settings.toml and the templates
 in deploy/templates/, so both files take their ports, keys and model paths from one place
-(and the port scheme from ec_connectors/protocol/ports.py, the vLLM flags from what `epd up`
-gives its servers). The rendered files are checked in: users apply them as they are.
+(and the port scheme from ec_connectors/protocol/ports.py, the vLLM flags and the E/P/D
+--kv-transfer-config from what `epd up` gives its servers). The rendered files are checked in:
+users apply them as they are.
 
     python deploy/render.py           write both files
     python deploy/render.py --check   exit 1 if a checked-in file differs from its rendering
@@ -28,6 +29,7 @@ from ec_connectors.config import EPDConfig  # noqa: E402
 from ec_connectors.protocol import ports  # noqa: E402
 from encoder_service.local.processes import SERVER_GUARD  # noqa: E402
 from encoder_service.local.testmodels import SPECS  # noqa: E402
+from encoder_service.local.up_config import kv_connector_config  # noqa: E402
 
 SETTINGS = ROOT / "deploy" / "settings.toml"
 TEMPLATES = ROOT / "deploy" / "templates"
@@ -66,15 +68,38 @@ def ec_config(s: dict[str, Any], role: str, master_host: str, **extra: Any) -> s
                       separators=(",", ":"))
 
 
+def kv_config(prefill: bool) -> str:
+    """E/P/D: the --kv-transfer-config JSON of a prefill or decode instance: what `epd up
+    --prefill N` gives its own (up_config.kv_connector_config)."""
+    return json.dumps(kv_connector_config(prefill), separators=(",", ":"))
+
+
+def kv_side_channels(s: dict[str, Any]) -> dict[str, int]:
+    """E/P/D: each KV role's NIXL side channel, checked distinct and clear of every fixed
+    port of the files and of the port plan (ports.DEFAULT_FIXED)."""
+    kv = {"prefill": s["kv"]["prefill_side_channel"], "decode": s["kv"]["decode_side_channel"]}
+    fixed = {**dict.fromkeys(ports.DEFAULT_FIXED, "the port plan (ports.py)"),
+             **dict.fromkeys(ports.master_ports(ports.MASTER_RPC_PORT), "the store master"),
+             s["ports"]["vllm"]: "the vLLM servers", s["ports"]["gateway"]: "the gateway"}
+    if kv["prefill"] == kv["decode"]:
+        raise ValueError(f"[kv]: prefill and decode side channels are both {kv['prefill']}")
+    for role, port in kv.items():
+        if not 1024 <= port <= 65535 or port in fixed:
+            raise ValueError(f"[kv] {role}_side_channel = {port}: "
+                             f"{fixed.get(port, 'out of range')} holds it")
+    return kv
+
+
 def values(s: dict[str, Any]) -> dict[str, str]:
     """Every {{name}} the templates may use."""
     spec = SPECS[s["model"]["spec"]]
     models_dir = s["model"]["models_dir"].rstrip("/")
     rpc = ports.MASTER_RPC_PORT
     secret_k8s = s["secret"]["k8s"]
+    kv_ports = kv_side_channels(s)
     # the Mooncake engines' range: clear of every fixed port of the files (the port plan)
     engine = ports.engine_env([s["ports"]["vllm"], s["ports"]["gateway"],
-                               *ports.master_ports(rpc)], {})
+                               *ports.master_ports(rpc), *kv_ports.values()], {})
 
     def k8s_list(args: list[str]) -> str:
         return ", ".join(json.dumps(a) for a in args)
@@ -84,6 +109,9 @@ def values(s: dict[str, Any]) -> dict[str, str]:
         "models_dir": models_dir, "model_path": f"{models_dir}/{spec.model_name}",
         "vllm_port": str(s["ports"]["vllm"]), "gateway_port": str(s["ports"]["gateway"]),
         "published_port": str(s["ports"]["published"]),
+        "published_kv_port": str(s["ports"]["published_kv"]),
+        "kv_prefill_port": str(kv_ports["prefill"]), "kv_decode_port": str(kv_ports["decode"]),
+        "kv_prefill_config": kv_config(prefill=True), "kv_decode_config": kv_config(prefill=False),
         "master_rpc": str(rpc), "master_http": str(ports.master_http_port(rpc)),
         "master_metrics": str(ports.master_metrics_port(rpc)),
         "engine_min": engine[ports.ENGINE_MIN_ENV], "engine_max": engine[ports.ENGINE_MAX_ENV],

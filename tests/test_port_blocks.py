@@ -51,3 +51,21 @@ def test_each_block_is_a_modules_that_takes_it(module, kind):
     text = path.read_text()
     assert "port_block(__name__" in text or "base_ports(__name__" in text, \
         f"{module}: owns a block but does not take it"
+
+
+def test_the_benchmarks_default_ports_are_clear_of_every_test_block():
+    """Benchmarks run under the machine's vLLM lock while fast-lane tests may run beside them:
+    their default ports (`PORT = ...`, `--base-port`/`--master-port` defaults, each with the
+    ten ports after it) must not fall in a test module's block."""
+    import re
+
+    held = set().union(*FOOTPRINTS.values())
+    found = {}
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        text = path.read_text()
+        for m in re.finditer(r"^(?:BASE_)?PORT = (\d+)|\"--(?:base|master)-port\", type=int, "
+                             r"default=(\d+)", text, re.MULTILINE):
+            first = int(m.group(1) or m.group(2))
+            found[(path.name, first)] = held & set(range(first, first + 10))
+    assert len(found) >= 6  # the pattern still finds them
+    assert not {k: sorted(v)[:3] for k, v in found.items() if v}

@@ -2,7 +2,8 @@
 the first byte, membership that changes at run time (drained before an instance leaves).
 
 `DecodePool.open` sends the request and returns once the response headers arrived (the
-first byte): a connect error, a timeout before headers or a 5xx is retried once on another
+first byte): a refused connection moves on to the next instance at no cost (nothing was
+sent); a timeout before headers, a broken connection or a 5xx is retried once on another
 instance (when there is one); a plain 500 from the only eligible instance is asked once more
 on it (vLLM answers 500 when its API server's and EngineCore's processor caches drift, and
 heals them before answering; encoder calls do the same, encoder_clients.py). After that the
@@ -209,14 +210,21 @@ class DecodePool(Members):
         assert self.session is not None, "DecodePool.start() was not called"
         tried: set[str] = set(exclude)
         last_error = ""
-        preferred = ""
-        for attempt in range(2):
+        preferred = rendezvous(key, self.urls)[0] if key is not None and self.urls else ""
+        answered = 0  # attempts the instance may have seen: a 5xx, a timeout, a break
+        attempt = -1
+        # a refused connection sent nothing: it costs no retry, so every instance is tried
+        # once before a 502 (two killed at once must not spend both of a request's tries)
+        sick = ""  # the instance whose plain 500 was retried elsewhere
+        while answered < 2 and attempt < len(self.urls) + 1:
             cands = self.order(key, exclude=tried)
+            if not cands and sick:  # the others refused: the 500's own instance once more
+                tried.discard(sick)
+                cands, sick = self.order(key, exclude=tried), ""
             if not cands:
                 break
+            attempt += 1
             url = cands[0]
-            if attempt == 0 and key is not None:
-                preferred = rendezvous(key, self.urls)[0]
             tried.add(url)
             self.counts[url]["requests"] += 1
             self.counts[url]["affinity"] += url == preferred
@@ -231,10 +239,16 @@ class DecodePool(Members):
             except asyncio.TimeoutError:
                 self._failed(url)
                 last_error = f"{url}: no response within the deadline"
+                answered += 1
+                continue
+            except aiohttp.ClientConnectorError as exc:
+                self._failed(url)
+                last_error = f"{url}: {type(exc).__name__}: {exc}"
                 continue
             except aiohttp.ClientError as exc:
                 self._failed(url)
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
+                answered += 1
                 continue
             except BaseException:
                 self.inflight[url] -= 1
@@ -246,9 +260,11 @@ class DecodePool(Members):
                 await up.release()
                 self.cool_down(url)
                 continue
-            if resp.status >= 500 and attempt == 0 and self._again(key, tried, url,
-                                                                   resp.status):
+            if resp.status >= 500 and answered == 0 and self._again(key, tried, url,
+                                                                    resp.status):
                 last_error = f"{url}: HTTP {resp.status}"
+                answered += 1
+                sick = url if resp.status == 500 and url in tried else ""
                 await up.release()
                 continue
             return up

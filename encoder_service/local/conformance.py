@@ -231,9 +231,9 @@ def ask(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
 
 class CuttingProxy:
     """An HTTP proxy in front of one decode instance that breaks each streamed chat answer
-    off after a seeded number of events (a real TCP close mid-stream, as a dying instance
-    does), except the continuations the gateway opens (their request id ends in
-    `-resume-decN`). Other requests pass through."""
+    off after a seeded number of events, 2 to `max_events` - 1 of them passed on (a real TCP
+    close mid-stream, as a dying instance does), except the continuations the gateway opens
+    (their request id ends in `-resume-decN`). Other requests pass through."""
 
     def __init__(self, upstream: str, port: int, seed: int, max_events: int = 24) -> None:
         self.upstream, self.port = upstream, port
@@ -273,7 +273,10 @@ class CuttingProxy:
                        if k.lower() in ("content-type", "authorization", "x-request-id")}
             streamed = b'"stream":true' in body.replace(b" ", b"")
             rid = request.headers.get("x-request-id", "")
-            cut_after = (self.rng.randint(1, self.max_events)
+            # the cut comes after the role chunk and at least one token: a stream that
+            # breaks before its first token is a new request for the gateway (retried, not
+            # continued), which decoders.py's tests cover
+            cut_after = (self.rng.randint(3, max(3, self.max_events))
                          if streamed and "-resume" not in rid
                          and request.path == "/v1/chat/completions" else None)
             assert session is not None
@@ -282,15 +285,23 @@ class CuttingProxy:
                 resp = web.StreamResponse(status=up.status, headers={
                     "content-type": up.headers.get("content-type", "application/json")})
                 await resp.prepare(request)
-                events = 0
+                events, pending = 0, b""
                 async for chunk in up.content.iter_any():
-                    if cut_after is not None:
-                        events += chunk.count(b"\n\n")
+                    if cut_after is None:
+                        await resp.write(chunk)
+                        continue
+                    # event by event, however the bytes were chunked: cut_after - 1 pass
+                    pending += chunk
+                    *whole, pending = pending.split(b"\n\n")
+                    for event in whole:
+                        events += 1
                         if events >= cut_after:
                             self.cuts += 1
                             request.transport.abort()  # the instance "dies" mid-stream
                             return resp
-                    await resp.write(chunk)
+                        await resp.write(event + b"\n\n")
+                if pending:
+                    await resp.write(pending)
                 await resp.write_eof()
                 return resp
 

@@ -229,13 +229,21 @@ def kv_side_channel_port(cfg: UpConfig, j: int) -> int:
     return cfg.base_port + 1 + cfg.servers + j
 
 
-def kv_transfer_config(cfg: UpConfig, prefill: bool) -> dict[str, Any]:
-    """E/P/D: a decode or prefill instance's --kv-transfer-config (`kv_transfer` on top)."""
+def kv_connector_config(prefill: bool, overrides: dict[str, Any] | None = None
+                        ) -> dict[str, Any]:
+    """E/P/D: the --kv-transfer-config of a prefill or decode instance, `overrides` on top:
+    NixlConnector, kv_both, CPU buffers; decode instances recompute a prompt whose KV cache
+    could not be loaded. The one source of it: `epd up` and deploy/render.py (compose, k8s)."""
     out: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                            "kv_buffer_device": "cpu"}
     if not prefill:
         out["kv_load_failure_policy"] = "recompute"
-    return {**out, **cfg.kv_transfer}
+    return {**out, **(overrides or {})}
+
+
+def kv_transfer_config(cfg: UpConfig, prefill: bool) -> dict[str, Any]:
+    """E/P/D: a decode or prefill instance's --kv-transfer-config (`kv_transfer` on top)."""
+    return kv_connector_config(prefill, cfg.kv_transfer)
 
 
 def mooncake_endpoint(cfg: UpConfig, i: int) -> str:

@@ -68,17 +68,23 @@ def test_k8s_keeps_the_data_plane_inside():
     data = policies["epd-data-plane"]["spec"]
     roles = {v for e in data["podSelector"]["matchExpressions"] if e["key"] == "role"
              for v in e["values"]}
-    assert roles == {"encoder", "pd", "mooncake-master"}
+    assert roles == {"encoder", "pd", "prefill", "decode", "mooncake-master"}
     assert data["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app": "epd"}}}]}]
     clients = policies["epd-gateway-clients"]["spec"]
+    assert clients["podSelector"]["matchExpressions"] == [
+        {"key": "app", "operator": "In", "values": ["epd"]},
+        {"key": "role", "operator": "In", "values": ["gateway", "gateway-kv"]}]
     assert clients["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+    # every pod is under exactly one of the two policies
+    deployed = {d["metadata"]["labels"]["role"] for d in docs if d["kind"] == "Deployment"}
+    assert deployed == roles | {"gateway", "gateway-kv"}
     for d in docs:
         if d["kind"] != "Deployment":
             continue
         (container,) = d["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e for e in container.get("env", [])}
         role = d["metadata"]["labels"]["role"]
-        if role == "gateway":
+        if role in ("gateway", "gateway-kv"):
             continue
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert "0.0.0.0" not in k8s_argv(container)  # binds the pod's own address
@@ -93,8 +99,9 @@ def test_compose_validates_and_publishes_only_the_gateway():
     assert run.returncode == 0, run.stdout + run.stderr
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
-    assert published == {"gateway": ["${EPD_GATEWAY_PUBLISH:-8000}:8000"]}
-    for name in ("encoder", "prefill-decode", "gateway"):
+    assert published == {"gateway": ["${EPD_GATEWAY_PUBLISH:-8000}:8000"],
+                         "gateway-kv": ["${EPD_KV_GATEWAY_PUBLISH:-8001}:8000"]}
+    for name in ("encoder", "prefill-decode", "gateway", "prefill", "decode", "gateway-kv"):
         assert services[name]["environment"]["EPD_SECRET_FILE"] == "/run/secrets/epd_secret"
 
 
@@ -128,8 +135,9 @@ def vllm_servers() -> list[tuple[str, list[str], dict]]:
 
 def test_every_vllm_server_takes_its_key_from_the_secret_never_from_argv():
     servers = vllm_servers()
-    assert {n for n, _, _ in servers} == {"compose/encoder", "compose/prefill-decode",
-                                          "k8s/epd-encoder", "k8s/epd-prefill-decode"}
+    assert {n for n, _, _ in servers} == {
+        "compose/encoder", "compose/prefill-decode", "compose/prefill", "compose/decode",
+        "k8s/epd-encoder", "k8s/epd-prefill-decode", "k8s/epd-prefill", "k8s/epd-decode"}
     for name, argv, env in servers:
         # `epd vllm` derives $VLLM_API_KEY from $EPD_SECRET_FILE before vLLM starts
         assert argv[:3] == ["epd", "vllm", "serve"], name
@@ -193,7 +201,7 @@ def test_compose_keeps_the_data_plane_on_an_internal_network():
     doc = yaml.safe_load(COMPOSE.read_text())
     assert doc["networks"]["data-plane"] == {"internal": True}
     for name, s in doc["services"].items():
-        expected = ["data-plane", "clients"] if name == "gateway" else ["data-plane"]
+        expected = ["data-plane", "clients"] if name.startswith("gateway") else ["data-plane"]
         assert s["networks"] == expected, name
 
 
@@ -205,7 +213,7 @@ def test_every_vllm_server_loads_the_server_guard():
     module, _, name = SERVER_GUARD.rpartition(".")
     assert callable(getattr(__import__(module, fromlist=[name]), name))
     servers = vllm_servers()
-    assert len(servers) == 4
+    assert len(servers) == 8
     for server, argv, _ in servers:
         assert argv[argv.index("--middleware") + 1] == SERVER_GUARD, server
 
@@ -229,7 +237,9 @@ def test_a_setting_reaches_both_files_everywhere_it_is_used():
     model = "/srv/models/tiny-qwen-omni"
     gw = compose["services"]["gateway"]["command"]
     assert "http://encoder:9123" in gw and "http://prefill-decode:9123" in gw
-    for name in ("encoder", "prefill-decode"):
+    gw_kv = compose["services"]["gateway-kv"]["command"]
+    assert {"http://encoder:9123", "http://decode:9123", "http://prefill:9123"} <= set(gw_kv)
+    for name in ("encoder", "prefill-decode", "prefill", "decode"):
         s = compose["services"][name]
         argv = shlex.split(s["command"])
         assert argv[argv.index("--port") + 1] == "9123" and argv[3] == model
@@ -237,7 +247,8 @@ def test_a_setting_reaches_both_files_everywhere_it_is_used():
         assert f"{model}/epd_build.json" in s["entrypoint"]
     assert compose["services"]["model-init"]["command"][-1] == model
     for d in k8s:
-        if d["kind"] == "Deployment" and d["metadata"]["labels"]["role"] in ("encoder", "pd"):
+        if d["kind"] == "Deployment" and d["metadata"]["labels"]["role"] in (
+                "encoder", "pd", "prefill", "decode"):
             pod = d["spec"]["template"]["spec"]
             (c,) = pod["containers"]
             argv = server_argv(k8s_argv(c))
@@ -245,9 +256,12 @@ def test_a_setting_reaches_both_files_everywhere_it_is_used():
             assert c["readinessProbe"]["httpGet"]["port"] == 9123
             assert {"name": "EPD_SECRET_FILE", "value": "/etc/epd-test/secret"} in c["env"]
             assert pod["initContainers"][0]["command"][-1] == model
-        if d["kind"] == "Service" and d["metadata"]["name"] in ("epd-encoder",
-                                                               "epd-prefill-decode"):
+        if d["kind"] == "Service" and d["metadata"]["name"] in (
+                "epd-encoder", "epd-prefill-decode", "epd-prefill", "epd-decode"):
             assert d["spec"]["ports"] == [{"port": 9123}]
+        if d["kind"] == "Deployment" and d["metadata"]["name"] == "epd-gateway-kv":
+            (c,) = d["spec"]["template"]["spec"]["containers"]
+            assert {"http://epd-decode:9123", "http://epd-prefill:9123"} <= set(c["command"])
 
 
 def test_a_template_naming_an_unknown_setting_is_an_error():
@@ -259,9 +273,120 @@ def test_a_template_naming_an_unknown_setting_is_an_error():
 def test_compose_services_stop_at_once_and_the_servers_restart():
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     assert all(s.get("init") is True for s in services.values())
-    for name in ("mooncake-master", "encoder", "prefill-decode", "gateway"):
+    for name in ("mooncake-master", "encoder", "prefill-decode", "gateway", "prefill",
+                 "decode", "gateway-kv"):
         assert services[name]["restart"] == "unless-stopped", name
     assert "restart" not in services["model-init"]  # runs once
+
+
+# -- E/P/D: compose profile epd-kv, k8s epd-prefill / epd-decode / epd-gateway-kv ------------
+KV_SERVICES = {"prefill": "compose/prefill", "decode": "compose/decode"}
+KV_DEPLOYMENTS = {"prefill": "k8s/epd-prefill", "decode": "k8s/epd-decode"}
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+@pytest.fixture(scope="module")
+def up_epd(tmp_path_factory) -> dict[str, list[str]]:
+    """The argv `epd up --prefill 1` plans for its prefill and decode instances."""
+    from encoder_service.local.up import Deployment
+    from encoder_service.local.up_config import UpConfig
+
+    tmp = tmp_path_factory.mktemp("up-epd")
+    dep = Deployment(UpConfig(decoders=1, prefills=1, transport="safetensors"), tmp)
+    dep.plan(tmp / "model")
+    return {s.name.split("-")[0]: list(s.extra_args) for s in dep.servers
+            if s.name.startswith(("prefill", "decode"))}
+
+
+def test_the_epd_kv_roles_get_the_kv_connector_epd_up_gives_its_own(up_epd):
+    servers = {name: (argv, env) for name, argv, env in vllm_servers()}
+    pd_ec = {_flag(servers[n][0], "--ec-transfer-config") for n in ("compose/prefill-decode",
+                                                                     "k8s/epd-prefill-decode")}
+    for role in ("prefill", "decode"):
+        want = json.loads(_flag(up_epd[role], "--kv-transfer-config"))
+        for name in (KV_SERVICES[role], KV_DEPLOYMENTS[role]):
+            argv, _ = servers[name]
+            assert json.loads(_flag(argv, "--kv-transfer-config")) == want, name
+            # an EC consumer like the E+PD instance; decode flags on decode instances only
+            assert _flag(argv, "--ec-transfer-config") in pd_ec, name
+            assert ("--enable-scale-out" in argv) == ("--enable-scale-out" in up_epd[role])
+    decode = json.loads(_flag(servers["compose/decode"][0], "--kv-transfer-config"))
+    prefill = json.loads(_flag(servers["compose/prefill"][0], "--kv-transfer-config"))
+    assert decode["kv_load_failure_policy"] == "recompute"
+    assert "kv_load_failure_policy" not in prefill
+    assert prefill["kv_connector"] == "NixlConnector" and prefill["kv_buffer_device"] == "cpu"
+
+
+def test_the_default_stack_has_no_kv_connector_and_the_kv_roles_are_opt_in():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    profiled = {n for n, s in services.items() if "profiles" in s}
+    assert profiled == {"prefill", "decode", "gateway-kv"}
+    assert all(services[n]["profiles"] == ["epd-kv"] for n in profiled)
+    for name, argv, env in vllm_servers():
+        kv = name in KV_SERVICES.values() or name in KV_DEPLOYMENTS.values()
+        assert ("--kv-transfer-config" in argv) == kv, name
+        assert any(k.startswith("VLLM_NIXL") for k in env) == kv, name
+    for d in manifests():  # k8s: only the E+PD stack runs until scaled
+        if d["kind"] == "Deployment":
+            role = d["metadata"]["labels"]["role"]
+            kv = role in ("prefill", "decode", "gateway-kv")
+            assert (d["spec"]["replicas"] == 0) == kv, role
+    # nothing of the default stack waits on an opt-in service
+    for name, s in services.items():
+        if name not in profiled:
+            assert not profiled & set(s.get("depends_on", {})), name
+
+
+def test_the_epd_kv_gateways_list_the_prefill_service():
+    from encoder_service.gateway.cli import config_from_argv
+
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    gateways = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                for d in manifests() if d["kind"] == "Deployment"
+                and d["metadata"]["labels"]["role"].startswith("gateway")}
+    for argv, prefill, decode in (
+            (services["gateway-kv"]["command"], "http://prefill:8000", "http://decode:8000"),
+            (k8s_argv(gateways["epd-gateway-kv"]), "http://epd-prefill:8000",
+             "http://epd-decode:8000")):
+        cfg = config_from_argv(argv[2:])  # as `epd gateway` parses it
+        assert cfg.prefills == [prefill] and cfg.decoders == [decode]
+    for argv in (services["gateway"]["command"], k8s_argv(gateways["epd-gateway"])):
+        assert config_from_argv(argv[2:]).prefills == []
+    assert set(services["gateway-kv"]["depends_on"]) == {"encoder", "prefill", "decode"}
+    selectors = {d["metadata"]["name"]: d["spec"]["selector"] for d in manifests()
+                 if d["kind"] == "Service"}
+    assert selectors["epd-prefill"] == {"app": "epd", "role": "prefill"}
+    assert selectors["epd-decode"] == {"app": "epd", "role": "decode"}
+    assert selectors["epd-gateway-kv"] == {"app": "epd", "role": "gateway-kv"}
+
+
+def test_kv_side_channels_are_distinct_reachable_and_clear_of_the_fixed_ports():
+    from ec_connectors.protocol import ports
+
+    servers = {name: env for name, _, env in vllm_servers()}
+    compose_env = yaml.safe_load(COMPOSE.read_text())["services"]
+    engine = range(int(compose_env["encoder"]["environment"]["MC_MIN_RPC_PORT"]),
+                   int(compose_env["encoder"]["environment"]["MC_MAX_RPC_PORT"]) + 1)
+    fixed = {8000, *ports.master_ports(ports.MASTER_RPC_PORT), *ports.DEFAULT_FIXED}
+    for names in (KV_SERVICES, KV_DEPLOYMENTS):
+        side = {role: int(servers[n]["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for role, n in names.items()}
+        assert len(set(side.values())) == 2, side
+        for port in side.values():  # +1 per data-parallel rank: keep a margin too
+            assert not {port, port + 1} & fixed and port not in engine, port
+    # the peer dials what the prefill instance advertises: its service name, its pod's IP
+    for role in ("prefill", "decode"):
+        assert servers[KV_SERVICES[role]]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == role
+        assert servers[KV_DEPLOYMENTS[role]]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
+    render = _render_module()
+    for prefill, decode in ((5600, 5600), (5600, ports.MASTER_RPC_PORT + 1),
+                            (ports.GATEWAY_PORT, 5610), (5600, 8000)):
+        settings = render.load_settings()
+        settings["kv"].update(prefill_side_channel=prefill, decode_side_channel=decode)
+        with pytest.raises(ValueError, match=r"\[kv\]"):
+            render.render(settings)
 
 
 # -- wait_for.py: the servers' entry point, so podman-compose starts them in order too -------

@@ -1,6 +1,6 @@
 """The async pool's logic: batching, max wait, backpressure, dispatch, deadlines, failure
 isolation and OOM retry. The encoder is the fake of fakes.py (this tests the logic around
-it); the real LLaVA encoder runs in test_server.py and tests/e2e/test_encoder_pool.py."""
+it); the real LLaVA encoder runs in test_server.py and tests/e2e/test_connector_safetensors.py."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.decoders import DecodePool
+from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.routing import rendezvous
 from encoder_service.local.requests import chat_body, sample_image_png
@@ -46,7 +47,8 @@ class Scripted:
 
 
 @contextlib.asynccontextmanager
-async def pool_of(*instances: Scripted) -> AsyncIterator[DecodePool]:
+async def pool_of(*instances: Scripted, dead: int = 0) -> AsyncIterator[DecodePool]:
+    """`dead`: that many more instances whose port refuses connections (listed first)."""
     runners = []
     try:
         for inst in instances:
@@ -58,7 +60,8 @@ async def pool_of(*instances: Scripted) -> AsyncIterator[DecodePool]:
             port = LAB.port()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             inst.url = f"http://127.0.0.1:{port}"
-        cfg = GatewayConfig.build({"decoders": [i.url for i in instances],
+        urls = [f"http://127.0.0.1:{LAB.port()}" for _ in range(dead)]
+        cfg = GatewayConfig.build({"decoders": urls + [i.url for i in instances],
                                    "routing": {"probe_interval_s": 0}})
         pool = DecodePool(cfg, GatewayMetrics())
         await pool.start()
@@ -117,6 +120,38 @@ def test_with_another_instance_a_500_is_asked_there_and_not_again_on_the_first()
         async with pool_of(*both) as pool:  # the one retry went elsewhere: no third call
             got, retries, _ = await ask(pool)
             assert (got, retries, [len(s.calls) for s in both]) == (500, 1, [1, 1])
+
+    asyncio.run(run())
+
+
+def test_refused_connections_cost_no_retry_every_instance_is_tried_before_a_502():
+    """Two instances killed at once: their refusals sent nothing, so the request still has
+    its retry; a 500 after them is asked once more elsewhere (the supervision e2e's 502)."""
+    async def run() -> None:
+        well = Scripted()
+        async with pool_of(well, dead=2) as pool:
+            for _ in range(3):  # whichever order the policy picks
+                got, _, body = await ask(pool)
+                assert got == 200 and b"ok" in body
+            assert all(v == 0 for v in pool.inflight.values())
+        sick, well = Scripted(500), Scripted()
+        async with pool_of(sick, well, dead=2) as pool:
+            for u in pool.urls:  # let the dead go first, then the sick one
+                pool.down_until[u] = 0.0
+            key = next(k for k in (f"item-{n}" for n in range(500))
+                       if pool.order(k)[:2] == pool.urls[:2] and pool.order(k)[2] == sick.url)
+            got, _, _ = await ask(pool, key)
+            assert (got, len(sick.calls), len(well.calls)) == (200, 1, 1)
+        sick = Scripted(500)  # a 500, the others dead: asked once more on the sick one
+        async with pool_of(sick, dead=2) as pool:
+            key = next(k for k in (f"item-{n}" for n in range(500))
+                       if pool.order(k)[0] == sick.url)
+            got, _, _ = await ask(pool, key)
+            assert (got, sick.calls) == (200, ["r-dec0", "r-dec3"])
+        async with pool_of(dead=3) as pool:  # nobody: a 502 after trying each once
+            with pytest.raises(GatewayError) as err:
+                await ask(pool)
+            assert err.value.status == 502 and "no prefill/decode instance" in str(err.value)
 
     asyncio.run(run())
 
