@@ -44,8 +44,12 @@ STACKS = {  # name: (encoder backend, transport, decoders, prefill instances)
     "pool+shm": ("pool", "shm", 1, 0),
     # E/P/D: a prefill instance hands each prompt's KV cache to one of two decode instances
     # (NixlConnector): the failover path cuts the decode instances' streams
-    "epd-kv+shm": ("vllm", "shm", 2, 1),
+    "epd-kv:vllm+shm": ("vllm", "shm", 2, 1),
+    "epd-kv:pool+shm": ("pool", "shm", 2, 1),
+    "epd-kv:vllm+mooncake": ("vllm", "mooncake", 2, 1),
+    "epd-kv:pool+mooncake": ("pool", "mooncake", 2, 1),
 }
+DEFAULT_STACKS = [n for n in STACKS if not n.startswith("epd-kv:")]  # --stacks epd-kv: E/P/D
 # pools encode every video of two or more temporal groups in chunks of one group
 POOL = {"video_chunk_tokens": 1}
 MEDIA_IO = {"video": {"num_frames": 64}}
@@ -130,7 +134,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cases", type=int, default=40, help="generated cases (each runs on "
                     "every stack and path)")
-    ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
+    ap.add_argument("--stacks", nargs="+", default=DEFAULT_STACKS,
+                    choices=[*STACKS, "epd-kv"], help="stacks to run (default: the E+PD ones; "
+                    "epd-kv: every E/P/D stack)")
     ap.add_argument("--model", default="qwen-omni", choices=[n for n in SPECS if n != "large"],
                     help="the test model (cases use the modalities it serves)")
     ap.add_argument("--media-io-kwargs", type=json.loads, default=MEDIA_IO,
@@ -140,6 +146,9 @@ def main() -> int:
                     "clips have)")
     ap.add_argument("--json", type=Path, default=WORK / "conformance.json")
     args = ap.parse_args()
+    args.stacks = [n for s in args.stacks
+                   for n in ([k for k in STACKS if k.startswith("epd-kv:")] if s == "epd-kv"
+                             else [s])]
     spec = SPECS[args.model]
     model_dir = build(WORK / "models" / spec.model_name, spec)
     work = WORK / "conformance"

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
            "up": ("encoder_service.local.up_cli", "start a local deployment (encoders, "
                   "prefill/decode, gateway) from one config file; --demo sends a request and "
                   "stops"),
+           "top": ("encoder_service.gateway.top", "live view of a deployment from its "
+                   "gateway's /metrics and /instances (--once: one frame, for scripts)"),
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
                      "load against any OpenAI-compatible endpoint)"),
            "encoder": ("encoder_service.encoder_pool.server", "batching encoder pool server "

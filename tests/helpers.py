@@ -71,6 +71,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.encoder_service.gateway.test_routing", HTTP): (19100, 30),
     ("tests.encoder_service.gateway.test_kv_handoff", HTTP): (18800, 20),
     ("tests.encoder_service.gateway.test_tracing", HTTP): (19200, 20),
+    ("tests.encoder_service.gateway.test_top", HTTP): (19240, 20),
     # fast lane: Mooncake Store masters (5 apart) and Transfer Engine producers (10 apart)
     ("tests.ec_connectors.transports.test_mooncake_store", MASTER): (19500, 300),
     ("tests.encoder_service.local.test_processes", MASTER): (19900, 40),
@@ -86,12 +87,10 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_connector_store", HTTP): (18360, 3),
     ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
     ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
-    ("tests.e2e.test_encoder_pool_qwen", HTTP): (18430, 2),
     ("tests.e2e.test_gateway", HTTP): (18570, 27),
     ("tests.e2e.test_up", HTTP): (18660, 13),
-    ("tests.e2e.test_qwen_modalities", HTTP): (18680, 4),
-    ("tests.e2e.test_epd_kv", HTTP): (18700, 8),  # gateway, 3 servers, 2 KV side channels
-    ("tests.e2e.test_tracing", HTTP): (19300, 4),  # gateway, encoder, decode, trace sink
+    ("tests.e2e.test_qwen_modalities", HTTP): (18680, 5),
+    ("tests.e2e.test_epd_kv", HTTP): (18700, 8),  # gateway, 3 servers, 2 KV side channels, sink
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_up", MASTER): (19950, 3),
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),

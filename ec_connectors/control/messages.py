@@ -55,6 +55,11 @@ class Staged(msgspec.Struct, tag=True):
     num_embeds: int = 0  # leading dimension: the token count the item covers
     error: str = ""
     stats: Stats | None = None  # the worker's stats since its last report (as WorkerStats)
+    # this load's times on the worker (seconds; sched/load_spans.py): the Prefetch queued
+    # for a loader thread, the transport's read (checksum verified), into the staging area
+    wait_s: float = 0.0
+    get_s: float = 0.0
+    stage_s: float = 0.0
 
 
 class Saved(msgspec.Struct, tag=True):

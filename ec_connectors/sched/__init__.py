@@ -12,4 +12,5 @@
 - `unavailable.py`: requests whose items cannot arrive: failed once, with a reason, or encoded
   locally.
 - `producer_book.py`: a producer's saves and the `ec_transfer_params` a finished request returns.
+- `load_spans.py`: a deferred request's loads as spans in vLLM's trace of it (when vLLM traces).
 """

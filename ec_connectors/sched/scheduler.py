@@ -58,6 +58,7 @@ from ec_connectors.sched.feature_book import FeatureBook
 from ec_connectors.sched.hints import RequestHints
 from ec_connectors.sched.index import AvailabilityIndex
 from ec_connectors.sched.inline import InlineReader
+from ec_connectors.sched.load_spans import LoadSpans
 from ec_connectors.sched.part_fit import PartFit
 from ec_connectors.sched.producer_book import ProducerBook
 from ec_connectors.sched.promises import Promises
@@ -130,6 +131,7 @@ class EPDSchedulerSide:
         self._workers: dict[int, bytes] = {}
         self.items = ItemTable(_FAILED_MEMORY_S, config.staged_ttl_s)  # consumer: its items
         self.features = FeatureBook(self.items, config.max_staged_bytes, self.stats)
+        self.spans = LoadSpans.make(self.items)  # in vLLM's traces, when it traces
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
@@ -180,6 +182,7 @@ class EPDSchedulerSide:
             self._news.set()
 
     def _on_staged(self, msg: Staged) -> None:
+        self.spans.staged(msg)  # the worker's times, for the request's trace
         with self._lock:
             ranks = set(self._workers)
         now = time.monotonic()
@@ -263,6 +266,7 @@ class EPDSchedulerSide:
             since = self._req_deferred_since.pop(req_id, None)
             if since is not None:
                 self.stats.observe("defer_s", now - since)
+                self.spans.waited(request, since, now, self._req_waits.get(req_id, ()))
         return ready
 
     def _producer_ready(self, request: Request) -> bool:

@@ -198,17 +198,21 @@ class EPDWorker:
             return
         deadline = time.monotonic() + min(m.timeout_s for m in wanted)
         t0 = time.perf_counter()
+        get_s = 0.0
         try:
             tensors = self.transport.get_many(
                 [Want(m.item_id, m.location, m.nbytes) for m in wanted], deadline)
-            self.stats.observe("get_s", (time.perf_counter() - t0) / len(wanted))
+            get_s = (time.perf_counter() - t0) / len(wanted)
+            self.stats.observe("get_s", get_s)
             error = "not available (missing, corrupt or timed out)"
         except Exception as exc:  # a transport bug must cost these items, not the worker
             tensors, error = [None] * len(wanted), f"{type(exc).__name__}: {exc}"
         for msg, tensor in zip(wanted, tensors, strict=True):
-            self._stage(msg.item_id, tensor, error)
+            self._stage(msg.item_id, tensor, error, t0 - received, get_s)
 
-    def _stage(self, item_id: str, tensor: torch.Tensor | None, error: str) -> None:
+    def _stage(self, item_id: str, tensor: torch.Tensor | None, error: str,
+               wait_s: float = 0.0, get_s: float = 0.0) -> None:
+        t0 = time.perf_counter()
         if tensor is not None and self.device.type != "cpu":
             tensor = tensor.to(self.device)
         if tensor is not None:
@@ -231,7 +235,8 @@ class EPDWorker:
             return
         # load_s (prefetch -> staged on every rank) is observed once, by the scheduler side.
         self._reply(Staged(item_id=item_id, rank=self.rank, ok=True, nbytes=tensor.nbytes,
-                           num_embeds=_rows(tensor)))
+                           num_embeds=_rows(tensor), wait_s=wait_s, get_s=get_s,
+                           stage_s=time.perf_counter() - t0))
 
     def _unstage(self, item_id: str) -> torch.Tensor | None:
         with self._lock:

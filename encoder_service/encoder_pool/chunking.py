@@ -10,7 +10,7 @@ temporal patch group (`cu_seqlens` per group) and position embeddings are spatia
 time. So a chunk of whole groups, cut from the pixel rows of a video that was sampled,
 resized and patched once as a whole (`prepare`: the processors size frames from a budget
 that depends on the total frame count), encodes to exactly the rows the whole video gives
-for those groups. Bit for bit on the CPU here (tests/e2e/test_encoder_pool_qwen.py); on GPUs
+for those groups. Bit for bit on the CPU here (tests/e2e/test_qwen_modalities.py); on GPUs
 GEMM kernels may round differently for other row counts, as cross-request batching already
 does. Towers that attend across the whole video must not be split: models.py names the
 architectures that may (`MediaEncoder.chunks_video`).

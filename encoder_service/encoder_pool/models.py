@@ -15,7 +15,7 @@ from aggregated vLLM). So every step is vLLM's code, called as a vLLM server cal
   publishes (`ec_connectors.placeholders`, vLLM's `collect_ec_item_metadata`).
 
 On the same device and dtype the pool's embedding is bit-identical to a vLLM encoder's
-(tests/e2e/test_encoder_pool_qwen.py, test_encoder_pool.py). vLLM keeps its current config
+(tests/e2e/test_qwen_modalities.py, test_connector_safetensors.py). vLLM keeps its current config
 and forward context in process globals, so a process runs one forward at a time
 (`_FORWARD_LOCK`); its distributed state is set up once per process (world size 1).
 Families register in `ENCODERS` by architecture name: those whose parity is tested.
@@ -210,7 +210,8 @@ class VllmEncoder:
         return [o.to("cpu", copy=True) for o in outs]  # exactly one copy, CPU or GPU
 
 
-# Architectures whose parity with vLLM's encoder is tested (e2e: test_encoder_pool*.py).
+# Architectures whose parity with vLLM's encoder is tested (e2e: test_connector_safetensors.py,
+# test_qwen_modalities.py).
 ENCODERS: dict[str, type[VllmEncoder]] = {
     "LlavaForConditionalGeneration": VllmEncoder,
     "Qwen2_5_VLForConditionalGeneration": VllmEncoder,

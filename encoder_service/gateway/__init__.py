@@ -15,7 +15,10 @@ instances. Read `app.py`, then `chat.py`.
   continued on another instance.
 - `probes.py`: health probes with a real forward; `outages.py`: instances a supervisor
   (`epd up`) reports down and back; `admin.py`: /health, /instances, /admin/instances;
-  `metrics.py`: Prometheus.
+  `metrics.py`: Prometheus; `top.py`: `epd top`, a live view of a deployment from its
+  gateway's /metrics and /instances.
+- `tracing.py`: OpenTelemetry traces of chat requests (off unless configured), traceparent to
+  every upstream; `otlp.py`: their OTLP/HTTP export (protobuf encoded here).
 """
 
 from encoder_service.gateway.app import create_app

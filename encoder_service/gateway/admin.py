@@ -1,7 +1,8 @@
 """The gateway's control plane: GET /health (is any prefill/decode instance up?), GET
-/instances (each encoder and decode instance: state, load, what it was given, its last
-probe) and POST /admin/instances (instances join and leave at run time; the deployment's
-admin token, or loopback callers only when there is no secret)."""
+/instances (each encoder, prefill and decode instance: state, load, what it was given, its
+last probe; it names internal addresses, so with client API keys configured it answers a
+client key or the admin token only) and POST /admin/instances (instances join and leave at
+run time; the deployment's admin token, or loopback callers only when there is no secret)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from ec_connectors.protocol.http_api import KeyCheck, error_type
 from ec_connectors.protocol.secret import is_loopback
 from encoder_service.gateway.admission import Admission
 from encoder_service.gateway.config import AdminChange, GatewayConfig
@@ -31,7 +33,8 @@ class Admin:
 
     def __init__(self, cfg: GatewayConfig, client: httpx.AsyncClient, router: EncoderRouter,
                  decoders: DecodePool, prober: Prober | None, admission: Admission,
-                 token: str | None, encoder_client: Callable[[str], EncoderClient]) -> None:
+                 token: str | None, encoder_client: Callable[[str], EncoderClient],
+                 prefills: DecodePool | None = None) -> None:
         self.cfg = cfg
         self.client = client
         self.router = router
@@ -40,6 +43,9 @@ class Admin:
         self.admission = admission
         self.token = token  # the admin token (None: no secret, loopback callers only)
         self.encoder_client = encoder_client
+        self.prefills = prefills  # E/P/D: the prefill instances (kv_handoff.py)
+        keys = cfg.client_api_keys
+        self.readers = KeyCheck(keys) if keys else None  # who may GET /instances
 
     async def health(self, request: Request) -> JSONResponse:
         """200 when at least one prefill/decode instance is healthy (encoders are optional:
@@ -64,21 +70,42 @@ class Admin:
                              "encoders": enc}, status_code=200 if ok else 503)
 
     async def instances(self, request: Request) -> JSONResponse:
-        """Each encoder and decode instance: state (up, cooling_down, draining), in flight,
-        and what it was given (decoders: `affinity` = requests that went to their first
-        item's own instance)."""
+        """Each encoder, prefill (E/P/D only) and decode instance: state (up, cooling_down,
+        draining, down), in flight, and what it was given (decoders: `affinity` = requests
+        that went to their first item's own instance). With client API keys configured, a
+        caller presenting neither one of them nor the admin token gets a 401."""
+        if not self._may_list(request):
+            return JSONResponse({"error": {
+                "message": "GET /instances names internal addresses: send a client API key "
+                "or the admin token (`epd admin-token`) as `Authorization: Bearer <key>`",
+                "type": error_type(401), "code": "invalid_api_key"}}, 401,
+                headers={"www-authenticate": "Bearer"})
         probes = self.prober.results if self.prober is not None else {}
         out = {"encoders": self.router.describe(), "decoders": self.decoders.describe(),
                "routing": self.cfg.routing.model_dump()}
-        for entry in (*out["encoders"], *out["decoders"]):
+        if self.prefills is not None:
+            out["prefills"] = self.prefills.describe()
+        for entry in (*out["encoders"], *out.get("prefills", ()), *out["decoders"]):
             if entry["url"] in probes:
                 entry["probe"] = probes[entry["url"]].describe()
         return JSONResponse(out)
 
+    def _may_list(self, request: Request) -> bool:
+        """GET /instances: open without client keys, else a client key or the admin token."""
+        if self.readers is None:
+            return True
+        authorization = request.headers.get("authorization")
+        return self.readers.admits(authorization) or (
+            self.token is not None and self._is_admin(authorization or ""))
+
+    def _is_admin(self, authorization: str) -> bool:
+        given = authorization.removeprefix("Bearer ").strip()
+        assert self.token is not None
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
     def _allowed(self, request: Request) -> bool:
         if self.token is not None:
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            return hmac.compare_digest(given.encode(), self.token.encode())
+            return self._is_admin(request.headers.get("authorization", ""))
         client = request.client
         return client is not None and is_loopback(client.host)
 

@@ -13,6 +13,7 @@ slots, bounded body reads): admission.py. A client disconnect cancels the upstre
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -50,6 +51,7 @@ from encoder_service.gateway.outages import Outages
 from encoder_service.gateway.probes import Prober
 from encoder_service.gateway.relay import Exchange, Relay, Watch
 from encoder_service.gateway.routing import Chooser
+from encoder_service.gateway.tracing import Tracer, make_tracer
 
 logger = logging.getLogger("epd.gateway")
 
@@ -76,6 +78,7 @@ class Gateway:
         self.outages: Outages | None = None  # instances a supervisor (epd up) reports down
         self.flow: ChatFlow | None = None
         self.admin: Admin | None = None
+        self.tracer: Tracer | None = None  # traces (tracing.py): None when off
 
     # -- lifecycle -------------------------------------------------------------------------
     async def startup(self) -> None:
@@ -92,31 +95,40 @@ class Gateway:
                                     single_flight=r.single_flight)
         self.decoders = DecodePool(self.cfg, self.metrics)
         self.kv = KvHandoff(self.cfg, self.metrics) if self.cfg.prefills else None
+        self.tracer = make_tracer(self.cfg.tracing, self.metrics)
         self.flow = ChatFlow(self.cfg, self.metrics, self.availability, self.ids, self.router,
                              self.decoders, self.fetch_client, self.admission, self.relay,
-                             self.kv)
+                             self.kv, self.tracer)
         await self.decoders.start()
         if self.kv is not None:
             await self.kv.start()
         prober = Prober(self.client, self.cfg.model, r.probe_interval_s, r.probe_timeout_s,
                         self._probe_targets, self._probed)
-        pools: list = [self.decoders, self.router, *([self.kv.pool] if self.kv else [])]
-        self.outages = Outages(pools, prober, self._probe_kind)
+        self.outages = Outages(self._pools(), prober, self._probe_kind)
         if r.probe_interval_s > 0:
             self.prober = prober
             self.prober.start()
         self.admin = Admin(self.cfg, self.client, self.router, self.decoders, self.prober,
-                           self.admission, self._admin_token, self._encoder_client)
+                           self.admission, self._admin_token, self._encoder_client,
+                           prefills=self.kv.pool if self.kv is not None else None)
         logger.info("gateway ready model=%s encoders=%s (%s) decoders=%s prefills=%s "
                     "availability=%s", self.cfg.model, self.cfg.encoders,
                     self.cfg.encoder_backend, self.cfg.decoders, self.cfg.prefills,
                     self.availability.name)
+        if self.tracer is not None:
+            logger.info("tracing on: spans to %s (sample_ratio %s), traceparent to every "
+                        "upstream", self.cfg.tracing.otlp_traces_endpoint,
+                        self.cfg.tracing.sample_ratio)
+
+    def _pools(self) -> list:
+        """Every upstream pool: decode instances, encoders, prefill instances (E/P/D)."""
+        assert self.decoders is not None and self.router is not None
+        return [self.decoders, self.router, *([self.kv.pool] if self.kv is not None else [])]
 
     def _probe_targets(self) -> list[tuple[str, str]]:
         """Every instance but those down (a supervisor probes them back: outages.py)."""
-        assert self.decoders is not None and self.router is not None
-        return [(u, self._probe_kind(u)) for u in (*self.decoders.urls, *self.router.clients)
-                if u not in self.decoders.down and u not in self.router.down]
+        return [(u, self._probe_kind(u)) for pool in self._pools() for u in pool.names()
+                if u not in pool.down]
 
     def _probe_kind(self, url: str) -> str:
         assert self.decoders is not None
@@ -129,7 +141,7 @@ class Gateway:
         assert self.decoders is not None and self.router is not None
         r = self.cfg.routing
         hold = 0.0 if ok else max(self.cfg.cooldown_s, r.probe_interval_s + r.probe_timeout_s)
-        for pool in (self.decoders, self.router):
+        for pool in self._pools():
             if url in pool.down_until:
                 pool.cool_down(url, hold)
         if not ok:
@@ -162,6 +174,8 @@ class Gateway:
             if c is not None:
                 await c.aclose()
         self.availability.close()
+        if self.tracer is not None:  # what is queued goes out first (bounded)
+            await asyncio.to_thread(self.tracer.close, self.cfg.timeouts.connect_s)
 
     # -- endpoints -------------------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -193,7 +207,8 @@ class Gateway:
             if model != self.cfg.model:
                 raise GatewayError(404, f"model {model!r} is not served here; this gateway "
                                    f"serves {self.cfg.model!r}", "unknown_model")
-            body.pop("ec_transfer_params", None)
+            body.pop("ec_transfer_params", None)  # the gateway's to give, never a client's
+            body.pop("kv_transfer_params", None)
             payload = json_encode(body)
         except GatewayError as exc:
             await self.relay.error(exc, "completions", rid)(scope, receive, send)

@@ -3,8 +3,10 @@
 Clients -> gateway: the OpenAI endpoints (`/v1/...`) take API keys as `vllm serve --api-key`
 does: `Authorization: Bearer <key>`, any of the configured keys (`api_keys`, one per line in
 `api_keys_file` for several clients, `$EPD_GATEWAY_API_KEY`); anything else is a 401 in
-OpenAI's error shape. `/health`, `/metrics` and `/instances` stay open (as vLLM's own health
-and metrics); the admin routes have their own token (the deployment secret's).
+OpenAI's error shape. `/health` and `/metrics` stay open (as vLLM's own health and metrics);
+`/instances`, which names internal addresses, answers a client key or the admin token once
+client keys are configured (admin.py); the admin routes have their own token (the deployment
+secret's).
 Gateway -> servers: every vLLM server and encoder pool of a deployment with a secret requires
 the key derived from it (ec_connectors.protocol.secret.api_key); `upstream_headers` is what
 the gateway presents on every call (encoders, decode instances, probes, failover).

@@ -8,7 +8,8 @@ Items whose encoders publish placeholder metadata (`image_grid_thw`, ...) go met
 the decode instance gets the metadata instead of the media and loads the embedding through
 its connector; the metadata is remembered, so a later request for an item that is already
 available goes metadata-only too. A metadata-only request that fails before its first token
-is asked once more with the raw media."""
+is asked once more with the raw media. Traced (tracing.py, when configured): a span per stage,
+and `traceparent` to the encoders and prefill/decode instances."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from encoder_service.gateway.parsing import (
 )
 from encoder_service.gateway.relay import Exchange, Relay, RelayPlan, Watch, ms
 from encoder_service.gateway.resume import Resumer
+from encoder_service.gateway.tracing import RequestTrace, Tracer
 from encoder_service.gateway.urls import fetch_media
 
 logger = logging.getLogger("epd.gateway")
@@ -73,8 +75,10 @@ class ChatFlow:
     def __init__(self, cfg: GatewayConfig, metrics: GatewayMetrics,
                  availability: Availability, ids: IdSigner, router: EncoderRouter,
                  decoders: DecodePool, fetch_client: httpx.AsyncClient, admission: Admission,
-                 relay: Relay, kv: KvHandoff | None = None) -> None:
+                 relay: Relay, kv: KvHandoff | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.cfg = cfg
+        self.tracer = tracer  # None: tracing off (tracing.py)
         self.kv = kv  # E/P/D: the prefill hop before each decode request (kv_handoff.py)
         self.metrics = metrics
         self.availability = availability
@@ -109,22 +113,35 @@ class ChatFlow:
 
     # -- the endpoint ------------------------------------------------------------------------
     async def chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.tracer is None:
+            await self._admit(scope, receive, send, None)
+            return
+        trace = self.tracer.start(scope)
+        try:
+            await self._admit(scope, receive, trace.watch(send), trace)
+        finally:
+            trace.finish()
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send,
+                     trace: RequestTrace | None) -> None:
         request = Request(scope, receive)
         rid = request_id(request)
         t0 = time.perf_counter()
+        if trace is not None:
+            trace.attrs["epd.request_id"] = rid
         refused = self.admission.admit()
         if refused is not None:
             await self.relay.error(refused, "chat", rid)(scope, receive, send)
             return
         self.metrics.inflight.inc()
         try:
-            await self._chat(request, rid, t0, scope, receive, send)
+            await self._chat(request, rid, t0, scope, receive, send, trace)
         finally:
             self.metrics.inflight.dec()
             self.admission.leave()
 
     async def _chat(self, request: Request, rid: str, t0: float, scope: Scope,
-                    receive: Receive, send: Send) -> None:
+                    receive: Receive, send: Send, trace: RequestTrace | None) -> None:
         try:
             body = await self.admission.read_json(request)
             prepared = await prepare_chat(body, self.cfg, self._fetch, self.ids)
@@ -136,6 +153,8 @@ class ChatFlow:
             return
         t_parse = time.perf_counter() - t0
         self.metrics.stage_parse.observe(t_parse)
+        if trace is not None:
+            trace.add("epd.parse", t0, t0 + t_parse)
         ex = Exchange(scope, receive, send, rid, t0, "chat", Watch(receive))
         held: list[EncodeOutcome] = []  # encoded items to release after the first token
 
@@ -147,12 +166,15 @@ class ChatFlow:
         wants_usage = isinstance(options, dict) and options.get("include_usage") is True
 
         async def answer() -> None:
-            up, info, sent = await self._route(prepared, rid, held)
+            up, info, sent = await self._route(prepared, rid, held, trace)
             info["parse_ms"] = ms(t_parse)
+            if trace is not None:
+                trace.decoding()  # a failover's requests join the decode span
             resume = self.resumer.bound(sent, rid) if self.cfg.routing.failover else None
             await self.relay.relay(up, ex, prepared.stream, info,
                                    RelayPlan(on_first=release, resume=resume,
-                                             wants_ids=wants_ids, wants_usage=wants_usage))
+                                             wants_ids=wants_ids, wants_usage=wants_usage,
+                                             trace=trace))
 
         try:
             await self.relay.guarded(answer, ex)
@@ -160,11 +182,12 @@ class ChatFlow:
             release()
 
     # -- routing: encode what is missing, open the decode request ----------------------------
-    async def _route(self, prepared: PreparedRequest, rid: str,
-                     held: list[EncodeOutcome]) -> Routed:
+    async def _route(self, prepared: PreparedRequest, rid: str, held: list[EncodeOutcome],
+                     trace: RequestTrace | None) -> Routed:
         """Encode what is missing (the outcome is appended to `held`) and open the decode
         request, after the encode or beside it (`_overlaps`); returns the decode request, the
         log fields and the body it was sent."""
+        t_items = time.perf_counter()  # the trace's `epd.items` (lookups included)
         ids = [it.item_id for it in prepared.items]
         hits = self.availability.available(ids) if ids else set()
         todo = [it for it in prepared.items if it.item_id not in hits]
@@ -175,14 +198,18 @@ class ChatFlow:
         if hits:
             self.metrics.items_hit.inc(len(hits))
         if not todo:
-            return await self._open_decode(prepared, hints, rid, key, info)
+            if trace is not None and ids:
+                trace.items(trace.begin_items(), t_items, prepared.items, hits)
+            return await self._open_decode(prepared, hints, rid, key, info, trace)
         t = time.perf_counter()
         early: asyncio.Task[Routed] | None = None
         if self._overlaps(todo):
             # The decode instance gets the request now, its new items marked pending: it
             # renders and preprocesses while they are encoded, then waits for them to land.
             pending = {**hints, **{it.item_id: _PROMISED for it in todo}}
-            early = asyncio.ensure_future(self._open_decode(prepared, pending, rid, key, info))
+            early = asyncio.ensure_future(self._open_decode(prepared, pending, rid, key, info,
+                                                            trace))
+        items_span = trace.begin_items() if trace is not None else 0  # encoder calls' parent
         try:
             outcome, errors = await self.router.encode(todo, rid)
         except BaseException:
@@ -190,6 +217,9 @@ class ChatFlow:
                 await _discard(early)
             raise
         held.append(outcome)
+        if trace is not None:
+            trace.items(items_span, t_items, prepared.items, hits, outcome,
+                        self.router.made_by, early is not None)
         self._count_encode(outcome, errors, rid, info, time.perf_counter() - t)
         for it in todo:  # what the encoders publish, learned from each answer (failed: none)
             hint = outcome.hints.get(it.item_id)
@@ -204,7 +234,7 @@ class ChatFlow:
             # An item that will not land: ask again without its promise (it goes raw and
             # the decode instance encodes it) instead of letting the instance wait for it.
             await _discard(early)
-        return await self._open_decode(prepared, hints, rid, key, info)
+        return await self._open_decode(prepared, hints, rid, key, info, trace)
 
     def _overlaps(self, todo: list[MediaPart]) -> bool:
         """Whether these new items go to the decode instance before they are encoded."""
@@ -246,7 +276,8 @@ class ChatFlow:
                            "encoder, succeeded", rid, errors)
 
     async def _open_decode(self, prepared: PreparedRequest, hints: dict[str, ItemEntry],
-                           rid: str, key: str | None, info: dict[str, Any]) -> Routed:
+                           rid: str, key: str | None, info: dict[str, Any],
+                           trace: RequestTrace | None = None) -> Routed:
         """Open the decode request: `prepared.body` with `hints` as its ec_transfer_params,
         metadata-only parts where the items' metadata is known (once again with the raw media
         if that fails before the answer). `prepared.body` itself is left as it is."""
@@ -260,7 +291,7 @@ class ChatFlow:
         info["metadata_only"] = n_meta
         if prepared.stream and self.cfg.routing.failover:  # token ids: a break can resume
             body, raw = upstream_body(body), upstream_body(raw)
-        up = await self._decode(body, rid, key, info)
+        up = await self._decode(body, rid, key, info, trace)
         if n_meta and await up.failed_before_answer(prepared.stream):
             # e.g. an embedding evicted or lost on its way: the decode instance has no
             # media to encode it from; the raw media let it (nothing lost)
@@ -271,24 +302,34 @@ class ChatFlow:
                            up.status_code)
             info["metadata_only"] = 0
             body = raw
-            up = await self._decode(body, rid, key, info)
+            up = await self._decode(body, rid, key, info, trace)
         elif n_meta:
             self.metrics.items_metadata_only.inc(n_meta)
         return up, info, body
 
     async def _decode(self, body: dict[str, Any], rid: str, key: str | None,
-                      info: dict[str, Any]) -> Upstream:
+                      info: dict[str, Any], trace: RequestTrace | None = None) -> Upstream:
         """Open `body` on a decode instance (by `key`'s affinity); E/P/D: prefilled first on
         a prefill instance (by `key`), then on a decode instance by load with the prefill's
         kv_transfer_params (none when the handoff failed: it computes the prompt). `body`
-        itself stays without them: a failover resumes on another instance from scratch."""
-        if self.kv is None:
-            return await self.decoders.request("POST", "/v1/chat/completions",
-                                               json_encode(body), rid, key=key)
-        params = await self.kv.prefill(body, rid, key, info)
-        sent = body if params is None else {**body, "kv_transfer_params": params}
-        return await self.decoders.request("POST", "/v1/chat/completions", json_encode(sent),
-                                           rid, key=None)
+        itself stays without them: a failover resumes on another instance from scratch.
+        Traced: an `epd.prefill` and an `epd.decode` span, each request's traceparent."""
+        sent, decode_key = body, key
+        if self.kv is not None:
+            span = trace.open_call("epd.prefill") if trace is not None else None
+            params = await self.kv.prefill(body, rid, key, info)
+            if span is not None:
+                span.done(**{"epd.kv_handoff": str(info.get("kv_handoff", ""))})
+            if params is not None:
+                sent = {**body, "kv_transfer_params": params}
+            decode_key = None
+        span = trace.open_decode() if trace is not None else None
+        up = await self.decoders.request("POST", "/v1/chat/completions", json_encode(sent),
+                                         rid, key=decode_key)
+        if span is not None:
+            span.attrs.update({"server.address": up.url, "epd.retries": up.retries,
+                               "http.response.status_code": up.status_code})
+        return up
 
     def _placeholders(self, hints: dict[str, ItemEntry]) -> dict[str, dict[str, Any]]:
         """Placeholder metadata of the hinted items (from this request's encoders, else

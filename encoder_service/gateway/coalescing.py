@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from encoder_service.gateway import tracing
 from encoder_service.gateway.encoder_clients import EncoderClient, EncoderFailed
 from encoder_service.gateway.parsing import MediaPart
 
@@ -22,6 +23,9 @@ class _Waiter:
     # what must match for two requests' items to share a call (None: never shares): the
     # request's canonical settings, which its items' ids already cover
     key: bytes | None = field(init=False)
+    # the trace its request's calls join (tracing.py; None: not traced): a shared call
+    # joins its first request's
+    trace: tuple | None = field(init=False, default_factory=tracing.active)
 
     def __post_init__(self) -> None:
         self.key = (None if any(it.modality != "image" for it in self.items)
@@ -90,6 +94,7 @@ class CoalescingClient:
             task.add_done_callback(self._tasks.discard)
 
     async def _send(self, batch: list[_Waiter]) -> None:
+        tracing.activate(batch[0].trace)  # this task's own context, whoever pumped it
         try:
             if len(batch) == 1:
                 results: list[Any] = [await _settled(self._alone(batch[0]))]

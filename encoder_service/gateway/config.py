@@ -136,6 +136,35 @@ class RoutingConfig(_Strict):
                         "token; without one, loopback callers only")
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of chat requests (tracing.py): off unless `otlp_traces_endpoint`
+    is set. Each request gets a trace (or continues the caller's W3C `traceparent`) with a
+    span per stage, and `traceparent` goes to the encoders and prefill/decode instances, so
+    vLLM servers started with `--otlp-traces-endpoint` add their spans to the same trace."""
+
+    otlp_traces_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL, e.g. http://collector:4318/v1/traces "
+        "(protobuf); unset: tracing off, nothing of OpenTelemetry is loaded")
+    service_name: str = Field("epd-gateway", min_length=1, description="the spans' "
+                              "service.name")
+    sample_ratio: float = Field(1.0, ge=0.0, le=1.0, description="share of new traces "
+                                "recorded; a caller's traceparent decides for its own")
+    export_interval_s: float = Field(1.0, gt=0, le=60, description="finished spans are "
+                                     "sent this often (or sooner, 512 at a time)")
+    max_queued_spans: int = Field(20000, ge=512, description="spans waiting for export "
+                                  "beyond this are dropped (counted), never held")
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{v!r} is not an http(s) OTLP/HTTP traces URL")
+        return v
+
+
 class AdminChange(_Strict):
     """One membership change (POST /admin/instances)."""
 
@@ -207,6 +236,7 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     media: MediaConfig = MediaConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+    tracing: TracingConfig = TracingConfig()
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     secret_file: str | None = Field(
         None, description="the deployment secret (default $EPD_SECRET_FILE): item ids are "

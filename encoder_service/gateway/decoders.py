@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from encoder_service.gateway import tracing
 from encoder_service.gateway.auth import upstream_headers
 from encoder_service.gateway.codec import DecodeError, json_decode
 from encoder_service.gateway.config import GatewayConfig
@@ -231,6 +232,7 @@ class DecodePool(Members):
             headers = {"x-request-id": f"{request_id}-dec{attempt}"}
             if content is not None:
                 headers["content-type"] = "application/json"
+            tracing.inject(headers)  # traced: the instance's vLLM spans join the trace
             self.inflight[url] += 1
             sent = time.perf_counter()
             try:

@@ -30,6 +30,7 @@ import httpx
 
 from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.params import ItemEntry, TransferParams
+from encoder_service.gateway import tracing
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, Members
 
@@ -62,10 +63,27 @@ class Releasing(Protocol):
 
 async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 request_id: str, timeout_s: float, answer_s: float) -> httpx.Response:
-    """POST with a deadline; every failure (timeout, connection, non-200) is EncoderFailed."""
+    """POST with a deadline; every failure (timeout, connection, non-200) is EncoderFailed.
+    Traced (tracing.py): an `epd.encoder_call` span, its traceparent sent along."""
+    headers = {"x-request-id": request_id}
+    span = tracing.call("epd.encoder_call", headers, {"server.address": name,
+                                                      "epd.request_id": request_id})
     try:
-        r = await asyncio.wait_for(
-            client.post(url, json=body, headers={"x-request-id": request_id}), answer_s)
+        r = await _answer(name, client, url, body, headers, timeout_s, answer_s)
+    except BaseException as exc:
+        if span is not None:
+            span.failed(exc)
+        raise
+    if span is not None:
+        span.done(**{"http.response.status_code": r.status_code})
+    return r
+
+
+async def _answer(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                  headers: dict[str, str], timeout_s: float, answer_s: float
+                  ) -> httpx.Response:
+    try:
+        r = await asyncio.wait_for(client.post(url, json=body, headers=headers), answer_s)
     except asyncio.TimeoutError:
         raise EncoderFailed(f"{name}: no answer within {timeout_s} s") from None
     except httpx.HTTPError as exc:
@@ -169,6 +187,9 @@ class EncodeOutcome:
     retries: int = 0
     calls: int = 0
     shared: int = 0  # items another request of this gateway encoded for this one
+    shared_ids: list[str] = field(default_factory=list)
+    # traced requests (tracing.py): item -> when its encode ended (perf_counter)
+    landed: dict[str, float] | None = None
     # (client, item ids it encoded) for clients that want `release` once the decode is done
     holders: list[tuple[Releasing, list[str]]] = field(default_factory=list)
     router: EncoderRouter | None = None
@@ -331,6 +352,10 @@ class EncoderRouter(Members):
             else:
                 outcome.holders.append((holder, [item_id]))
 
+    def made_by(self, item_id: str) -> str | None:
+        """The encoder that last made `item_id` (None: none of this gateway's encodes)."""
+        return self._holders.get(item_id)
+
     def unref(self, holders: list[tuple[Releasing, list[str]]]
               ) -> list[tuple[Releasing, list[str]]]:
         """What an outcome's release may really release: items no other request holds."""
@@ -375,6 +400,11 @@ class EncoderRouter(Members):
             task = asyncio.ensure_future(self._encode_now(mine, request_id, outcome, errors))
             task.add_done_callback(lambda t: self._land(futures, t))
             waits.update(futures)
+        if tracing.active() is not None:  # traced: each item's span ends when it landed
+            outcome.landed = landed = {}
+            for item_id, fut in waits.items():
+                fut.add_done_callback(lambda _, i=item_id: landed.__setitem__(
+                    i, time.perf_counter()))
         try:
             for item_id, fut in waits.items():
                 self._take(outcome, item_id, await asyncio.shield(fut))
@@ -383,7 +413,8 @@ class EncoderRouter(Members):
             raise
         # shared: other requests' encodes this one used (one that failed is in `failed`)
         mine_ids = {it.item_id for it in mine}
-        outcome.shared = sum(1 for i in waits if i not in mine_ids and i in outcome.hints)
+        outcome.shared_ids = [i for i in waits if i not in mine_ids and i in outcome.hints]
+        outcome.shared = len(outcome.shared_ids)
         return outcome, errors
 
     def _land(self, futures: dict[str, asyncio.Future[_Result]], task: asyncio.Task) -> None:

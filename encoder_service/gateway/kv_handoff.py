@@ -98,6 +98,8 @@ class KvHandoff:
                 await up.release()
         seconds = time.perf_counter() - t
         self.metrics.stage_prefill.observe(seconds)
+        if "prefill" in info:  # an instance answered (or broke off): its own histogram
+            self.metrics.instance_first_token.labels(info["prefill"]).observe(seconds)
         info["prefill_ms"] = ms(seconds)
         if params is None:
             self.metrics.kv_handoff_failures.labels(reason).inc()

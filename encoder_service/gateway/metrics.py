@@ -25,6 +25,13 @@ class GatewayMetrics:
                                 ["endpoint", "status"], registry=r)
         self.stage = Histogram("epd_gateway_stage_seconds", "Per-stage latency", ["stage"],
                                buckets=STAGE_BUCKETS, registry=r)
+        # per instance (its base URL): a decode instance's first_token, a prefill instance's
+        # one-token answer (E/P/D); what `epd top` shows per instance
+        self.instance_first_token = Histogram(
+            "epd_gateway_instance_first_token_seconds", "Seconds from a request sent to a "
+            "prefill/decode instance to its first byte back (a prefill instance: its "
+            "one-token answer), per instance", ["instance"], buckets=STAGE_BUCKETS,
+            registry=r)
         self.items = Counter("epd_gateway_items", "Media items by outcome", ["outcome"],
                              registry=r)
         self.retries = Counter("epd_gateway_retries", "Upstream retries", ["target"],
@@ -70,6 +77,11 @@ class GatewayMetrics:
             buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.inflight = Gauge("epd_gateway_inflight_requests", "Requests in flight",
                               registry=r)
+        # traces (tracing.py, when on): spans exported, dropped (the export queue was full)
+        # or failed (the collector refused or did not answer)
+        self.trace_spans = Counter("epd_gateway_trace_spans", "Spans of the gateway's traces "
+                                   "by outcome: exported, dropped, failed", ["outcome"],
+                                   registry=r)
         # counted by `epd up`'s supervisor (local/supervise.py), which runs the gateway
         self.restarts = Counter("epd_restarts", "Servers restarted after they exited unasked "
                                 "(epd up)", ["instance"], registry=r)

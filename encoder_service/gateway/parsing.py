@@ -2,7 +2,8 @@
 
 Contract of `prepare_chat`: on success the body is rewritten in place (every media part
 carries `uuid` = content id; URL media become data: URLs, so no vLLM server ever fetches a
-URL; any client `ec_transfer_params` is dropped) and the distinct media items are returned.
+URL; any client `ec_transfer_params` and `kv_transfer_params` are dropped) and the distinct
+media items are returned.
 On bad input it raises GatewayError (4xx) before any upstream call.
 
 The content id covers the media bytes and every request setting that changes the embedding
@@ -216,7 +217,10 @@ async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list")
-    body.pop("ec_transfer_params", None)  # the gateway decides what decode instances get
+    # the gateway decides what decode instances get: a client's transfer params could name
+    # any host for a server to dial (a KV connector's side channel, an embedding's producer)
+    body.pop("ec_transfer_params", None)
+    body.pop("kv_transfer_params", None)
     kwargs, settings = _settings(body)
     namespace = cfg.namespace + ("|" + settings.hex() if settings else "")
     signer = signer or IdSigner(None)  # the gateway's own, made once (Gateway.__init__)

@@ -26,6 +26,7 @@ from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.failover import ResumeMismatch, StreamTracker
 from encoder_service.gateway.metrics import GatewayMetrics
 from encoder_service.gateway.resume import Resumed, ResumeFn
+from encoder_service.gateway.tracing import RequestTrace
 
 logger = logging.getLogger("epd.gateway")
 
@@ -85,12 +86,14 @@ class RelayPlan:
     """`on_first()`: runs once the first answer bytes are in (the decode has prefilled);
     `resume`: continues an answer that broke off on another instance (None: no failover);
     `wants_ids`: the client asked for token ids itself (else they are removed);
-    `wants_usage`: a usage chunk ends the stream (`stream_options.include_usage`)."""
+    `wants_usage`: a usage chunk ends the stream (`stream_options.include_usage`);
+    `trace`: the request's trace (tracing.py), told the first-token and stream times."""
 
     on_first: Callable[[], None] | None = None
     resume: ResumeFn | None = None
     wants_ids: bool = False
     wants_usage: bool = False
+    trace: RequestTrace | None = None
 
 
 _NO_PLAN = RelayPlan()
@@ -104,9 +107,11 @@ class _Leg:
     up: Upstream
     first: float | None = None
     sent_at: float = 0.0  # when the first leg was sent: first-token time counts from it
+    sent_to: str = ""  # the first leg's instance
 
     def __post_init__(self) -> None:
         self.sent_at = self.up.sent_at
+        self.sent_to = self.up.url
 
 
 def _broke(up: Upstream, exc: Exception) -> GatewayError:
@@ -175,6 +180,8 @@ class Relay:
         finally:
             await leg.up.release()
         self._done(leg, ex, status, stream, info)
+        if plan.trace is not None:
+            plan.trace.relayed(leg.sent_at, leg.first, leg.up.url, info)
 
     # -- a whole answer ----------------------------------------------------------------------
     async def _whole(self, leg: _Leg, ex: Exchange, status: int,
@@ -307,6 +314,7 @@ class Relay:
         total = time.perf_counter() - ex.t0
         if leg.first is not None:
             m.stage_first_token.observe(leg.first - leg.sent_at)
+            m.instance_first_token.labels(leg.sent_to).observe(leg.first - leg.sent_at)
         m.stage_total.observe(total)
         m.requests.labels(ex.endpoint, str(status)).inc()
         if logger.isEnabledFor(logging.INFO):

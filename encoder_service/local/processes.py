@@ -290,7 +290,10 @@ class UpProcess(ManagedProcess):
                 str(self.work_dir / "up.json"), *self.args]
 
     def child_env(self) -> dict[str, str]:
-        return dict(os.environ, EPD_WORK_DIR=str(self.work_dir))
+        # its servers keep the caller's vLLM cache (vllm_env), not one in its own work dir:
+        # a cold cache costs every first start of a model class ~7 s
+        return dict(os.environ, EPD_WORK_DIR=str(self.work_dir),
+                    VLLM_CACHE_ROOT=vllm_env(self.work_dir)["VLLM_CACHE_ROOT"])
 
     def healthy(self) -> bool:
         try:

@@ -123,7 +123,7 @@ class Deployment:
             env[SECRET_ENV] = str(cfg.secret_path)
         media = {"media_io_kwargs": cfg.media_io_kwargs} if cfg.media_io_kwargs else {}
         media_args = (["--media-io-kwargs", json.dumps(cfg.media_io_kwargs)]
-                      if cfg.media_io_kwargs else [])
+                      if cfg.media_io_kwargs else []) + self.trace_args  # and tracing
         for i in range(n):
             core = cores[i] if cores else i % ncpu
             if i < cfg.encoders:
@@ -138,7 +138,8 @@ class Deployment:
                 s = VllmServer(f"encoder-{i}", model, port + i, logs,
                                epd_config("ec_producer", storage, extra), cpu_core=core,
                                served_name=cfg.served_model_name,
-                               extra_args=list(cfg.vllm_args) + media_args, env=dict(env))
+                               extra_args=list(cfg.vllm_args) + media_args,
+                               env={**env, **self.trace_env(f"encoder-{i}")})
                 self.encoders.append(s)
             else:
                 self._lm_server(i - cfg.encoders, model, port + i, core, storage, env,
@@ -159,9 +160,13 @@ class Deployment:
             availability = {"kind": "safetensors", "storage_path": str(storage)}
         elif "shm" in cfg.tiers:  # the gateway runs on this host too
             availability = {"kind": "shm", "shm_path": cfg.shm_path}
+        tracing = ({"tracing": {"otlp_traces_endpoint": cfg.otlp_traces_endpoint,
+                                **cfg.gateway.get("tracing", {})}}
+                   if cfg.otlp_traces_endpoint else {})
         try:
             self.gateway_cfg = GatewayConfig.build({
-                **cfg.gateway, **({"secret_file": cfg.secret_path} if secret else {}),
+                **cfg.gateway, **tracing,
+                **({"secret_file": cfg.secret_path} if secret else {}),
                 "host": cfg.host, "port": cfg.base_port,
                 "model": cfg.served_model_name, "encoders": [s.url for s in self.encoders],
                 "encoder_backend": cfg.encoder_backend,
@@ -180,7 +185,7 @@ class Deployment:
         # decode instances serve vLLM's token-in API (render + generate): the gateway
         # continues a broken stream there token for token (gateway/failover.py)
         args = list(cfg.vllm_args) + media_args + ([] if prefill else DECODE_ARGS)
-        env = dict(env)
+        env = {**env, **self.trace_env(name)}
         if cfg.prefills:  # E/P/D: the KV connector and its side channel
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg, prefill))]
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(kv_side_channel_port(cfg, j))
@@ -189,6 +194,20 @@ class Deployment:
                        cpu_core=core, served_name=cfg.served_model_name, extra_args=args,
                        env=env)
         (self.prefills if prefill else self.decoders).append(s)
+
+    @property
+    def trace_args(self) -> list[str]:
+        """Every vLLM server's tracing flag (`otlp_traces_endpoint`; none when off)."""
+        url = self.cfg.otlp_traces_endpoint
+        return ["--otlp-traces-endpoint", url] if url else []
+
+    def trace_env(self, name: str) -> dict[str, str]:
+        """A vLLM server's tracing environment: OTLP over HTTP (vLLM's default is gRPC), its
+        service name (epd-encoder-0, epd-decode-0, ...)."""
+        if not self.cfg.otlp_traces_endpoint:
+            return {}
+        return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                "OTEL_SERVICE_NAME": f"epd-{name}"}
 
     def mooncake_env(self) -> dict[str, str]:
         """What every Mooncake process gets: loopback, and the range its engines' own

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -118,6 +119,19 @@ class UpConfig(BaseModel):
     secret_file: str | None = Field(None, description="the deployment secret (default "
                                     "$EPD_SECRET_FILE): CURVE on the data plane, signed item "
                                     "ids, sealed objects, and the API key of every server")
+    otlp_traces_endpoint: str | None = Field(
+        None, description="traces on (docs/observability.md): an OTLP/HTTP traces URL "
+        "(e.g. http://127.0.0.1:4318/v1/traces) the gateway (its `tracing` key) and every "
+        "vLLM server (`--otlp-traces-endpoint`, service name epd-<server>) send spans to; "
+        "each request's spans form one trace")
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _otlp(cls, v: str | None) -> str | None:
+        if v is not None and (urlsplit(v).scheme not in ("http", "https")
+                              or not urlsplit(v).hostname):
+            raise ValueError(f"{v!r} is not an http(s) OTLP/HTTP traces URL")
+        return v
 
     @model_validator(mode="after")
     def _kv_instances(self) -> UpConfig:

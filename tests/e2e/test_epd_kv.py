@@ -6,9 +6,12 @@ decode instance's own metrics show it loaded the prompt's KV cache (vLLM's
 prompt_tokens_by_source: external_kv_transfer, at most the last token computed) and neither
 encoded nor loaded the image (EPDConnector: no load, no local encode; the prefix it was
 handed covers the item); the gateway counts one handoff and no failure; a streamed answer is
-the same too. Then the prefill
-instance is killed: the next request is still answered exactly, the decode instance computing
-the prompt itself, the failed handoff logged and counted."""
+the same too. The same deployment runs with tracing on (a receiver in this process,
+local/trace_sink.py): one image request with a caller's traceparent is one trace across the
+gateway, the encoder's vLLM, the prefill instance's vLLM (and its connector's load) and the
+decode instance's vLLM; `epd top --once` lists every instance. Last, the prefill instance is
+killed: the next request is still answered exactly, the decode instance computing the prompt
+itself, the failed handoff logged and counted."""
 
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import httpx
 import psutil
@@ -24,13 +29,15 @@ import pytest
 
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
+from encoder_service.local.trace_sink import TraceSink
 from tests.e2e.client import MODEL_NAME, PROMPT, answer, metric_at
 from tests.helpers import WORK, descendants, epd_up, port_block, wait_for
 
 pytest.importorskip("nixl._api")
-# gateway, encoder +1, decode +2, prefill +3, NIXL side channels +4 +5
+# gateway, encoder +1, decode +2, prefill +3, NIXL side channels +4 +5, the trace sink +6
 BASE = port_block(__name__)[0]
-DECODE = f"http://127.0.0.1:{BASE + 2}"
+ENCODER, DECODE, PREFILL = (f"http://127.0.0.1:{BASE + i}" for i in (1, 2, 3))
+TRACE, CALLER = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
 
 def by_source(text: str, source: str) -> float:
@@ -64,36 +71,120 @@ def kill_server(root: int, port: int) -> None:
     raise AssertionError(f"no server on port {port} under {root}")
 
 
-def test_epd_up_prefill_decode_hands_the_kv_cache_over(aggregated):
+@pytest.fixture(scope="module")
+def deployment(aggregated):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
+    sink = TraceSink(BASE + 6)
     conf = {"model": str(model), "base_port": BASE, "transport": "safetensors",
-            "cpu_cores": [0, 1, 1], "gateway": {"routing": {"probe_interval_s": 0}}}
+            "cpu_cores": [0, 1, 1], "otlp_traces_endpoint": sink.url,
+            # every load goes through the workers (no inline fast path): a request waits on
+            # the connector, which adds its span
+            "connector_extra": {"inline_max_bytes": 0},
+            "gateway": {"tracing": {"export_interval_s": 0.2},
+                        "routing": {"probe_interval_s": 0}}}  # no probes' traces
     work = WORK / "test-epd-kv"
-    with httpx.Client(timeout=120) as c, epd_up(
-            conf, work, also_ready=aggregated.healthy,
-            args=["--prefill", "1", "--decode", "1"]) as (up, gw, log):
-        image = sample_image_png(seed=71)
-        ref = answer(c, aggregated.url, image)
-        assert answer(c, gw, image) == ref
-        text = lambda: c.get(DECODE + "/metrics").text  # noqa: E731
-        assert wait_for(lambda: by_source(text(), "external_kv_transfer") > 0, timeout=10,
-                        interval=0.2), "the decode instance loaded no KV cache"
-        m = text()
-        external, local = by_source(m, "external_kv_transfer"), by_source(m, "local_compute")
-        assert external >= 64 and local <= 1, (external, local)  # 64 image tokens at least
-        for name in ("vllm:epd_loads_total", "vllm:epd_local_encode_fallbacks_total"):
-            assert metric_at(c, DECODE, name) == 0, name
-        assert metric_at(c, gw, "epd_kv_handoffs_total") == 1
-        assert metric_at(c, gw, "epd_kv_handoff_failures_total") == 0
-        # streamed: the same tokens, a second handoff
-        assert streamed(c, gw, sample_image_png(seed=73)) == answer(
-            c, aggregated.url, sample_image_png(seed=73))
-        assert metric_at(c, gw, "epd_kv_handoffs_total") == 2
-        # the prefill instance killed: no handoff, the decode instance computes the prompt
-        kill_server(up.pid, BASE + 3)
-        image = sample_image_png(seed=72)
-        assert answer(c, gw, image) == answer(c, aggregated.url, image)
-        assert metric_at(c, gw, "epd_kv_handoff_failures_total") == 1
-        assert wait_for(lambda: by_source(text(), "local_compute") > local, timeout=10,
-                        interval=0.2), "the decode instance did not compute the prompt"
-        assert "kv handoff failed" in log.read_text()
+    try:
+        with pytest.MonkeyPatch.context() as mp, httpx.Client(timeout=120) as c:
+            mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # vLLM's span batches: 5 s
+            # no restarts: the prefill instance killed last would start again as the module
+            # ends (supervision: test_gateway.py)
+            with epd_up(conf, work, also_ready=aggregated.healthy,
+                        args=["--prefill", "1", "--decode", "1", "--no-restart"]) as up:
+                yield {"up": up[0], "gw": up[1], "log": up[2], "c": c, "sink": sink,
+                       "agg": aggregated}
+    finally:
+        sink.stop()
+
+
+def test_epd_up_prefill_decode_hands_the_kv_cache_over(deployment):
+    d = deployment
+    c, gw, aggregated = d["c"], d["gw"], d["agg"]
+    image = sample_image_png(seed=71)
+    ref = answer(c, aggregated.url, image)
+    assert answer(c, gw, image) == ref
+    text = lambda: c.get(DECODE + "/metrics").text  # noqa: E731
+    assert wait_for(lambda: by_source(text(), "external_kv_transfer") > 0, timeout=10,
+                    interval=0.2), "the decode instance loaded no KV cache"
+    m = text()
+    external, local = by_source(m, "external_kv_transfer"), by_source(m, "local_compute")
+    assert external >= 64 and local <= 1, (external, local)  # 64 image tokens at least
+    for name in ("vllm:epd_loads_total", "vllm:epd_local_encode_fallbacks_total"):
+        assert metric_at(c, DECODE, name) == 0, name
+    assert metric_at(c, gw, "epd_kv_handoffs_total") == 1
+    assert metric_at(c, gw, "epd_kv_handoff_failures_total") == 0
+    # streamed: the same tokens, a second handoff
+    assert streamed(c, gw, sample_image_png(seed=73)) == answer(
+        c, aggregated.url, sample_image_png(seed=73))
+    assert metric_at(c, gw, "epd_kv_handoffs_total") == 2
+
+
+def test_one_request_one_trace_across_gateway_encoder_prefill_and_decode(deployment):
+    """The caller's traceparent continued: the gateway's spans under the caller's span, each
+    vLLM server's `llm_request` under the gateway span that called it, the prefill
+    instance's connector wait (its loads, with the worker's read and staging times) under
+    the gateway's `epd.prefill`."""
+    d = deployment
+    sink = d["sink"]
+    r = d["c"].post(d["gw"] + "/v1/chat/completions",
+                    json=chat_body(MODEL_NAME, sample_image_png(seed=901), "What is it?"),
+                    headers={"traceparent": f"00-{TRACE}-{CALLER}-01"})
+    assert r.status_code == 200, r.text
+    want = {("epd-gateway", "epd.stream"), ("epd-encoder-0", "llm_request"),
+            ("epd-prefill-0", "llm_request"), ("epd-decode-0", "llm_request"),
+            ("epd-prefill-0", "epd.connector.wait")}
+
+    def complete(spans) -> bool:
+        return want <= {(s["service"], s["name"]) for s in spans if s["trace_id"] == TRACE}
+
+    spans = [s for s in sink.wait_for(complete, timeout_s=60) if s["trace_id"] == TRACE]
+    assert complete(spans), sorted((s["service"], s["name"]) for s in spans)
+    gw = {s["name"]: s for s in spans if s["service"] == "epd-gateway"}
+    root = gw["POST /v1/chat/completions"]
+    assert root["parent_id"] == CALLER
+    for name in ("epd.parse", "epd.items", "epd.prefill", "epd.decode"):
+        assert gw[name]["parent_id"] == root["span_id"], name
+    assert gw["epd.encoder_call"]["parent_id"] == gw["epd.items"]["span_id"]
+    assert gw["epd.item"]["attributes"]["epd.outcome"] == "encoded"
+
+    def vllm(service: str, name: str = "llm_request") -> dict:
+        return next(s for s in spans if s["service"] == service and s["name"] == name)
+
+    assert vllm("epd-encoder-0")["parent_id"] == gw["epd.encoder_call"]["span_id"]
+    assert vllm("epd-prefill-0")["parent_id"] == gw["epd.prefill"]["span_id"]
+    assert vllm("epd-decode-0")["parent_id"] == gw["epd.decode"]["span_id"]
+    wait = vllm("epd-prefill-0", "epd.connector.wait")
+    assert wait["parent_id"] == gw["epd.prefill"]["span_id"]
+    loads = [s for s in spans if s["name"] == "epd.connector.load"]
+    assert loads and all(s["parent_id"] == wait["span_id"] for s in loads)
+    assert loads[0]["attributes"]["epd.rank0.get_s"] > 0
+
+
+def test_epd_top_once_lists_every_instance(deployment):
+    """`epd top --once --json` against the running deployment: the encoder, the prefill and
+    the decode instance, each up, and the requests this module sent."""
+    d = deployment
+    done = subprocess.run([sys.executable, "-m", "encoder_service.cli", "top", "--once",
+                           "--json", d["gw"]], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    frame = json.loads(done.stdout)
+    rows = {r["url"]: r for r in frame["instances"]}
+    assert {u: (r["role"], r["state"]) for u, r in rows.items()} == {
+        ENCODER: ("encoder", "up"), PREFILL: ("prefill", "up"), DECODE: ("decode", "up")}
+    sent = metric_at(d["c"], d["gw"], "epd_gateway_requests_total")
+    assert frame["totals"]["requests"] == sent >= 3
+    assert rows[PREFILL]["requests"] >= 3 and rows[DECODE]["requests"] >= 3
+    assert rows[PREFILL]["ttft_p50_s"] is not None and rows[DECODE]["ttft_p50_s"] is not None
+
+
+def test_a_killed_prefill_instance_leaves_the_decode_instance_to_compute(deployment):
+    d = deployment
+    c, gw, aggregated = d["c"], d["gw"], d["agg"]
+    failed = metric_at(c, gw, "epd_kv_handoff_failures_total")
+    local = by_source(c.get(DECODE + "/metrics").text, "local_compute")
+    kill_server(d["up"].pid, BASE + 3)
+    image = sample_image_png(seed=72)
+    assert answer(c, gw, image) == answer(c, aggregated.url, image)
+    assert metric_at(c, gw, "epd_kv_handoff_failures_total") == failed + 1
+    assert wait_for(lambda: by_source(c.get(DECODE + "/metrics").text, "local_compute")
+                    > local, timeout=10, interval=0.2), "the decode instance did not compute"
+    assert "kv handoff failed" in d["log"].read_text()

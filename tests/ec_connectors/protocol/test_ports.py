@@ -203,21 +203,22 @@ def test_no_benchmark_or_deployment_setting_names_a_port_in_the_default_engine_r
 
 
 def test_compose_and_k8s_give_every_mooncake_process_the_plans_range():
-    """The Store clients' engines (encoder, prefill/decode) and the master get the plan's
-    range, clear of the files' fixed ports (vLLM, gateway, the master's three)."""
+    """The Store clients' engines (encoder, prefill/decode; E/P/D's prefill and decode) and
+    the master get the plan's range, clear of the files' fixed ports (vLLM, gateway, the
+    master's three, the KV side channels)."""
     import yaml
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     k8s = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "epd.yaml").read_text()))
     envs = {f"compose/{n}": compose[n]["environment"]
-            for n in ("encoder", "prefill-decode", "mooncake-master")}
+            for n in ("encoder", "prefill-decode", "mooncake-master", "prefill", "decode")}
     for doc in k8s:
         if doc and doc["kind"] == "Deployment":
             for c in doc["spec"]["template"]["spec"]["containers"]:
                 if c["name"] != "gateway":
                     envs[f"k8s/{doc['metadata']['name']}"] = {
                         e["name"]: e.get("value") for e in c.get("env", [])}
-    assert len(envs) == 6, sorted(envs)
+    assert len(envs) == 10, sorted(envs)
     fixed = [8000, *ports.master_ports(ports.MASTER_RPC_PORT)]
     plan = ports.engine_env(fixed, {})
     for name, env in envs.items():

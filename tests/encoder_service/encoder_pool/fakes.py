@@ -1,6 +1,6 @@
 """The fake encoder of the pool's logic tests (test_batching.py, test_chunking.py): the pool
 is what they test, not the model. The real encoders run in test_server.py and in
-tests/e2e/test_encoder_pool.py and test_encoder_pool_qwen.py."""
+tests/e2e/test_connector_safetensors.py and test_qwen_modalities.py."""
 
 from __future__ import annotations
 

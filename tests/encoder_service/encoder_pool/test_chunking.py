@@ -2,7 +2,7 @@
 map, and the pool queueing chunks as jobs of their own. The encoder is the fake of fakes.py
 as a tower (`video_tower`): each pixel row group maps to an embedding row (a tower that
 attends within temporal groups only); the
-real Qwen towers are checked bit for bit against vLLM in tests/e2e/test_encoder_pool_qwen.py."""
+real Qwen towers are checked bit for bit against vLLM in tests/e2e/test_qwen_modalities.py."""
 
 from __future__ import annotations
 

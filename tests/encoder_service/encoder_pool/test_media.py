@@ -2,7 +2,8 @@
 what the pool hands the multimodal processor is what a vLLM server's chat front end hands it
 (`MediaConnector.fetch_*`), for seeded frame lists and mp4s (2-9 frames, sizes, fps), audio
 (8-48 kHz, mono/stereo, wav/flac/ogg/mp3) and images; and after vLLM's data parser (audio
-resampled to 16 kHz mono) too. The embeddings themselves: tests/e2e/test_encoder_pool*.py."""
+resampled to 16 kHz mono) too. The embeddings themselves: tests/e2e/test_connector_safetensors.py
+and test_qwen_modalities.py."""
 
 from __future__ import annotations
 

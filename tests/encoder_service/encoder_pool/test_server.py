@@ -1,6 +1,6 @@
 """The encoder pool server over real HTTP (uvicorn on a port), with the real tiny-LLaVA
 encoder (vLLM's own, in-process) and the real safetensors transport. No vLLM server here
-(see tests/e2e/test_encoder_pool*.py)."""
+(see tests/e2e/test_connector_safetensors.py and test_qwen_modalities.py)."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ class Stub:
     def __init__(self, role: str, port: int) -> None:
         self.role = role
         self.calls: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each chat call's request headers
         self.fail = False
         self.metadata: dict | None = None  # encoder: placeholder metadata it publishes
         self.fail_metadata_only = False  # decoder: fail requests with *_embeds parts
@@ -93,6 +94,7 @@ class Stub:
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
         self.calls.append(body)
+        self.headers.append(dict(request.headers))
         await asyncio.sleep(self.delay)
         if self.fail:
             return JSONResponse({"error": "boom"}, status_code=500)

@@ -142,10 +142,10 @@ def test_each_client_key_works_and_upstreams_see_only_the_deployment_key(deploym
                        json={"model": MODEL, "prompt": "x", "max_tokens": 1})
             assert r.status_code == 200, r.text
             assert c.get("/v1/models", headers=bearer(key)).status_code == 200
-        # probes are keyed too: both instances pass them
+        # probes are keyed too: both instances pass them (/instances wants a client key)
+        listed = lambda: c.get("/instances", headers=bearer(CLIENT_A)).json()  # noqa: E731
         assert wait_for(lambda: all(e.get("probe", {}).get("ok") for e in [
-            *c.get("/instances").json()["encoders"], *c.get("/instances").json()["decoders"]]),
-            timeout=5, interval=0.1)
+            *listed()["encoders"], *listed()["decoders"]]), timeout=5, interval=0.1)
     # every call the upstreams admitted carried the deployment's key, never a client's
     assert {a for _, a in enc.seen} == {a for _, a in dec.seen} == {f"Bearer {d['key']}"}
 

@@ -59,6 +59,25 @@ def test_a_failed_prefill_leaves_the_decode_instance_to_compute(epd):
     assert metric(g, f'{FAILED}{{reason="status"}}') == 1
 
 
+def test_a_clients_kv_transfer_params_never_reach_an_instance(epd):
+    """They name a host and port for a server's KV connector to dial: the gateway's own
+    handoff replaces them, and a failed handoff sends none at all."""
+    enc, dec, pre, g = epd
+    forged = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 5600,
+              "remote_engine_id": "evil", "remote_block_ids": [0, 1]}
+    body = {**chat_body(MODEL, sample_image_png(43), "x"), "kv_transfer_params": forged}
+    assert post(g, body).status_code == 200
+    assert pre.calls[-1]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert dec.calls[-1]["kv_transfer_params"]["remote_engine_id"] == pre.netloc
+    pre.fail = True
+    try:
+        body = {**chat_body(MODEL, sample_image_png(44), "x"), "kv_transfer_params": forged}
+        assert post(g, body).status_code == 200
+    finally:
+        pre.fail = False
+    assert "kv_transfer_params" not in dec.calls[-1]
+
+
 def test_no_prefill_instance_answering_is_no_lost_request():
     enc, dec = LAB.stub("encoder"), LAB.stub("decoder")
     dead = f"http://127.0.0.1:{LAB.port()}"  # nothing listens there
@@ -85,3 +104,31 @@ def test_prefill_body_and_answer_parsing():
     for bad in (b"nope", b"[]", b'{"kv_transfer_params": null}',
                 b'{"kv_transfer_params": {"do_remote_prefill": false}}'):
         assert handoff_params(bad) is None
+
+
+def test_prefill_instances_are_probed_and_a_failing_one_is_tried_last():
+    """E/P/D: the periodic forward probe covers prefill instances too (listed under
+    `prefills` in /instances): one whose probe fails cools down until a probe passes."""
+    import httpx
+
+    from tests.helpers import wait_for
+
+    enc, dec, pre = LAB.stub("encoder"), LAB.stub("decoder"), LAB.stub("prefill")
+    g = LAB.gateway([enc.url], [dec.url], prefills=[pre.url],
+                    routing={"probe_interval_s": 0.2, "probe_timeout_s": 0.5})
+
+    def prefill() -> dict:
+        return httpx.get(g.url + "/instances").json()["prefills"][0]
+
+    try:
+        assert wait_for(lambda: prefill().get("probe", {}).get("ok") is True, timeout=10,
+                        interval=0.1)
+        pre.fail = True  # its engine answers 500
+        assert wait_for(lambda: prefill()["probe"]["ok"] is False, timeout=10, interval=0.1)
+        assert prefill()["state"] == "cooling_down"
+        pre.fail = False
+        assert wait_for(lambda: prefill()["state"] == "up", timeout=10, interval=0.1)
+    finally:
+        g.stop()
+        for s in (enc, dec, pre):
+            s.stop()

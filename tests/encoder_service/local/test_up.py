@@ -167,6 +167,29 @@ def test_media_io_kwargs_reach_every_server_and_pool_alike(tmp_path):
     assert "--media-io-kwargs" not in dep.decoders[0].extra_args
 
 
+def test_otlp_traces_endpoint_turns_tracing_on_in_the_gateway_and_every_vllm_server(
+        tmp_path):
+    url = "http://127.0.0.1:4318/v1/traces"
+    dep = Deployment(UpConfig(base_port=18630, decoders=1, prefills=1, transport="safetensors",
+                              otlp_traces_endpoint=url,
+                              gateway={"tracing": {"sample_ratio": 0.5}}), tmp_path)
+    dep.plan(tmp_path / "model")
+    for s in dep.servers:
+        assert s.extra_args[s.extra_args.index("--otlp-traces-endpoint") + 1] == url
+        assert s.env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "http/protobuf"
+    assert [s.env["OTEL_SERVICE_NAME"] for s in dep.servers] == [
+        "epd-encoder-0", "epd-decode-0", "epd-prefill-0"]
+    t = dep.gateway_cfg.tracing
+    assert t.otlp_traces_endpoint == url and t.sample_ratio == 0.5
+    off = Deployment(UpConfig(base_port=18630, transport="safetensors"), tmp_path / "off")
+    off.plan(tmp_path / "model")
+    assert off.gateway_cfg.tracing.otlp_traces_endpoint is None
+    assert not any("--otlp-traces-endpoint" in s.extra_args or "OTEL_SERVICE_NAME" in s.env
+                   for s in off.servers)
+    with pytest.raises(ValueError, match="OTLP"):
+        UpConfig(otlp_traces_endpoint="collector:4318")
+
+
 def test_a_taken_mooncake_port_fails_fast(tmp_path):
     dep = Deployment(UpConfig(base_port=UP, transport="mooncake", mooncake_base_port=MC),
                      tmp_path)
