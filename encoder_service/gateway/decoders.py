@@ -3,7 +3,8 @@ the first byte, membership that changes at run time (drained before an instance 
 
 `DecodePool.open` sends the request and returns once the response headers arrived (the
 first byte): a refused connection moves on to the next instance at no cost (nothing was
-sent); a timeout before headers, a broken connection or a 5xx is retried once on another
+sent), a connection the instance dropped before answering is tried once more on it; a
+timeout before headers, a second broken connection or a 5xx is retried once on another
 instance (when there is one); a plain 500 from the only eligible instance is asked once more
 on it (vLLM answers 500 when its API server's and EngineCore's processor caches drift, and
 heals them before answering; encoder calls do the same, encoder_clients.py). After that the
@@ -154,8 +155,10 @@ class DecodePool(Members):
         self.metrics = metrics
 
     async def start(self) -> None:
+        # connections kept alive for less than vLLM's own 5 s (uvicorn timeout_keep_alive,
+        # VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request is not sent on one the server is closing
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=60),
+            connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=60, keepalive_timeout=4),
             timeout=self.timeout, auto_decompress=False, trust_env=False,
             headers=self.headers)
 
@@ -217,7 +220,8 @@ class DecodePool(Members):
         # a refused connection sent nothing: it costs no retry, so every instance is tried
         # once before a 502 (two killed at once must not spend both of a request's tries)
         sick = ""  # the instance whose plain 500 was retried elsewhere
-        while answered < 2 and attempt < len(self.urls) + 1:
+        dropped: set[str] = set()  # instances that dropped a connection before answering
+        while answered < 2 and attempt < 2 * len(self.urls) + 1:
             cands = self.order(key, exclude=tried)
             if not cands and sick:  # the others refused: the 500's own instance once more
                 tried.discard(sick)
@@ -246,6 +250,16 @@ class DecodePool(Members):
             except aiohttp.ClientConnectorError as exc:
                 self._failed(url)
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
+                continue
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                last_error = f"{url}: {type(exc).__name__}: {exc}"
+                if url not in dropped:  # the instance closed the connection as we sent on
+                    dropped.add(url)    # it (a kept-alive one it had just timed out): once
+                    tried.discard(url)  # more on a new connection, at no cost
+                    self.inflight[url] -= 1
+                    continue
+                self._failed(url)
+                answered += 1
                 continue
             except aiohttp.ClientError as exc:
                 self._failed(url)

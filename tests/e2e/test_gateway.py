@@ -51,10 +51,20 @@ def cluster(tmp_path_factory, aggregated):
             "storage_path": str(storage), "transport": "safetensors",  # tests read its files
             # no probes: the tests count the encoder's finished requests
             "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}
-    with epd_up(conf, work, also_ready=aggregated.healthy, interval=0.2) as (up, _gw, log), \
-            httpx.Client(timeout=120) as client:
-        yield {"agg": aggregated, "up": up, "client": client, "log": log,
-               "storage": storage, "work": work}
+    from encoder_service.local.up import DECODE_ARGS, epd_config
+
+    # the second decode instance (second_decoder) starts beside `epd up`: a lone vLLM start
+    # leaves a core idle
+    dec2 = VllmServer("decode-2", model, UP_PORT + 21, work, epd_config("ec_consumer", storage),
+                      cpu_core=1, extra_args=DECODE_ARGS).start()
+    try:
+        with epd_up(conf, work, also_ready=aggregated.healthy, interval=0.2) as (up, _gw,
+                                                                                log), \
+                httpx.Client(timeout=120) as client:
+            yield {"agg": aggregated, "up": up, "client": client, "log": log,
+                   "storage": storage, "work": work, "dec2": dec2}
+    finally:
+        dec2.stop()
 
 
 def gw_metric(c, name) -> float:
@@ -257,19 +267,10 @@ def test_concurrent_requests_new_images_share_calls_to_the_vllm_encoder(cluster)
 
 @pytest.fixture(scope="module")
 def second_decoder(cluster):
-    """A second real decode instance on the same storage (started once, for the tests of
-    membership and failover)."""
-    from encoder_service.local.up import DECODE_ARGS, epd_config
-
-    c = cluster
-    dec2 = VllmServer("decode-2", build(WORK / "models" / "tiny-llava", SPECS["tiny"]),
-                      UP_PORT + 21, c["work"], epd_config("ec_consumer", c["storage"]),
-                      cpu_core=1, extra_args=DECODE_ARGS).start()
-    try:
-        dec2.wait()
-        yield dec2
-    finally:
-        dec2.stop()
+    """A second real decode instance on the same storage (started with the cluster, for the
+    tests of membership and failover)."""
+    cluster["dec2"].wait()
+    return cluster["dec2"]
 
 
 def test_decode_instances_join_and_leave_under_load_and_no_request_is_lost(cluster,

@@ -156,6 +156,51 @@ def test_refused_connections_cost_no_retry_every_instance_is_tried_before_a_502(
     asyncio.run(run())
 
 
+def test_a_connection_the_instance_drops_unanswered_is_tried_once_more_on_it():
+    """A server that closes a kept-alive connection just as a request goes out on it (vLLM's
+    5 s keep-alive: the video benchmark's 502 'Broken pipe' to its only decode instance):
+    the request is sent again on a new connection to the same instance; a second drop is a
+    failure like any other."""
+    async def run() -> None:
+        drops = {"left": 1}
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            if drops["left"]:
+                drops["left"] -= 1
+                writer.transport.abort()  # no answer: the connection is gone
+                return
+            body = b'{"choices": [{"message": {"content": "ok"}}]}'
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.close()
+
+        port = LAB.port()
+        server = await asyncio.start_server(handle, "127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}"
+        cfg = GatewayConfig.build({"decoders": [url], "routing": {"probe_interval_s": 0}})
+        pool = DecodePool(cfg, GatewayMetrics())
+        await pool.start()
+        try:
+            got, retries, body = await ask(pool)
+            assert (got, retries, drops["left"]) == (200, 1, 0) and b"ok" in body
+            assert pool.down_until[url] == 0.0  # not held against it
+            drops["left"] = 2  # dropped twice: a 502
+            with pytest.raises(GatewayError) as err:
+                await ask(pool)
+            assert err.value.status == 502 and "ServerDisconnected" in str(err.value)
+            assert pool.inflight[url] == 0
+        finally:
+            await pool.close()
+            server.close()
+
+    asyncio.run(run())
+
+
 def test_decoder_failure_before_first_byte_retries_on_another(stubs):
     enc, dec = stubs
     dead = f"http://127.0.0.1:{LAB.port()}"
