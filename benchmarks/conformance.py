@@ -207,6 +207,11 @@ def main() -> int:
                 print(f"  items: {items}, metadata-only answers retried raw: {raw}",
                       flush=True)
                 evidence[name] = {**items, "raw_retries": raw}
+                if stack.prefills:  # proof the KV cache was handed over, not recomputed
+                    kv = {k: int(metric_value(text, f"epd_kv_handoff{k}_total"))
+                          for k in ("s", "_failures")}
+                    print(f"  kv handoffs: {kv['s']}, failed: {kv['_failures']}", flush=True)
+                    evidence[name].update(kv_handoffs=kv["s"], kv_failures=kv["_failures"])
                 if STACKS[name][0] == "pool":  # proof the pool's videos went in chunks
                     r = client.get(f"http://127.0.0.1:{stack.port + 1}/v1/stats")
                     st = r.json() if r.status_code == 200 else {}

@@ -17,7 +17,7 @@ from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import MODEL_NAME, ask, metric, tokens, wait_metric
-from tests.helpers import LOOPBACK, MASTER, WORK, Peers, port_block, wait_for
+from tests.helpers import LOOPBACK, MASTER, WORK, Peers, port_block, stop_all, wait_for
 
 pytest.importorskip("mooncake.store")
 BASE_PORT = port_block(__name__)[0]
@@ -56,8 +56,7 @@ def cluster(tmp_path_factory):
                "client": client, "storage": storage}
         client.close()
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         holder.close()
         master.stop()
 

@@ -25,7 +25,7 @@ from encoder_service.local.requests import (
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import epd_config
 from tests.e2e.client import answer_parts, ask_parts, metric
-from tests.helpers import LOOPBACK, MOONCAKE, WORK, port_block, wait_for
+from tests.helpers import LOOPBACK, MOONCAKE, WORK, port_block, stop_all, wait_for
 
 pytest.importorskip("mooncake.engine")
 SPEC = SPECS["qwen3-vl"]
@@ -57,8 +57,7 @@ def cluster(tmp_path_factory):
         with httpx.Client(timeout=120) as client:
             yield {"prod": prod, "cons": cons, "client": client}
     finally:
-        for s in (prod, cons):
-            s.stop()
+        stop_all((prod, cons))
 
 
 @pytest.mark.parametrize("modality", ["image", "video"])
