@@ -91,8 +91,10 @@ def pip_install(args: list[str]) -> None:
         subprocess.run([str(PY), "-m", "pip", "install", "-q", "uv"], capture_output=True)
     if uv.exists():
         try:
+            # --compile-bytecode: as pip does; without .pyc files every vLLM process started
+            # with -B (multiprocessing's spawn children: each EngineCore) compiles vLLM again
             run([str(uv), "pip", "install", "--python", str(PY), "--index-strategy",
-                 "unsafe-best-match", *_pip_config(), *args])
+                 "unsafe-best-match", "--compile-bytecode", *_pip_config(), *args])
             return
         except subprocess.CalledProcessError:
             log("uv pip install failed: pip instead")
