@@ -35,17 +35,20 @@ if TYPE_CHECKING:
 
 
 def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
-    """Environment that keeps temp files in the server's work dir and vLLM's cache in the
-    project's (`$VLLM_CACHE_ROOT` when set), offline. One cache for every server: vLLM
-    inspects a model class in a fresh interpreter unless this cache knows it (about 7 s of a
-    21 s start here), so a cache per server paid that at every first start."""
+    """Environment that keeps temp files in the server's work dir and vLLM's and torch
+    inductor's caches in the project's (`$VLLM_CACHE_ROOT`, `$TORCHINDUCTOR_CACHE_DIR` when
+    set), offline. One cache for every server: vLLM inspects a model class in a fresh
+    interpreter unless its cache knows it (about 7 s of a 21 s start here), and compiles its
+    sampler's logprobs kernels at the first request that asks for logprobs (25 s here, 0.1 s
+    from the cache); a cache per server paid both on every server."""
     tmp = work_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.update(
         TMPDIR=str(tmp),
         VLLM_CACHE_ROOT=env.get("VLLM_CACHE_ROOT") or str(project_work_dir() / "cache" / "vllm"),
-        TORCHINDUCTOR_CACHE_DIR=str(work_dir / "cache" / "inductor"),
+        TORCHINDUCTOR_CACHE_DIR=env.get("TORCHINDUCTOR_CACHE_DIR")
+        or str(project_work_dir() / "cache" / "inductor"),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
@@ -290,10 +293,12 @@ class UpProcess(ManagedProcess):
                 str(self.work_dir / "up.json"), *self.args]
 
     def child_env(self) -> dict[str, str]:
-        # its servers keep the caller's vLLM cache (vllm_env), not one in its own work dir:
-        # a cold cache costs every first start of a model class ~7 s
+        # its servers keep the caller's vLLM and inductor caches (vllm_env), not ones in its
+        # own work dir: a cold cache costs every first start ~7 s, a first logprobs ~25 s
+        env = vllm_env(self.work_dir)
         return dict(os.environ, EPD_WORK_DIR=str(self.work_dir),
-                    VLLM_CACHE_ROOT=vllm_env(self.work_dir)["VLLM_CACHE_ROOT"])
+                    VLLM_CACHE_ROOT=env["VLLM_CACHE_ROOT"],
+                    TORCHINDUCTOR_CACHE_DIR=env["TORCHINDUCTOR_CACHE_DIR"])
 
     def healthy(self) -> bool:
         try:

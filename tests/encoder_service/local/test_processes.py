@@ -212,20 +212,21 @@ def test_a_server_on_one_core_runs_its_model_in_engine_core(tmp_path):
 
 
 def test_every_server_and_every_epd_up_share_one_vllm_cache(tmp_path, monkeypatch):
-    """vLLM inspects a model class in a fresh interpreter unless its cache knows it: every
-    server, and the servers of every `epd up` (which runs in a work dir of its own), use the
-    project's one cache, or `$VLLM_CACHE_ROOT` when set."""
+    """vLLM inspects a model class in a fresh interpreter unless its cache knows it, and
+    compiles its logprobs kernels with inductor: every server, and the servers of every `epd
+    up` (which runs in a work dir of its own), use the project's caches, or
+    `$VLLM_CACHE_ROOT` when set."""
     from encoder_service.local.processes import UpProcess
     from encoder_service.local.workdir import work_dir
 
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
-    shared = str(work_dir() / "cache" / "vllm")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     a = VllmServer("a", tmp_path / "model", 18990, tmp_path / "a")
     b = PoolServer("b", tmp_path / "model", 18991, tmp_path / "b")
     up = UpProcess({}, tmp_path / "up")
-    caches = {a.child_env()["VLLM_CACHE_ROOT"], b.child_env()["VLLM_CACHE_ROOT"],
-              up.child_env()["VLLM_CACHE_ROOT"]}
-    assert caches == {shared}
+    for var, shared in (("VLLM_CACHE_ROOT", work_dir() / "cache" / "vllm"),
+                        ("TORCHINDUCTOR_CACHE_DIR", work_dir() / "cache" / "inductor")):
+        assert {p.child_env()[var] for p in (a, b, up)} == {str(shared)}, var
     assert up.child_env()["EPD_WORK_DIR"] == str(tmp_path / "up")
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "mine"))
     assert a.child_env()["VLLM_CACHE_ROOT"] == up.child_env()["VLLM_CACHE_ROOT"] == str(
