@@ -23,20 +23,18 @@ import statistics
 import sys
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.serve_measure import stage_means  # noqa: E402
 from encoder_service.bench import BenchSpec, run_bench  # noqa: E402
-from encoder_service.local.processes import UpProcess, VllmServer, metric_value  # noqa: E402
+from encoder_service.local.processes import UpProcess, VllmServer  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.workdir import work_dir  # noqa: E402
 
 WORK = work_dir(ROOT)
 PORT = 20920  # aggregated; e+pd 20930..; e/p/d 20940.. (clear of the tests' blocks)
 DEPLOYMENTS = ("aggregated", "e+pd", "e/p/d")
-STAGES = ("encode", "prefill", "first_token")
 
 
 def start(name: str, model: Path, work: Path):
@@ -52,17 +50,6 @@ def start(name: str, model: Path, work: Path):
     up = UpProcess(conf, work / name.replace("/", "-"), args=args).start()
     up.wait(600)
     return up, up.url
-
-
-def stage_means(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out = {}
-    for stage in STAGES:
-        n = metric_value(text, f'epd_gateway_stage_seconds_count{{stage="{stage}"}}')
-        s = metric_value(text, f'epd_gateway_stage_seconds_sum{{stage="{stage}"}}')
-        if n:
-            out[stage] = round(s / n * 1e3, 2)
-    return out
 
 
 def main() -> int:
@@ -86,7 +73,7 @@ def main() -> int:
                 res = asyncio.run(run_bench(spec, progress=False))
                 runs[name].append(res.summary)
                 if name != "aggregated":
-                    stages[name] = stage_means(url)
+                    stages[name] = stage_means(url, [])["gateway"]
                 s = res.summary
                 print(f"[epd-kv-bench] round {r + 1}: {name}: {s['req_per_s']:.1f} req/s, "
                       f"TTFT p50 {s['ttft_ms_p50']:.0f} ms p99 {s['ttft_ms_p99']:.0f} ms, "

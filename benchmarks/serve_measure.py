@@ -192,7 +192,7 @@ CONNECTOR_STAGES = ("save_wait", "save", "loader_wait", "get", "load", "staged_t
 # vLLM's own view of a request on each server (queued, then prefill, end to end): the
 # gateway's encode / first_token stage minus these is HTTP, the API server and the gateway.
 VLLM_STAGES = ("request_queue_time", "request_prefill_time", "e2e_request_latency")
-GATEWAY_STAGES = ("parse", "encode", "first_token", "total")
+GATEWAY_STAGES = ("parse", "encode", "prefill", "first_token", "total")  # prefill: E/P/D
 
 
 def stage_means(gw_url: str, servers: list[VllmServer | PoolServer]) -> dict[str, dict[str, float]]:

@@ -196,15 +196,12 @@ class DecodePool(Members):
 
     def _again(self, key: str | None, tried: set[str], url: str, status: int) -> bool:
         """Whether a first attempt's 5xx from `url` is tried once more: on another instance
-        (`url` cools down), or, a plain 500 when there is none, on `url` itself (it is up,
-        and vLLM heals the processor-cache drift behind such a 500 before answering)."""
+        (`url` cools down), or, a plain 500, on `url` itself once no other answers (`open`:
+        it is up, and vLLM heals the processor-cache drift behind such a 500 first)."""
         if self.order(key, tried):
             self.cool_down(url)
             return True
-        if status == 500:
-            tried.discard(url)
-            return True
-        return False
+        return status == 500
 
     async def open(self, method: str, path: str, content: bytes | None,
                    request_id: str, key: str | None = None,
@@ -219,11 +216,11 @@ class DecodePool(Members):
         attempt = -1
         # a refused connection sent nothing: it costs no retry, so every instance is tried
         # once before a 502 (two killed at once must not spend both of a request's tries)
-        sick = ""  # the instance whose plain 500 was retried elsewhere
+        sick = ""  # the instance of a plain 500: asked once more when no other answers
         dropped: set[str] = set()  # instances that dropped a connection before answering
         while answered < 2 and attempt < 2 * len(self.urls) + 1:
             cands = self.order(key, exclude=tried)
-            if not cands and sick:  # the others refused: the 500's own instance once more
+            if not cands and sick:  # none other (left): the 500's own instance once more
                 tried.discard(sick)
                 cands, sick = self.order(key, exclude=tried), ""
             if not cands:
@@ -280,7 +277,7 @@ class DecodePool(Members):
                                                                     resp.status):
                 last_error = f"{url}: HTTP {resp.status}"
                 answered += 1
-                sick = url if resp.status == 500 and url in tried else ""
+                sick = url if resp.status == 500 else ""
                 await up.release()
                 continue
             return up
