@@ -1,15 +1,16 @@
-"""Everything under tests/deploy but test_manifests.py is marked `deploy` and runs only when
-asked for by marker (`-m deploy`, what `./run.sh test-deploy` passes): it installs a container
-engine, builds images and starts the compose stack, so `./run.sh test` (`-m "not e2e"`, then
-`-m e2e`) and a bare `pytest` leave it out. test_manifests.py checks the deployment files
-without running them: the fast lane's (and `-m deploy` leaves it out)."""
+"""Everything under tests/deploy but test_manifests.py and test_dashboard_file.py is marked
+`deploy` and runs only when asked for by marker (`-m deploy`, what `./run.sh test-deploy`
+passes): it installs a container engine and Prometheus, builds images and starts the compose
+stack and `epd up`, so `./run.sh test` (`-m "not e2e"`, then `-m e2e`) and a bare `pytest`
+leave it out. test_manifests.py and test_dashboard_file.py check the deployment files and the
+Grafana dashboard without running them: the fast lane's (and `-m deploy` leaves them out)."""
 
 from __future__ import annotations
 
 import pytest
 
 _HERE = __file__.rsplit("/", 1)[0]
-FAST = (f"{_HERE}/test_manifests.py",)  # the fast lane's
+FAST = (f"{_HERE}/test_manifests.py", f"{_HERE}/test_dashboard_file.py")  # the fast lane's
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,9 @@ instance, the gateway), only the gateway published (on 127.0.0.1 here). Checked 
 port alone: an image, a video and an audio request answered, each equal (greedy tokens) to the
 same request through `epd up` on the same model; the data plane not reachable from outside its
 network; a vLLM server refusing a call without the deployment's key from inside the network;
-a SIGKILLed encoder container restarted by its policy while requests are still answered.
+a SIGKILLed encoder container restarted by its policy while requests are still answered. The
+stack runs with its `monitoring` profile: Prometheus (an image built from deploy/prometheus/
+on the lane's base) publishes on 127.0.0.1 only and has every service's /metrics up.
 Everything is taken down (containers, networks, volumes) whatever happens.
 
 Starts vLLM servers: run it under the machine-wide lock (`./run.sh test-deploy` does)."""
@@ -20,6 +22,7 @@ import time
 
 import httpx
 import pytest
+import yaml
 
 from ec_connectors.protocol.secret import api_key, read_secret
 from encoder_service.local.processes import metric_value
@@ -34,10 +37,13 @@ from encoder_service.local.requests import (
 )
 from encoder_service.local.testmodels import SPECS
 from tests.deploy import engine
-from tests.helpers import epd_up, port_block, wait_for
+from tests.helpers import ROOT, epd_up, port_block, wait_for
 
 UP_PORT = port_block(__name__)[0]  # the `epd up` reference: gateway; encoder +1, decode +2
 PUBLISHED = UP_PORT + 3  # the compose stack's gateway on the host (127.0.0.1)
+PROM_PUBLISHED = UP_PORT + 4  # its Prometheus (profile monitoring) on the host (127.0.0.1)
+# the default stack's services that serve /metrics: Prometheus' jobs (prometheus.yml)
+SCRAPED = {"gateway", "encoder", "prefill-decode", "mooncake-master"}
 MODEL = SPECS[engine.settings()["model"]["spec"]]
 PROMPT = "describe this"
 MAX_TOKENS = 8
@@ -77,12 +83,31 @@ def client():
         yield c
 
 
+def prometheus_image() -> str:
+    name = yaml.safe_load(engine.COMPOSE_FILE.read_text())["services"]["prometheus"]["image"]
+    return name if "/" in name else f"localhost/{name}"
+
+
+def build_prometheus_image() -> float:
+    """The monitoring profile's image: Debian's prometheus on the lane's base (no registry
+    image can be pulled here); cached layers."""
+    t0 = time.monotonic()
+    out = engine.run(["podman", "build", "--layers", "--pull=never", "--build-arg",
+                      f"BASE={engine.base_image()}", "-t", prometheus_image(),
+                      ROOT / "deploy" / "prometheus"], check=False, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    return time.monotonic() - t0
+
+
 @pytest.fixture(scope="module")
 def prepared():
-    """The engine, the base image and the image (cached: seconds when nothing changed)."""
+    """The engine, the base image, the image and Prometheus' (cached: seconds when nothing
+    changed)."""
     out = engine.prepare()
+    prom_s = build_prometheus_image()
     print(f"\n[deploy] install {out['install_s']:.0f} s, base {out['base_s']:.0f} s, image "
-          f"build {out['build_s']:.0f} s, image {out['image_bytes'] / 1e9:.2f} GB")
+          f"build {out['build_s']:.0f} s, image {out['image_bytes'] / 1e9:.2f} GB, "
+          f"prometheus image {prom_s:.0f} s")
     return out
 
 
@@ -129,17 +154,19 @@ def containers() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def stack(prepared, reference, secret, client):
-    """`podman-compose up -d` of docker-compose.yml, ready; down (and checked gone) after.
-    Starts after the reference has stopped: one vLLM stack at a time."""
+    """`podman-compose --profile monitoring up -d` of docker-compose.yml, ready; down (and
+    checked gone) after. Starts after the reference has stopped: one vLLM stack at a time."""
     exe = engine.compose_bin()
     env = {**engine.engine_env(), "EPD_SECRET_PATH": str(secret),
-           "EPD_GATEWAY_PUBLISH": f"127.0.0.1:{PUBLISHED}"}
+           "EPD_GATEWAY_PUBLISH": f"127.0.0.1:{PUBLISHED}",
+           "EPD_PROMETHEUS_PUBLISH": f"127.0.0.1:{PROM_PUBLISHED}"}
     url = f"http://127.0.0.1:{PUBLISHED}"
     engine.clean(exe)  # a previous run killed before its teardown
     t0 = time.monotonic()
     try:
         up = engine.run([exe, "--project-name", engine.PROJECT, "-f", engine.COMPOSE_FILE,
-                         "up", "-d"], env=env, check=False, timeout=900)
+                         "--profile", "monitoring", "up", "-d"], env=env, check=False,
+                        timeout=900)
         assert up.returncode == 0, (up.stdout + up.stderr)[-4000:]
 
         def ready() -> bool:
@@ -176,6 +203,29 @@ def test_image_video_and_audio_answered_through_the_gateway_as_epd_up_answers(
     assert metric_value(metrics, ENCODED) >= 3  # the encoder container encoded them
 
 
+def test_prometheus_has_every_service_of_the_stack_up(stack, client):
+    """The monitoring profile: through its published port (127.0.0.1), `up` is 1 for every
+    target, and the targets are every service that serves /metrics (one job each)."""
+    url = f"http://127.0.0.1:{PROM_PUBLISHED}/api/v1/query"
+    got: dict[str, list[str]] = {}
+
+    def all_up() -> bool:
+        got.clear()
+        try:
+            result = client.get(url, params={"query": "up"}, timeout=10).json()["data"]["result"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+        for r in result:
+            got.setdefault(r["metric"]["job"], []).append(r["value"][1])
+        return set(got) == SCRAPED and all(v == ["1"] for v in got.values())
+
+    t0 = time.monotonic()
+    assert wait_for(all_up, timeout=120, interval=2.0), \
+        f"up by job: {got}\n{logs('prometheus')}"
+    print(f"\n[deploy] prometheus: every target up ({sorted(got)}) after "
+          f"{time.monotonic() - t0:.0f} s")
+
+
 def _tcp_open(host: str, port: int) -> bool:
     try:
         socket.create_connection((host, port), timeout=2).close()
@@ -190,6 +240,8 @@ def test_only_the_gateway_is_published(stack):
                     for p, binds in (c["NetworkSettings"]["Ports"] or {}).items() if binds}
              for name, c in cs.items()}
     assert bound.pop("gateway") == {"8000/tcp": [("127.0.0.1", str(PUBLISHED))]}
+    # and Prometheus (profile monitoring), on loopback as it is by default
+    assert bound.pop("prometheus") == {"9090/tcp": [("127.0.0.1", str(PROM_PUBLISHED))]}
     assert all(not b for b in bound.values()), bound
     # a container outside the data-plane network (on the published `clients` network, where
     # only the gateway also is) reaches the gateway but none of the servers nor the master

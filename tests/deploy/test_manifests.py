@@ -100,7 +100,9 @@ def test_compose_validates_and_publishes_only_the_gateway():
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     published = {name: s["ports"] for name, s in services.items() if s.get("ports")}
     assert published == {"gateway": ["${EPD_GATEWAY_PUBLISH:-8000}:8000"],
-                         "gateway-kv": ["${EPD_KV_GATEWAY_PUBLISH:-8001}:8000"]}
+                         "gateway-kv": ["${EPD_KV_GATEWAY_PUBLISH:-8001}:8000"],
+                         # opt-in (profile monitoring), on the host's loopback by default
+                         "prometheus": ["${EPD_PROMETHEUS_PUBLISH:-127.0.0.1:9090}:9090"]}
     for name in ("encoder", "prefill-decode", "gateway", "prefill", "decode", "gateway-kv"):
         assert services[name]["environment"]["EPD_SECRET_FILE"] == "/run/secrets/epd_secret"
 
@@ -200,8 +202,10 @@ def test_compose_keeps_the_data_plane_on_an_internal_network():
     (docs/trust.md): only EPD containers share that network, and it has no way out."""
     doc = yaml.safe_load(COMPOSE.read_text())
     assert doc["networks"]["data-plane"] == {"internal": True}
+    assert doc["networks"]["monitoring"] == {}  # Prometheus' published port only
     for name, s in doc["services"].items():
-        expected = ["data-plane", "clients"] if name.startswith("gateway") else ["data-plane"]
+        expected = ["data-plane", "clients"] if name.startswith("gateway") else \
+            ["data-plane", "monitoring"] if name == "prometheus" else ["data-plane"]
         assert s["networks"] == expected, name
 
 
@@ -323,8 +327,9 @@ def test_the_epd_kv_roles_get_the_kv_connector_epd_up_gives_its_own(up_epd):
 def test_the_default_stack_has_no_kv_connector_and_the_kv_roles_are_opt_in():
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     profiled = {n for n, s in services.items() if "profiles" in s}
-    assert profiled == {"prefill", "decode", "gateway-kv"}
-    assert all(services[n]["profiles"] == ["epd-kv"] for n in profiled)
+    assert profiled == {"prefill", "decode", "gateway-kv", "prometheus"}
+    assert all(services[n]["profiles"] == ["epd-kv"] for n in profiled - {"prometheus"})
+    assert services["prometheus"]["profiles"] == ["monitoring"]
     for name, argv, env in vllm_servers():
         kv = name in KV_SERVICES.values() or name in KV_DEPLOYMENTS.values()
         assert ("--kv-transfer-config" in argv) == kv, name
@@ -387,6 +392,64 @@ def test_kv_side_channels_are_distinct_reachable_and_clear_of_the_fixed_ports():
         settings["kv"].update(prefill_side_channel=prefill, decode_side_channel=decode)
         with pytest.raises(ValueError, match=r"\[kv\]"):
             render.render(settings)
+
+
+# -- the monitoring profile: Prometheus scraping every service that serves /metrics ----------
+PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+
+
+def metrics_ports(services: dict) -> dict[str, int]:
+    """Every compose service that serves /metrics -> its port, from its command: vLLM
+    servers and gateways on --port, the store master on its RPC --port + 2 (ports.py)."""
+    from ec_connectors.protocol import ports
+
+    out = {}
+    for name, s in services.items():
+        cmd = s.get("command") or []
+        argv = shlex.split(cmd) if isinstance(cmd, str) else cmd
+        port = _flag(argv, "--port")
+        if argv[:3] == ["epd", "vllm", "serve"] or argv[:2] == ["epd", "gateway"]:
+            out[name] = int(port)
+        elif argv[:2] == ["epd", "master"]:
+            out[name] = ports.master_metrics_port(int(port))
+    return out
+
+
+def scraped_ports() -> dict[str, int]:
+    """deploy/prometheus/prometheus.yml: each job (one per compose service, found by DNS:
+    every replica; none while the service is not running) -> the port it scrapes."""
+    scraped = {}
+    for job in yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]:
+        assert set(job) == {"job_name", "dns_sd_configs"}, job  # nothing else
+        (sd,) = job["dns_sd_configs"]
+        assert sd["type"] == "A" and sd["names"] == [job["job_name"]], job
+        scraped[job["job_name"]] = sd["port"]
+    return scraped
+
+
+def test_the_monitoring_profile_scrapes_every_service_that_serves_metrics():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    want = metrics_ports(services)
+    assert set(want) == {"gateway", "encoder", "prefill-decode", "mooncake-master", "prefill",
+                         "decode", "gateway-kv"}
+    assert scraped_ports() == want
+    prom = services["prometheus"]
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in \
+        prom["volumes"]
+    assert prom["build"]["context"] == "deploy/prometheus"
+    assert "data-plane" in prom["networks"]  # where every target is
+    dockerfile = (ROOT / "deploy" / "prometheus" / "Dockerfile").read_text()
+    assert "--config.file=/etc/prometheus/prometheus.yml" in dockerfile
+
+
+def test_a_service_missing_from_the_monitoring_profile_or_a_moved_port_is_caught():
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    services["encoder-2"] = dict(services["encoder"])
+    assert metrics_ports(services) != scraped_ports()
+    settings = _render_module().load_settings()
+    settings["ports"]["vllm"] = 9123  # rendered, prometheus.yml left as it is
+    moved = yaml.safe_load(_render_module().render(settings)[COMPOSE])["services"]
+    assert metrics_ports(moved)["encoder"] == 9123 != scraped_ports()["encoder"]
 
 
 # -- wait_for.py: the servers' entry point, so podman-compose starts them in order too -------
