@@ -87,6 +87,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_connector_store", HTTP): (18360, 3),
     ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
     ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
+    ("tests.prewarm", HTTP): (18395, 1),  # beside the fast lane (run.sh test)
     ("tests.e2e.test_gateway", HTTP): (18570, 27),
     ("tests.e2e.test_up", HTTP): (18660, 13),
     ("tests.e2e.test_qwen_modalities", HTTP): (18680, 5),
@@ -96,8 +97,10 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
     ("tests.e2e.test_qwen3_deepstack", MOONCAKE): (21920, 10),
     ("tests.e2e.test_up", MOONCAKE): (21960, 30),
-    # deploy lane: the `epd up` reference and the compose stack's published gateway
-    ("tests.deploy.test_compose_stack", HTTP): (18900, 4),
+    # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;
+    # the dashboard's `epd up` (gateway, pool, decode) and Prometheus
+    ("tests.deploy.test_compose_stack", HTTP): (18900, 5),
+    ("tests.deploy.test_dashboard", HTTP): (18910, 4),
 }
 
 

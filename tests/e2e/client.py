@@ -21,6 +21,20 @@ MODEL_NAME = "tiny-llava"
 PROMPT = "what is in this picture"
 PARTS_PROMPT = "describe this"  # the Qwen models' requests (media parts)
 
+# sampling fields of a request, each with how the gateway continues its stream when it is cut
+# mid-answer (test_gateway; tests/prewarm.py compiles their kernels ahead)
+FIELDS = [
+    ({"ignore_eos": True, "max_tokens": 60}, "token-in from a clean cut"),
+    ({"ignore_eos": True, "max_tokens": 40, "min_tokens": 30, "stop_token_ids": [5],
+      "logit_bias": {"40": 3}, "repetition_penalty": 1.3}, "token-in"),
+    ({"max_tokens": 40, "presence_penalty": 0.7, "frequency_penalty": 0.4}, "replay"),
+    ({"max_tokens": 40, "ignore_eos": True, "stop": ["ot", "e "]}, "replay"),
+    ({"max_tokens": 40, "temperature": 0.9, "seed": 11, "top_p": 0.9}, "replay"),
+    ({"max_tokens": 30, "ignore_eos": True, "stream_options": {"include_usage": True}},
+     "replay"),
+    ({"max_tokens": 30, "logprobs": True, "top_logprobs": 2}, "refused"),
+]
+
 
 def _http(c) -> httpx.Client:
     return c if isinstance(c, httpx.Client) else c["client"]

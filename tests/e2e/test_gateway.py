@@ -26,7 +26,7 @@ from ec_connectors.child_process import session_members
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
-from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at
+from tests.e2e.client import FIELDS, MODEL_NAME, PROMPT, answer, ask, metric_at
 from tests.e2e.outage import (
     Traffic,
     engine_core,
@@ -307,17 +307,6 @@ def test_decode_instances_join_and_leave_under_load_and_no_request_is_lost(clust
         gw2.stop()
 
 
-FIELDS = [  # (request fields, how the gateway continues a stream cut mid-answer)
-    ({"ignore_eos": True, "max_tokens": 60}, "token-in from a clean cut"),
-    ({"ignore_eos": True, "max_tokens": 40, "min_tokens": 30, "stop_token_ids": [5],
-      "logit_bias": {"40": 3}, "repetition_penalty": 1.3}, "token-in"),
-    ({"max_tokens": 40, "presence_penalty": 0.7, "frequency_penalty": 0.4}, "replay"),
-    ({"max_tokens": 40, "ignore_eos": True, "stop": ["ot", "e "]}, "replay"),
-    ({"max_tokens": 40, "temperature": 0.9, "seed": 11, "top_p": 0.9}, "replay"),
-    ({"max_tokens": 30, "ignore_eos": True, "stream_options": {"include_usage": True}},
-     "replay"),
-    ({"max_tokens": 30, "logprobs": True, "top_logprobs": 2}, "refused"),
-]
 
 
 def test_streams_cut_mid_answer_continue_exactly_for_each_field_or_end_with_an_error(

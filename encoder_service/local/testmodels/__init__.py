@@ -15,6 +15,7 @@ requested spec is left alone, so a second run costs milliseconds.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -40,29 +41,36 @@ def _build_family(tmp: Path, spec: ModelSpec) -> None:
 
 def build(out: Path, spec: ModelSpec) -> Path:
     """The model of `spec` in `out`: built into a temporary sibling and moved in whole, or
-    left alone when its stamp says it is this spec already."""
+    left alone when its stamp says it is this spec already. One build at a time per `out`
+    across processes (a lock file beside it): a second caller waits, then finds it built."""
     out = Path(out)
     stamp = out / "epd_build.json"
     wanted = {"builder_version": BUILDER_VERSION, **asdict(spec)}
-    if stamp.exists() and json.loads(stamp.read_text()) == wanted:
+
+    def current() -> bool:
+        return stamp.exists() and json.loads(stamp.read_text()) == wanted
+
+    if current():
         print(f"[model] {out} is up to date ({spec.name}, {spec.family})")
         return out
-
-    print(f"[model] building {spec.name} ({spec.family}) into {out} (random weights, "
-          "local tokenizer)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
-    try:
-        _build_family(tmp, spec)
-        (tmp / "epd_build.json").write_text(json.dumps(wanted, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.chmod(0o755)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if current():  # another process built it while this one waited
+            return out
+        print(f"[model] building {spec.name} ({spec.family}) into {out} (random weights, "
+              "local tokenizer)")
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
+        try:
+            _build_family(tmp, spec)
+            (tmp / "epd_build.json").write_text(json.dumps(wanted, indent=1))
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.chmod(0o755)
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     print(f"[model] done: {out}")
     return out
 
