@@ -14,9 +14,9 @@ Start them from a thread that lives as long as they should (the main thread: `ep
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,20 +60,18 @@ def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
     return env
 
 
-def pin_session(sid: int, core: int) -> None:
-    """Every thread of every process of session `sid` onto `core` alone (Linux; elsewhere
-    nothing). vLLM binds only its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); its API
-    server and EngineCore, which busy-poll, otherwise wander onto the other servers' cores.
-    Measured on 2 cores, encoder and decode instance each on its own core: 72-76 req/s within
-    a few percent run to run pinned, 15-70 req/s unpinned (benchmarks/serve_bench.py
-    workload). Threads and processes started later inherit the core from their parent."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
-    for pid in child_process.session_members(sid):
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):  # a thread that just ended
-                    os.sched_setaffinity(int(tid), {core})
+def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
+    """`cmd` run on `cpu_core` alone, every process and thread of it (taskset), when given.
+    vLLM binds only its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); its API server
+    and EngineCore, which busy-poll, otherwise wander onto the other servers' cores. Measured
+    on 2 cores, encoder and decode instance each on its own core: 72-76 req/s within a few
+    percent run to run pinned, 15-70 req/s unpinned (benchmarks/serve_bench.py workload).
+    Pinned from its first instruction, not once up: a server moved onto one core after it
+    started keeps the thread pools it sized for every core (tried: the e2e lane took 20
+    instead of 12 min, and embeddings were no longer bit-identical to a pinned server's)."""
+    if cpu_core is None or not shutil.which("taskset"):
+        return cmd
+    return ["taskset", "-c", str(cpu_core), *cmd]
 
 
 # vLLM's `--middleware` every server gets: the deployment key on every route, bounds on
@@ -99,7 +97,6 @@ class ManagedProcess:
     proc: subprocess.Popen | None
 
     startup_timeout_s: ClassVar[float] = 300.0  # wait()'s default
-    _pinned: ClassVar[int | None] = None  # the pid whose session healthy() put on cpu_core
     # The child runs `child_process.guard_process_group_from_env()` (it has children of its
     # own and may miss its parent-death signal): start() tells it whose death to watch.
     guards_group: ClassVar[bool] = False
@@ -141,19 +138,10 @@ class ManagedProcess:
             return ""
 
     def healthy(self) -> bool:
-        """Answers `GET /health` with 200. The first time it does after a start, a server
-        with a `cpu_core` is moved onto that core, all of it (`pin_session`): it starts on
-        every core, so that servers starting together on fewer cores than servers (two here)
-        do not queue behind each other (a start is ~20 s of CPU, mostly imports)."""
         try:
-            ok = httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+            return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
-        core = getattr(self, "cpu_core", None)
-        if ok and core is not None and self.proc is not None and self._pinned != self.proc.pid:
-            pin_session(self.proc.pid, core)
-            self._pinned = self.proc.pid
-        return ok
 
     def wait(self, timeout_s: float | None = None) -> None:
         timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
@@ -223,7 +211,7 @@ class VllmServer(ManagedProcess):
             cmd += ["--distributed-executor-backend", "uni"]
         if self.ec_config is not None:
             cmd += ["--ec-transfer-config", json.dumps(self.ec_config)]
-        return cmd
+        return _pinned(cmd, self.cpu_core)
 
     def child_env(self) -> dict[str, str]:
         env = vllm_env(self.work_dir, self.cpu_core)
@@ -252,8 +240,8 @@ class PoolServer(ManagedProcess):
         return self.work_dir / f"{self.name}.json"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "encoder_service.encoder_pool.server",
-                "--config", str(self.config_path)]
+        return _pinned([sys.executable, "-m", "encoder_service.encoder_pool.server",
+                        "--config", str(self.config_path)], self.cpu_core)
 
     def child_env(self) -> dict[str, str]:
         env = vllm_env(self.work_dir)

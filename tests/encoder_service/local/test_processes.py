@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 
@@ -176,52 +174,25 @@ def test_managed_processes_are_siblings_with_their_own_signatures(tmp_path):
     assert pool.child_env()["OMP_NUM_THREADS"] == "1" and pool.env == {}
 
 
-def test_a_server_on_a_core_starts_on_every_core_and_runs_there_once_healthy(tmp_path):
-    """cpu_core pins the whole server once it first answers /health, not only vLLM's OpenMP
-    threads: every process of its session (vLLM's EngineCore and workers) and every thread of
-    each. Before that it may use every core (starts of several servers do not queue on one)."""
-    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("needs sched_setaffinity and two cores")
+def test_a_server_on_a_core_runs_every_process_and_thread_there(tmp_path):
+    """cpu_core pins the whole server, not only vLLM's OpenMP threads: its children (vLLM's
+    EngineCore and workers) and their threads inherit the core."""
+    import shutil
+
+    if not shutil.which("taskset") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs taskset and two cores")
     core = max(os.sched_getaffinity(0))
-    # a server (a thread and a child process, /health answered) standing in for vLLM
-    script = tmp_path / "server.py"
-    script.write_text(
-        "import http.server, subprocess, sys, threading, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
-        "class H(http.server.BaseHTTPRequestHandler):\n"
-        "    def do_GET(self):\n"
-        "        self.send_response(200); self.end_headers()\n"
-        "    def log_message(self, *a): pass\n"
-        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
-    port = free_port(_ports)
-
-    @dataclass
-    class Stand(ManagedProcess):
-        name: str
-        port: int
-        work_dir: Path
-        cpu_core: int | None = None
-        env: dict = field(default_factory=dict)
-        proc: subprocess.Popen | None = None
-
-        def command(self):
-            return [sys.executable, str(script), str(self.port)]
-
-    server = Stand("stand-in", port, tmp_path, cpu_core=core).start()
-    try:
-        def affinities() -> set[frozenset[int]]:
-            return {frozenset(os.sched_getaffinity(int(tid)))
-                    for pid in child_process.session_members(server.proc.pid)
-                    for tid in os.listdir(f"/proc/{pid}/task")}
-
-        assert wait_for(lambda: len(child_process.session_members(server.proc.pid)) == 2, 10)
-        assert affinities() == {frozenset(os.sched_getaffinity(0))}  # every core to start
-        server.wait(timeout_s=30)
-        assert affinities() == {frozenset({core})}
-    finally:
-        server.stop()
-    assert not child_process.session_members(server.proc.pid)
+    server = VllmServer("pinned", tmp_path / "model", 18999, tmp_path, cpu_core=core)
+    cmd = server.command()
+    probe = ("import os, subprocess, sys, threading; out = []; "
+             "t = threading.Thread(target=lambda: out.append(os.sched_getaffinity(0))); "
+             "t.start(); t.join(); child = subprocess.run([sys.executable, '-c', "
+             "'import os; print(sorted(os.sched_getaffinity(0)))'], capture_output=True, "
+             "text=True).stdout.strip(); print(sorted(out[0]), child)")
+    # the server's own command line, its program swapped for the probe
+    argv = cmd[:cmd.index(sys.executable)] + [sys.executable, "-c", probe]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == [f"[{core}]", f"[{core}]"]
 
 
 def test_a_server_on_one_core_runs_its_model_in_engine_core(tmp_path):
