@@ -27,12 +27,15 @@ own), so it sees every request before vLLM reads it, and every answer. It does f
 
 from __future__ import annotations
 
+import binascii
 import json
 import os
+import re
 import time
 from typing import Any
 
 import msgspec
+import pybase64
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ec_connectors.config import GuardSettings
@@ -56,6 +59,11 @@ OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 _ENGINE_FAILED = "Internal server error"  # vLLM's GenerationError message
 _ADVICE = (" The request names an embedding this server could not use and carries no media "
            "to encode it from: send the media (a gateway does this by itself), or retry.")
+# A media URL's payload (`_without_media`): bodies from this size on are looked at, payloads
+# from this size on left out of the parse
+_ELIDE_FROM, _ELIDE_MIN = 32 * 1024, 4 * 1024
+_URL_VALUE = re.compile(
+    rb'"url"[ \t\n\r]*:[ \t\n\r]*"data:[\x20\x21\x23-\x5b\x5d-\x7e]{0,200}?;base64,')
 _MISFIT_ADVICE = (" The part names a stored embedding that is not what the part says: send "
                   "the metadata its producer published for it (ec_transfer_params), or the "
                   "media.")
@@ -188,7 +196,14 @@ class ServerGuard:
             return None  # multipart uploads (transcriptions): vLLM reads no parts there
         # Every JSON body is parsed (a JSON \\u escape can spell any key, so no substring test
         # can skip one): msgspec, 1.1 ms for 1 MB of base64 media, 4-5x json's time; what it
-        # refuses (NaN, lone surrogates) json reads as vLLM's FastAPI does (same duplicate keys)
+        # refuses (NaN, lone surrogates) json reads as vLLM's FastAPI does (same duplicate keys).
+        # No check reads a media URL's payload: a body carrying one is parsed without it
+        # (`_without_media`), the whole body again only where that could answer otherwise.
+        reduced = _without_media(body) if len(body) >= _ELIDE_FROM else None
+        if reduced is not None:
+            checked = _check_reduced(reduced, self._bounds)
+            if checked is not None:
+                return checked
         try:
             parsed = msgspec.json.decode(body)
         except (msgspec.DecodeError, RecursionError):
@@ -199,6 +214,58 @@ class ServerGuard:
         if checked is None or not checked.item_ids or self._reasons is None:
             return None
         return self._reasons.read(checked.item_ids, since - 0.001)
+
+
+def _without_media(body: bytes) -> bytes | None:
+    """`body` with the base64 payload of each `"url": "data:<type>;base64,<payload>"` value
+    left out (an empty data URL stays), or None when it has none worth leaving out. Only a
+    payload that is whole, valid base64 (nothing in it can end, escape or break the string)
+    after a `"url"` key no backslash precedes (a key, not text) is left out: the reduced
+    body is valid JSON exactly when the body is, with the same structure and every other
+    string. No check reads such a payload (vLLM's part parser takes any string as a URL)."""
+    keep: list[memoryview] = []
+    start = pos = 0
+    view = memoryview(body)
+    while (pos := body.find(b'"url"', pos)) >= 0:
+        head = _URL_VALUE.match(body, pos) if pos == 0 or body[pos - 1] != 0x5C else None
+        if head is None:
+            pos += 5
+            continue
+        end = body.find(b'"', head.end())
+        if end < 0:
+            break
+        if end - head.end() >= _ELIDE_MIN and _base64(view[head.end():end]):
+            keep.append(view[start:head.end()])
+            start = end
+        pos = end + 1
+    if not keep:
+        return None
+    keep.append(view[start:])
+    return b"".join(keep)
+
+
+def _base64(data: memoryview) -> bool:
+    try:
+        pybase64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return True
+
+
+def _check_reduced(reduced: bytes, bounds: ModelBounds) -> Checked | None:
+    """The checks on a body without its media payloads; None where the whole body must be
+    checked instead (so every answer is the one it would get): one msgspec refuses, a
+    refusal (its message is the whole body's), `ec_transfer_params` holding a data URL
+    (their size counts every byte)."""
+    try:
+        parsed = msgspec.json.decode(reduced)
+        checked = check_request(parsed, bounds)
+    except (msgspec.DecodeError, RecursionError, Refusal):
+        return None
+    params = parsed.get("ec_transfer_params") if isinstance(parsed, dict) else None
+    if params is not None and b";base64," in msgspec.json.encode(params):
+        return None
+    return checked
 
 
 def _authorization(scope: Scope) -> str | None:

@@ -2,10 +2,13 @@
 their token counts), which saves the workers have yet to report, what each save reported
 (shape, dtype, checksum, where it is served), and from these the `ec_transfer_params` a
 finished request returns. The control channel's thread reports saves; the scheduler's thread
-reads: every shared table is behind the book's lock."""
+reads: every shared table is behind the book's lock. `saving` (asked whenever an idle engine
+looks for work) costs O(the saves due since): a heap of deadlines, never a scan."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,6 +30,9 @@ class ProducerBook:
         self._made: dict[str, dict[str, int]] = {}  # request -> item -> num_embeds
         # items being encoded -> (worker ranks yet to report the save, deadline)
         self._saving: dict[str, tuple[set[int], float]] = {}
+        # (deadline, seq, item, its _saving entry): `saving` pops the due ones
+        self._due: list[tuple[float, int, str, tuple[set[int], float]]] = []
+        self._seq = itertools.count()
         self._saved: BoundedLRU[str, ItemInfo] = BoundedLRU(_MAX_SAVED_INFOS)
 
     def made(self, req_id: str, item_id: str, num_embeds: int) -> None:
@@ -34,9 +40,16 @@ class ProducerBook:
 
     def expect_save(self, item_id: str, ranks: set[int], deadline: float) -> None:
         """vLLM encodes the item this step: every rank in `ranks` will report its save (a
-        report lost for good stops counting at `deadline`)."""
+        report lost for good stops counting at `deadline`). No rank: nothing to await."""
         with self._lock:
-            self._saving[item_id] = (ranks, deadline)
+            if not ranks:
+                self._saving.pop(item_id, None)
+                return
+            entry = self._saving[item_id] = (ranks, deadline)
+            if len(self._due) > 2 * len(self._saving) + 64:  # amortized O(1) per entry
+                self._due = [d for d in self._due if self._saving.get(d[2]) is d[3]]
+                heapq.heapify(self._due)
+            heapq.heappush(self._due, (deadline, next(self._seq), item_id, entry))
 
     def saved(self, item_id: str, rank: int, info: ItemInfo | None) -> None:
         """A worker's report (control thread): `info` when the save succeeded."""
@@ -58,7 +71,10 @@ class ProducerBook:
         if not self._saving:
             return False
         with self._lock:
-            self._saving = {k: v for k, v in self._saving.items() if v[1] > now and v[0]}
+            while self._due and self._due[0][0] <= now:
+                _, _, item_id, entry = heapq.heappop(self._due)
+                if self._saving.get(item_id) is entry:  # else reported or expected anew
+                    del self._saving[item_id]
             return bool(self._saving)
 
     def finish(self, request: Request, metadata: dict[str, dict[str, Any]],

@@ -1,7 +1,9 @@
 """What becomes of a consumer's requests whose items cannot arrive: a request that must fail
 is failed once (vLLM takes it out through `take`) with its reason posted for the API
 server's answer (refusals.py); an item vLLM encodes locally instead is logged and counted
-once per request and item (a deferred request is looked at again every step)."""
+once per request and item (a deferred request is looked at again every step). Each call
+costs O(the request's own items): the fallbacks are kept per request, so a request's end
+touches its own (never a scan of every live request's)."""
 
 from __future__ import annotations
 
@@ -19,11 +21,11 @@ class Unavailable:
         self.reasons = ReasonBoard(board)
         self.stats = stats
         self._failing: set[str] = set()  # requests to fail, not yet taken by vLLM
-        self._fallbacks: set[tuple[str, str]] = set()  # (request, item) encoded locally
+        self._fallbacks: dict[str, set[str]] = {}  # request -> its items encoded locally
 
     def reported(self, req_id: str, item_id: str) -> bool:
         """Whether the request already fails, or fell back on this item."""
-        return (req_id, item_id) in self._fallbacks or req_id in self._failing
+        return item_id in self._fallbacks.get(req_id, ()) or req_id in self._failing
 
     def fail(self, req_id: str, item_id: str, why: str, metadata_only: bool) -> None:
         if req_id in self._failing:
@@ -36,9 +38,9 @@ class Unavailable:
         self.reasons.post(item_id, classify(why), f"item {item_id[:80]!r}: {why}")
 
     def local_encode(self, req_id: str, item_id: str, why: str) -> None:
-        key = (req_id, item_id)
-        if key not in self._fallbacks:
-            self._fallbacks.add(key)
+        items = self._fallbacks.setdefault(req_id, set())
+        if item_id not in items:
+            items.add(item_id)
             self.stats.inc("local_encode_fallbacks")
             logger.info("EPD: request %s encodes item %r locally (%s)", req_id, item_id,
                         why or "not available")
@@ -49,8 +51,7 @@ class Unavailable:
         return out
 
     def finished(self, req_id: str) -> None:
-        if self._fallbacks:
-            self._fallbacks = {k for k in self._fallbacks if k[0] != req_id}
+        self._fallbacks.pop(req_id, None)
 
     def sweep(self, now: float) -> None:
         self.reasons.sweep(now)

@@ -72,6 +72,9 @@ class EPDWorker:
         self._wanted: list[tuple[Prefetch, float]] = []  # (prefetch, received) not yet loading
         self._drain_queued = False
         self._saves = SaveQueue(config.max_pending_saves, config.max_pending_save_bytes)
+        self._held_lock = threading.Lock()
+        self._held_published = 0  # the ENCODED_CPU bytes last published (Prometheus starts at 0)
+        self.stats.on_take(self._publish_held)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="epd-writer")
         self._loaders = ThreadPoolExecutor(config.load_threads, thread_name_prefix="epd-loader")
         self.channel = ControlEndpoint(address, bind=False, on_message=self._on_control,
@@ -106,7 +109,6 @@ class EPDWorker:
         # ENCODED_CPU from here. A device tensor may be freed or reused by vLLM: copy it to
         # host now. A CPU tensor is a fresh encoder output vLLM never mutates: no copy.
         tensor = host_copy(tensor)
-        self._held_changed()
         if nbytes <= self.config.inline_max_bytes and self.transport.writes_fast:
             # A small local write (~0.1 ms) costs less than a hand-off to the writer thread,
             # which would take this core and the GIL from the model runner anyway.
@@ -116,10 +118,15 @@ class EPDWorker:
             self._writer.submit(self._write, item_id, tensor, time.perf_counter())
         except RuntimeError:  # shutting down
             self._saves.leave(nbytes)
-            self._held_changed()
 
-    def _held_changed(self) -> None:
-        self.stats.gauge("producer_feature_bytes", {"encoded_cpu": self._saves.bytes})
+    def _publish_held(self) -> None:
+        """The ENCODED_CPU bytes as a gauge, when they changed since the last time: run when
+        the stats are taken (once per report), never on every move of the save queue."""
+        with self._held_lock:
+            held = self._saves.bytes
+            if held != self._held_published:
+                self._held_published = held
+                self.stats.gauge("producer_feature_bytes", {"encoded_cpu": held})
 
     def _write(self, item_id: str, tensor: torch.Tensor, queued_at: float) -> None:
         t0 = time.perf_counter()
@@ -132,7 +139,6 @@ class EPDWorker:
             return
         finally:  # -> DISCARDED: the transport holds the item now (or nobody does)
             self._saves.leave(tensor.nbytes)
-            self._held_changed()
         self.stats.inc("saves")
         self.stats.inc("save_bytes", info.nbytes)
         self.stats.observe("save_s", time.perf_counter() - t0)
@@ -253,8 +259,12 @@ class EPDWorker:
         them; the margin keeps this safety net from taking a copy it is about to place."""
         self.transport.reap()
         cutoff = time.monotonic() - self.config.staged_ttl_s - _REAP_MARGIN_S
-        with self._lock:
-            stale = [k for k, (_, ts) in self._staged.items() if ts < cutoff]
+        stale: list[str] = []
+        with self._lock:  # oldest first (`_stage` stamps under the lock): O(expired + 1)
+            for k, (_, ts) in self._staged.items():
+                if ts >= cutoff:
+                    break
+                stale.append(k)
         for k in stale:
             self._unstage(k)
             logger.info("EPD: staged item %r expired unplaced", k)

@@ -52,3 +52,43 @@ def test_an_item_vllm_took_from_its_own_encoder_cache_is_offered_when_stored():
     assert out == {"hot": ItemEntry.describe("hot", NUM_EMBEDS, info("hot"), True)}
     assert book.finish(request("r3", "gone"), {}, with_location=True,
                        stored=lambda _: False) is None  # not stored: nothing offered
+
+
+class NoScan(dict):
+    """A dict that fails a test when iterated: reads and writes by key only."""
+
+    def _scan(self, *_a):
+        raise AssertionError("scanned every awaited save")
+
+    __iter__ = keys = values = items = _scan
+
+
+def test_saving_costs_the_saves_due_not_every_awaited_one():
+    """An idle engine asks `saving` again and again while saves are owed: each answer pops
+    what fell due since (a heap of deadlines), never a pass over every awaited save."""
+    book = ProducerBook(lambda _: True)
+    book._saving = NoScan()
+    for k in range(1000):
+        book.expect_save(f"i{k}", {0, 1}, deadline=10.0 + k)
+    for _ in range(100):
+        assert book.saving(now=5.0)
+    book.expect_save("i0", {0}, deadline=2000.0)  # expected anew: the old deadline is void
+    book.saved("i1", 0, None)
+    book.saved("i1", 1, None)  # reported by every rank: no longer awaited
+    assert book.saving(now=509.5)  # i2..i499 lapsed; i500.., and i0 anew, still owed
+    assert len(book._saving) == 501 and "i0" in book._saving and "i499" not in book._saving
+    book.expect_save("nobody", set(), deadline=3000.0)  # no rank to report it: not awaited
+    assert "nobody" not in book._saving
+    assert book.saving(now=1999.0)  # i0 alone
+    assert not book.saving(now=2000.0)
+    assert len(book._due) < 200  # stale heap entries were dropped along the way
+
+
+def test_the_deadline_heap_stays_bounded_while_saves_are_reported():
+    """A busy engine never asks `saving` (it has requests): reported saves' heap entries are
+    compacted away as new saves come, the heap stays within twice the live saves."""
+    book = ProducerBook(lambda _: True)
+    for k in range(10_000):
+        book.expect_save(f"i{k}", {0}, deadline=1e9)
+        book.saved(f"i{k}", 0, None)
+    assert not book._saving and len(book._due) <= 64 + 1
