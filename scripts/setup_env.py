@@ -226,8 +226,17 @@ def ensure_model() -> None:
     """The test models (about 10 s each to build, once): tiny LLaVA (images, raw media),
     tiny Qwen2.5-VL (image, video), Qwen2.5-Omni thinker (image, video, audio) and Qwen3-VL
     (DeepStack: encoder output wider than the LM)."""
-    run([str(PY), "-m", "encoder_service.local.testmodels", "--models-dir", str(WORK / "models"),
-         "--spec", "tiny", "--spec", "qwen-vl", "--spec", "qwen-omni", "--spec", "qwen3-vl"])
+    # two builders side by side (each build is mostly one core's work); a built model is
+    # left alone in milliseconds
+    cmds = [[str(PY), "-m", "encoder_service.local.testmodels", "--models-dir",
+             str(WORK / "models"), "--spec", a, "--spec", b]
+            for a, b in (("tiny", "qwen-vl"), ("qwen-omni", "qwen3-vl"))]
+    for cmd in cmds:
+        log("$ " + " ".join(cmd))
+    procs = [subprocess.Popen(cmd) for cmd in cmds]
+    failed = [cmd for cmd, proc in zip(cmds, procs, strict=True) if proc.wait() != 0]
+    if failed:
+        sys.exit(f"building the test models failed: {' '.join(failed[0])}")
 
 
 def main() -> None:

@@ -46,7 +46,8 @@ def inspect_classes() -> None:
 
 
 def compile_sampling(model) -> None:
-    server = VllmServer("prewarm", model, PORT, WORK / "prewarm", None).start()
+    # on one core, as every test server: inductor keys its kernels by the thread count
+    server = VllmServer("prewarm", model, PORT, WORK / "prewarm", None, cpu_core=1).start()
     try:
         server.wait()
         with httpx.Client(timeout=120) as client:

@@ -28,13 +28,12 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
 class Q(NamedTuple):
-    """One query of a panel. `sparse`: a labelled counter with no series until its first
-    event (an upstream error, a restart): healthy deployments show nothing, and the deploy
-    lane checks its metric is scraped rather than that it has series."""
+    """One query of a panel: every one has series in a healthy deployment (the labelled
+    counters that wait for an event, upstream errors or restarts, export each known label
+    set at 0)."""
 
     expr: str
     legend: str = ""
-    sparse: bool = False
 
 
 class Panel(NamedTuple):
@@ -76,7 +75,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "(epd_gateway_rejected_total; docs/errors.md), and admissions an encoder pool "
               "refused (epd_pool_rejected_total).",
               [Q(rate("epd_gateway_rejected_total", "reason"), "{{reason}}"),
-               Q(rate("epd_pool_rejected_total", "code"), "pool {{code}}", sparse=True)],
+               Q(rate("epd_pool_rejected_total", "code"), "pool {{code}}")],
               unit="reqps"),
     ]),
     ("Latency", [
@@ -169,16 +168,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "up` restarted (epd_gateway_upstream_errors_total, epd_gateway_retries_total, "
               "epd_gateway_failovers_total, epd_gateway_fallbacks_total, "
               "vllm:epd_local_encode_fallbacks_total, epd_restarts_total).",
-              [Q(rate("epd_gateway_upstream_errors_total", "target"), "errors {{target}}",
-                 sparse=True),
-               Q(rate("epd_gateway_retries_total", "target"), "retries {{target}}",
-                 sparse=True),
-               Q(rate("epd_gateway_failovers_total", "outcome"), "failovers {{outcome}}",
-                 sparse=True),
+              [Q(rate("epd_gateway_upstream_errors_total", "target"), "errors {{target}}"),
+               Q(rate("epd_gateway_retries_total", "target"), "retries {{target}}"),
+               Q(rate("epd_gateway_failovers_total", "outcome"), "failovers {{outcome}}"),
                Q(rate("epd_gateway_fallbacks_total"), "sent raw (encoder failed)"),
                Q(rate("vllm:epd_local_encode_fallbacks_total"), "encoded by the consumer"),
                Q(rate("epd_restarts_total", "exported_instance"),
-                 "restarts {{exported_instance}}", sparse=True)], unit="ops"),
+                 "restarts {{exported_instance}}")], unit="ops"),
     ]),
 ]
 

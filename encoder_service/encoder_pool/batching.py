@@ -66,6 +66,13 @@ class ItemFailed(RuntimeError):
         self.item_id, self.code, self.reason = item_id, code, reason
 
 
+# `code` of a refused admission (epd_pool_rejected_total): a modality's queue full (the
+# client gets 429 queue_full/overloaded), the feature budget full (503 over_budget); every
+# one exported from the start at 0
+QUEUE_FULL, BUDGET = "queue_full", "budget"
+REJECT_CODES = (QUEUE_FULL, BUDGET)
+
+
 @dataclass
 class PoolStats:
     batches: int = 0
@@ -76,10 +83,14 @@ class PoolStats:
     reuse_hits: int = 0
     chunked_items: int = 0  # videos encoded in chunks
     chunks: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_CODES, 0))
 
     def fail(self, code: str) -> None:
         self.items_failed[code] = self.items_failed.get(code, 0) + 1
+
+    def reject(self, code: str) -> None:
+        """An admission refused, `code` one of REJECT_CODES."""
+        self.rejected[code] += 1
 
 
 @dataclass
@@ -259,14 +270,14 @@ class EncoderPool:
         queue = self._queues[item.modality]
         chunks = self.split(item)
         if self.max_queue_items - queue.qsize() < max(1, len(chunks)):
-            self.stats.rejected["queue_full"] = self.stats.rejected.get("queue_full", 0) + 1
+            self.stats.reject(QUEUE_FULL)
             raise Overloaded(f"{item.modality} queue is full ({self.max_queue_items} items)",
                              self.retry_after_s)
         tokens, nbytes = self.estimate_bytes(item)
         try:
             self.store.begin(item.item_id, item.modality, nbytes, keep=keep)
         except Exception:
-            self.stats.rejected["budget"] = self.stats.rejected.get("budget", 0) + 1
+            self.stats.reject(BUDGET)
             raise
         now, future = time.monotonic(), loop.create_future()
         if not chunks:

@@ -44,7 +44,13 @@ from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
 from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.secret import server_api_key
-from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
+from encoder_service.encoder_pool.batching import (
+    QUEUE_FULL,
+    EncoderPool,
+    ItemFailed,
+    Overloaded,
+    Worker,
+)
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
 from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore
 from encoder_service.encoder_pool.media import (
@@ -242,8 +248,7 @@ class EncodeHandler:
             need[it.modality] = need.get(it.modality, 0) + self.pool.slots(it)
         for modality, n in need.items():
             if self.pool.free_slots(modality) < n:
-                rejected = self.pool.stats.rejected
-                rejected["queue_full"] = rejected.get("queue_full", 0) + 1
+                self.pool.stats.reject(QUEUE_FULL)
                 raise _Refused(_error(429, "queue_full", f"{modality} queue is full; retry "
                                       "later", self.config.retry_after_s))
 

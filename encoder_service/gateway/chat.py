@@ -38,7 +38,7 @@ from encoder_service.gateway.encoder_clients import (
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.failover import upstream_body
 from encoder_service.gateway.kv_handoff import KvHandoff
-from encoder_service.gateway.metrics import GatewayMetrics
+from encoder_service.gateway.metrics import ENCODER, GatewayMetrics
 from encoder_service.gateway.parsing import (
     MediaPart,
     PreparedRequest,
@@ -262,9 +262,9 @@ class ChatFlow:
         if outcome.shared:
             m.items_shared.inc(outcome.shared)
         if outcome.retries:
-            m.retries.labels("encoder").inc(outcome.retries)
+            m.retries.labels(ENCODER).inc(outcome.retries)
         if errors:
-            m.upstream_errors.labels("encoder").inc(len(errors))
+            m.upstream_errors.labels(ENCODER).inc(len(errors))
         if outcome.failed:
             m.items.labels("fallback").inc(len(outcome.failed))
             m.fallbacks.inc()

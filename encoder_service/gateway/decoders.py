@@ -33,7 +33,7 @@ from encoder_service.gateway.auth import upstream_headers
 from encoder_service.gateway.codec import DecodeError, json_decode
 from encoder_service.gateway.config import GatewayConfig
 from encoder_service.gateway.errors import GatewayError
-from encoder_service.gateway.metrics import GatewayMetrics
+from encoder_service.gateway.metrics import DECODE, GatewayMetrics
 from encoder_service.gateway.routing import Chooser, Members, Policy, rendezvous
 
 
@@ -293,9 +293,9 @@ class DecodePool(Members):
             up = await self.open(method, path, content, request_id, key=key)
         except GatewayError:
             if m is not None:
-                m.upstream_errors.labels("decode").inc()
+                m.upstream_errors.labels(DECODE).inc()
             raise
         if up.retries and m is not None:
-            m.retries.labels("decode").inc(up.retries)
-            m.upstream_errors.labels("decode").inc(up.retries)
+            m.retries.labels(DECODE).inc(up.retries)
+            m.upstream_errors.labels(DECODE).inc(up.retries)
         return up

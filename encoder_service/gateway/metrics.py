@@ -7,6 +7,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10,
                  30, 60, 120)
 
+# label values of the counters that wait for an event (errors, retries, failovers): every
+# one starts at 0, so rate() and the dashboard have a series before the first event; call
+# sites use these names (tests/encoder_service/gateway/test_metrics.py)
+ENCODER, DECODE = "encoder", "decode"  # `target`; decode: a (prefill/)decode instance
+UPSTREAM_TARGETS = (ENCODER, DECODE)
+RESUMED, REFUSED = "resumed", "refused"  # `outcome` of a failover
+FAILOVER_OUTCOMES = (RESUMED, REFUSED)
+
 
 class GatewayMetrics:
     """Stages: parse (read + validate + hash), encode (encoder calls), prefill (E/P/D: the
@@ -59,6 +67,11 @@ class GatewayMetrics:
         self.kv_handoff_failures = Counter(
             "epd_kv_handoff_failures", "Prefills that handed no KV cache on: the decode "
             "instance computed the prompt itself", ["reason"], registry=r)
+        for target in UPSTREAM_TARGETS:  # every known label set at 0
+            self.retries.labels(target)
+            self.upstream_errors.labels(target)
+        for outcome in FAILOVER_OUTCOMES:
+            self.failovers.labels(outcome)
         # children bound once: labels() is a dict lookup under a lock on every call
         self.stage_parse = self.stage.labels("parse")
         self.stage_encode = self.stage.labels("encode")
@@ -82,6 +95,12 @@ class GatewayMetrics:
         self.trace_spans = Counter("epd_gateway_trace_spans", "Spans of the gateway's traces "
                                    "by outcome: exported, dropped, failed", ["outcome"],
                                    registry=r)
-        # counted by `epd up`'s supervisor (local/supervise.py), which runs the gateway
+        # counted by `epd up`'s supervisor (local/supervise.py), which runs the gateway;
+        # each instance at 0 once registered (`instance_registered`)
         self.restarts = Counter("epd_restarts", "Servers restarted after they exited unasked "
                                 "(epd up)", ["instance"], registry=r)
+
+    def instance_registered(self, name: str) -> None:
+        """A server `epd up` supervises (encoder-0, decode-1, mooncake-master, ...): its
+        restart count exported at 0 before its first restart."""
+        self.restarts.labels(name)

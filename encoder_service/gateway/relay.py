@@ -24,7 +24,7 @@ from encoder_service.gateway.codec import json_encode
 from encoder_service.gateway.decoders import Upstream, UpstreamError
 from encoder_service.gateway.errors import GatewayError
 from encoder_service.gateway.failover import ResumeMismatch, StreamTracker
-from encoder_service.gateway.metrics import GatewayMetrics
+from encoder_service.gateway.metrics import DECODE, REFUSED, RESUMED, GatewayMetrics
 from encoder_service.gateway.resume import Resumed, ResumeFn
 from encoder_service.gateway.tracing import RequestTrace
 
@@ -209,11 +209,11 @@ class Relay:
         try:
             return await self._read_once(leg.up)
         except UpstreamError as exc:
-            self.metrics.upstream_errors.labels("decode").inc()
+            self.metrics.upstream_errors.labels(DECODE).inc()
             again = None if resume is None else await resume(None, leg.up.url)
             if again is None:
                 raise _broke(leg.up, exc) from None
-            self.metrics.failovers.labels("resumed").inc()  # the client saw nothing yet
+            self.metrics.failovers.labels(RESUMED).inc()  # the client saw nothing yet
             logger.warning("decode answer broke rid=%s decoder=%s error=%s action=asked %s "
                            "again", rid, leg.up.url, exc, again[0].url)
             await leg.up.release()
@@ -222,7 +222,7 @@ class Relay:
         try:
             return await self._read_once(leg.up)
         except UpstreamError as exc:
-            self.metrics.upstream_errors.labels("decode").inc()
+            self.metrics.upstream_errors.labels(DECODE).inc()
             raise _broke(leg.up, exc) from None
 
     # -- a stream ----------------------------------------------------------------------------
@@ -241,7 +241,7 @@ class Relay:
                 await ex.send({"type": "http.response.body", "body": b""})
                 return status
             except (UpstreamError, ResumeMismatch) as exc:
-                self.metrics.upstream_errors.labels("decode").inc()
+                self.metrics.upstream_errors.labels(DECODE).inc()
                 if tracker is not None and (tail := tracker.tail()) is not None:
                     await self._complete(leg, ex, exc, tail)  # only the end was lost
                     return status
@@ -272,7 +272,7 @@ class Relay:
     async def _switch(self, leg: _Leg, ex: Exchange, again: Resumed, tracker: StreamTracker,
                       info: dict[str, object], exc: Exception) -> AsyncIterator[bytes]:
         """Go on with the continuation `again` (the tracker was switched to it)."""
-        self.metrics.failovers.labels("resumed").inc()
+        self.metrics.failovers.labels(RESUMED).inc()
         logger.warning("decode stream broke rid=%s decoder=%s error=%s action=resumed on %s "
                        "after %d tokens", ex.rid, leg.up.url, exc, again[0].url,
                        len(tracker.token_ids))
@@ -298,7 +298,7 @@ class Relay:
                          tracked: bool) -> None:
         """End a stream that cannot go on with an error event: tell, not a silent cut."""
         if tracked:
-            self.metrics.failovers.labels("refused").inc()
+            self.metrics.failovers.labels(REFUSED).inc()
         ex.watch.finish()
         logger.warning("decode stream broke rid=%s decoder=%s error=%s", ex.rid, leg.up.url,
                        exc)

@@ -186,7 +186,7 @@ def supervise(dep: Any, policy: RestartPolicy, startup_timeout_s: float,
     served = {s.name: s.url for s in dep.servers}
     procs: list[ManagedProcess] = [*([dep.master] if dep.master else []), *dep.servers]
     for p in procs:
-        gateway.metrics.restarts.labels(p.name)  # 0 until one
+        gateway.metrics.instance_registered(p.name)  # its restarts at 0
 
     def down(p: ManagedProcess) -> None:
         if p.name in served:

@@ -96,7 +96,7 @@ def test_full_queue_refuses_at_once_and_budget_full_refuses():
         await asyncio.gather(running, *queued)
 
     run(go, pool)
-    assert pool.stats.rejected == {"queue_full": 1}
+    assert pool.stats.rejected == {"queue_full": 1, "budget": 0}
     assert pool.store.get("x") is None
 
     small = make_pool(FakeEncoder(delay=0.3), budget=ITEM_BYTES * 2, max_queue_items=100)
