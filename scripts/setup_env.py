@@ -91,8 +91,9 @@ def pip_install(args: list[str]) -> None:
         subprocess.run([str(PY), "-m", "pip", "install", "-q", "uv"], capture_output=True)
     if uv.exists():
         try:
-            # --compile-bytecode: as pip does; without .pyc files every vLLM process started
-            # with -B (multiprocessing's spawn children: each EngineCore) compiles vLLM again
+            # --compile-bytecode: as pip does; a process that writes no .pyc files
+            # (PYTHONDONTWRITEBYTECODE, set on these machines; -B, which spawn children such
+            # as each EngineCore inherit) otherwise compiles vLLM in memory at every start
             run([str(uv), "pip", "install", "--python", str(PY), "--index-strategy",
                  "unsafe-best-match", "--compile-bytecode", *_pip_config(), *args])
             return

@@ -1,7 +1,6 @@
 """Warm the e2e lane's caches while the fast lane runs: `./run.sh test` starts this niced
 beside the fast lane and waits for it before the e2e lane. What a fresh clone otherwise pays
 inside the e2e lane, one server at a time:
-- the e2e lane's test models (built once per directory: `testmodels.build` locks);
 - vLLM's inspection of each model class its servers load (a fresh interpreter, ~7 s each,
   once per vLLM cache: the project's, shared by every test server);
 - torch inductor's sampling kernels for the request fields the e2e tests send (a server
@@ -25,8 +24,7 @@ from tests.e2e.client import FIELDS, MODEL_NAME, PROMPT
 from tests.helpers import WORK, port_block
 
 PORT = port_block(__name__ if __name__ != "__main__" else "tests.prewarm")[0]
-MODELS = {"tiny-llava": "tiny", "tiny-qwen-omni": "qwen-omni", "tiny-qwen3-vl": "qwen3-vl"}
-# the model classes those load (vLLM's names)
+# the model classes the e2e servers load (vLLM's names): tiny LLaVA, Qwen2.5-Omni, Qwen3-VL
 CLASSES = ("LlavaForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration",
            "Qwen3VLForConditionalGeneration")
 
@@ -63,10 +61,8 @@ def compile_sampling(model) -> None:
 def main() -> int:
     t0 = time.monotonic()
     failed = 0
-    models = {}
-    for name, spec in MODELS.items():
-        models[name] = build(WORK / "models" / name, SPECS[spec])
-    for step in (inspect_classes, lambda: compile_sampling(models["tiny-llava"])):
+    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])  # setup built it: found
+    for step in (inspect_classes, lambda: compile_sampling(model)):
         try:
             step()
         except Exception as exc:  # a cache left cold: the e2e lane pays it, nothing else

@@ -91,12 +91,21 @@ def ensure_packages() -> None:
             missing.append(pkg)
     if not missing:
         return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
+    if not can_apt():
         raise RuntimeError(f"the deploy lane needs {' '.join(missing)} (apt-get install as "
                            "root); not root or no apt here")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *APT_PACKAGES]
     log(f"installing {' '.join(missing)} with apt-get")
+    apt_install(APT_PACKAGES)
+
+
+def can_apt() -> bool:
+    return os.geteuid() == 0 and shutil.which("apt-get") is not None
+
+
+def apt_install(packages) -> None:
+    """Debian `packages` (no recommends), the package lists refreshed only when needed."""
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
     if run(cmd, check=False, env=env, timeout=900).returncode != 0:
         run(["apt-get", "update", "-qq"], env=env, timeout=600)
         run(cmd, env=env, timeout=900)

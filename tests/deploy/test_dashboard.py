@@ -59,15 +59,11 @@ def prometheus_binary() -> str:
     found = shutil.which("prometheus")
     if found:
         return found
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
+    if not engine.can_apt():
         pytest.skip("prometheus is not on PATH and this is not root with apt-get: "
                     "`apt-get install -y --no-install-recommends prometheus` first")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    cmd = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]
     engine.log("installing prometheus with apt-get")
-    if engine.run(cmd, check=False, env=env, timeout=900).returncode != 0:
-        engine.run(["apt-get", "update", "-qq"], env=env, timeout=600)
-        engine.run(cmd, env=env, timeout=900)
+    engine.apt_install(["prometheus"])
     found = shutil.which("prometheus")
     assert found, "apt-get installed prometheus but it is not on PATH"
     return found
