@@ -44,7 +44,7 @@ from encoder_service.local.processes import (
 )
 from encoder_service.local.testmodels import SPECS, ModelSpec, build
 from encoder_service.local.up import Deployment
-from encoder_service.local.up_config import UpConfig
+from encoder_service.local.up_config import UpConfig, gateway_routing
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te",
@@ -201,7 +201,9 @@ def start_example(g: Group, model: Path, work: Path, probe_dir: Path, say) -> St
     try:
         gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None,
                             work / "logs" / "rv-example-gateway.log",
-                            config={"routing": {"overlap": "off"}, **g.gateway},
+                            config={**g.gateway, "routing": gateway_routing(
+                                {"overlap": "off", **g.gateway.get("routing", {})},
+                                list(g.vllm_args))},
                             model=g.served)
     except BaseException:
         _stopper(enc, dec, after=rm)()
@@ -262,6 +264,7 @@ def start_ours(name: str, g: Group, model: Path, work: Path, probe_dir: Path, sa
     gw = None
     try:
         config = {**g.gateway, "encoder_backend": cfg.encoder_backend,
+                  "routing": gateway_routing(g.gateway.get("routing"), cfg.vllm_args),
                   "availability": dep.gateway_cfg.availability.model_dump(
                       mode="json", exclude_none=True)}
         gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None,

@@ -10,7 +10,8 @@ deployment and every round (seeded), each run against a started deployment's fro
                      answers are compared as text (it returns no token ids);
                      `--distinct-client ours` sends the same shape with this client instead
   video              `qwen3-vl-video` clips of 6, 30 and 120 frames (512 px JPEG frame lists:
-                     items of 6.3 / 31.5 / 125.8 MB), each size alone (case video_<n>x1) and
+                     items of 6.3 / 31.5 / 125.8 MB), each size alone (case video_<n>x1:
+                     three new clips one after another; one clip was one noisy sample) and
                      four new clips at once (video_<n>x4), 8 output tokens
   video_with_images  a new 120-frame clip, then (`--lag-ms` later, while it encodes) 16 new
                      images at once; TTFT p50/p99 of the images, the video's TTFT beside
@@ -47,6 +48,7 @@ GROUP_OF = {"light": "llava", "distinct": "llava", "video": "qwen3",
             "video_with_images": "qwen3"}
 DISTINCT_BUCKETS = "{(256, 256, 1): 1.0}"  # random-mm: one 256 x 256 image per request
 DISTINCT_PROMPT_TOKENS = 32
+SOLO_CLIPS = 3  # video_<n>x1: clips sent one after another
 
 
 @dataclass
@@ -180,7 +182,8 @@ def video(stack: Stack, a: argparse.Namespace) -> dict[str, Run]:
     _warm_video(stack, a)
     runs = {}
     for n in a.frames:
-        runs[f"video_{n}x1"] = measure(stack, [clip(100_000 + n, n)], 1, 8,
+        runs[f"video_{n}x1"] = measure(stack, [clip(100_000 + 10 * n + k, n)
+                                               for k in range(SOLO_CLIPS)], 1, 8,
                                        "what happens in this clip?")
         runs[f"video_{n}x4"] = measure(stack, [clip(200_000 + 10 * n + k, n) for k in range(4)],
                                        4, 8, "what happens in this clip?")

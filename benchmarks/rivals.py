@@ -102,7 +102,7 @@ def run_deployment(dep: str, group: str, workloads: list[str], rnd: int,
                 h = None if dep == "aggregated" else handoffs(events, run.t0, run.t1)
                 s = summarize(run, h)
                 results.setdefault(case, {}).setdefault(dep, []).append(
-                    {"round": rnd, "summary": s, "answers": run.answers,
+                    {"round": rnd, "summary": s, "cpu": run.cpu, "answers": run.answers,
                      "first_errors": run.errors[:3]})
                 handoff = "-" if s["handoff_ms"] is None else f"{s['handoff_ms']:.2f} ms"
                 say(f"round {rnd} {dep} {case}: {s['req_per_s']:.2f} req/s, TTFT p50 "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from functools import lru_cache
 
 MAX_ID_BYTES = 64 * 1024  # ids longer than this are refused outright
@@ -49,7 +50,11 @@ def namespace_key(name: str) -> str:
     return item_key(name)
 
 
-def content_item_id(data: bytes, namespace: str) -> str:
+def content_item_id(data: bytes | Sequence[bytes], namespace: str) -> str:
     """Item id derived from the media bytes, namespaced by model: the same image always maps
-    to the same id, so any instance can reuse its embedding."""
-    return hashlib.sha256(namespace.encode() + b"\0" + data).hexdigest()
+    to the same id, so any instance can reuse its embedding. `data` may come in chunks (the
+    id of their concatenation, which is never made: a clip's frames are 19 MB)."""
+    h = hashlib.sha256(namespace.encode() + b"\0")
+    for chunk in (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data:
+        h.update(chunk)
+    return h.hexdigest()

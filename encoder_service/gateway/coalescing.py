@@ -6,6 +6,8 @@ back into its requests, so a bad item fails its own request only."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,9 @@ class _Waiter:
 
 
 _SPLIT_ON = frozenset({400, 413, 422})  # the encoder refused the content, not the call
+# vLLM's refusal of a prompt over `--limit-mm-per-prompt` (multimodal/processing/context.py)
+_PER_PROMPT = re.compile(r"At most (\d+) image\(s\) may be provided in one prompt")
+logger = logging.getLogger("epd.gateway")
 
 
 class CoalescingClient:
@@ -45,7 +50,10 @@ class CoalescingClient:
     audio go alone at once (their cost is the encode, and their token counts could overflow
     one prompt). A shared call the encoder refuses for its content (400/413/422: one bad
     item, a prompt too long) is split back into its requests, each sent alone, so a bad item
-    fails its own request only. Every wait ends within the inner client's `timeout_s`."""
+    fails its own request only; one refused for vLLM's `--limit-mm-per-prompt` also lowers
+    `max_items` to that limit for every later call (a shared call it would refuse again costs
+    the encoder a parse and the requests a round trip). Every wait ends within the inner
+    client's `timeout_s`."""
 
     def __init__(self, inner: EncoderClient, max_items: int, max_calls: int,
                  timeout_s: float, on_call: Callable[[int], None] | None = None) -> None:
@@ -105,6 +113,7 @@ class CoalescingClient:
                     self.on_call(len(items))
                 made = await _settled(self.inner.encode(items, rid))
                 if isinstance(made, EncoderFailed) and made.status in _SPLIT_ON:
+                    self._learn_limit(made, len(items))
                     results = await asyncio.gather(*(_settled(self._alone(w)) for w in batch))
                 else:
                     results = [made if isinstance(made, BaseException) else
@@ -123,6 +132,20 @@ class CoalescingClient:
                     w.future.set_exception(EncoderFailed(f"{self.name}: call cancelled"))
             self._calls -= 1
             self._pump()
+
+
+    def _learn_limit(self, refusal: EncoderFailed, sent: int) -> None:
+        """Lower `max_items` to the per-prompt image limit a refusal of `sent` items names."""
+        m = _PER_PROMPT.search(str(refusal))
+        if m is None:
+            return
+        limit = max(1, int(m.group(1)))
+        if limit < min(self.max_items, sent):
+            logger.warning("encoder %s takes at most %d image(s) per prompt (vLLM's "
+                           "--limit-mm-per-prompt); its shared calls now carry at most %d "
+                           "(set routing.coalesce_items to %d to skip this refusal)",
+                           self.name, limit, limit, limit)
+            self.max_items = limit
 
 
 async def _settled(call: Awaitable[dict[str, Any]]) -> dict[str, Any] | EncoderFailed:

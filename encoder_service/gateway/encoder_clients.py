@@ -31,6 +31,7 @@ import httpx
 from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.params import ItemEntry, TransferParams
 from encoder_service.gateway import tracing
+from encoder_service.gateway.codec import json_decode, json_encode
 from encoder_service.gateway.parsing import MediaPart
 from encoder_service.gateway.routing import Chooser, Members
 
@@ -65,7 +66,7 @@ async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, 
                 request_id: str, timeout_s: float, answer_s: float) -> httpx.Response:
     """POST with a deadline; every failure (timeout, connection, non-200) is EncoderFailed.
     Traced (tracing.py): an `epd.encoder_call` span, its traceparent sent along."""
-    headers = {"x-request-id": request_id}
+    headers = {"x-request-id": request_id, "content-type": "application/json"}
     span = tracing.call("epd.encoder_call", headers, {"server.address": name,
                                                       "epd.request_id": request_id})
     try:
@@ -82,8 +83,11 @@ async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, 
 async def _answer(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
                   headers: dict[str, str], timeout_s: float, answer_s: float
                   ) -> httpx.Response:
+    # msgspec, not httpx's json.dumps: a 120-frame clip's 25 MB body encodes in ~20 ms
+    # instead of 90-150 ms, all of it on the event loop every other request waits on
     try:
-        r = await asyncio.wait_for(client.post(url, json=body, headers=headers), answer_s)
+        r = await asyncio.wait_for(client.post(url, content=json_encode(body), headers=headers),
+                                   answer_s)
     except asyncio.TimeoutError:
         raise EncoderFailed(f"{name}: no answer within {timeout_s} s") from None
     except httpx.HTTPError as exc:
@@ -115,7 +119,8 @@ class VllmEncoderClient:
                         self.timeout_s)
         bad: list[str] = []  # malformed entries: those items failed (they go raw)
         try:
-            made = TransferParams.parse(r.json().get("ec_transfer_params"), bad_items=bad)
+            made = TransferParams.parse(json_decode(r.content).get("ec_transfer_params"),
+                                        bad_items=bad)
         except (ValueError, AttributeError, TypeError):  # not JSON, not an object, BadParams
             raise EncoderFailed(f"{self.name}: unreadable answer") from None
         # Items the producer did not list were already stored (its dedupe): still hinted.
@@ -163,7 +168,7 @@ class PoolEncoderClient:
         r = await _post(self.name, self.client, self.url + "/v1/encode", body, request_id,
                         self.timeout_s, self.timeout_s + 1.0)
         try:
-            answer = r.json()
+            answer = json_decode(r.content)
             made = TransferParams.parse(answer["ec_transfer_params"], bad_items=[]).items
             status = {k: v.get("status") for k, v in answer["items"].items()}
         except (ValueError, KeyError, AttributeError, TypeError):  # BadParams: ValueError

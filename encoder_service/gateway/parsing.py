@@ -13,6 +13,7 @@ with other settings never share an embedding; encoders get the same settings.
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ _TEXT_PARTS = {"text"}
 # request fields that change what an encoder makes of the same bytes
 _KWARGS_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 _MAX_KWARGS_BYTES = 4096
+_OFFLOAD_FROM = 1 << 20  # inline media from this length on are decoded off the event loop
 
 
 @dataclass
@@ -64,15 +66,6 @@ def _b64(data: str, what: str) -> bytes:
         return pybase64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise GatewayError(400, f"{what}: malformed base64 data", "bad_base64") from None
-
-
-def _split_data_url(url: str) -> tuple[str, str]:
-    """(mime, base64 payload) of a `data:<mime>;base64,<payload>` URL."""
-    head, sep, payload = url.partition(",")
-    if not sep or not head.startswith("data:") or not head.endswith(";base64"):
-        raise GatewayError(400, "data URLs must look like data:<mime>;base64,<data>",
-                           "bad_data_url")
-    return head[5:-7].lower(), payload
 
 
 # verdicts (limits, modality, content id) whose bytes already passed validation (same bytes,
@@ -116,12 +109,66 @@ def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     return kwargs, canonical
 
 
-async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
-                fetch: Fetcher) -> tuple[str, bytes, list[bytes] | None]:
-    """(mime, bytes, frames) of one part; URL media are fetched and inlined as a data: URL.
-    `frames`: a video sent as a list of images (`data:video/jpeg;base64,<f1>,<f2>,...`);
-    its bytes are then the frames, each prefixed by its length."""
+def _frames(url: str, start: int, kind: str) -> list[bytes]:
+    """The frames of a `data:video/jpeg;base64,<f1>,<f2>,...` URL, its payload from `start`:
+    one ASCII copy of the URL, each frame decoded from a view of it (a 120-frame clip is a
+    25 MB string: splitting it copied it once more, frame by frame)."""
+    try:
+        buf = url.encode("ascii")
+    except UnicodeEncodeError:  # not base64 (a str, so only ASCII could be)
+        raise GatewayError(400, f"{kind} frame: malformed base64 data", "bad_base64") from None
+    view, frames = memoryview(buf), []
+    while (end := buf.find(b",", start)) >= 0:
+        frames.append(_b64(view[start:end], f"{kind} frame"))
+        start = end + 1
+    frames.append(_b64(view[start:], f"{kind} frame"))
+    if not all(frames):
+        raise GatewayError(400, f"{kind}: an empty frame", "bad_part")
+    return frames
+
+
+def _framed(frames: list[bytes]) -> list[bytes]:
+    """A frame list's bytes as the content id covers them: each frame after its length."""
+    return [chunk for f in frames for chunk in (len(f).to_bytes(8, "little"), f)]
+
+
+async def _fetch(part: dict[str, Any], kind: str, modality: str, fetch: Fetcher
+                 ) -> tuple[str, bytes] | None:
+    """(mime, bytes) of a part whose media is a URL to fetch (inlined as a data: URL, so
+    no server fetches it); None for every other part (its media are in the request)."""
+    payload = part.get(kind)
+    if kind == "input_audio":
+        return None
+    if isinstance(payload, str):  # the short form {"image_url": "<url>"}
+        payload = {"url": payload}
+        part[kind] = payload
+    url = payload.get("url") if isinstance(payload, dict) else None
+    if not isinstance(url, str) or not url or url.startswith("data:"):
+        return None
+    data, ctype = await fetch(url)
+    mime = (ctype or "").split(";", 1)[0].strip().lower()
+    if not mime.startswith(f"{modality}/"):
+        mime = {"image": "image/png", "audio": "audio/wav", "video": "video/mp4"}[modality]
+    payload["url"] = f"data:{mime};base64," + pybase64.b64encode(data).decode()
+    return mime, data
+
+
+def _inline_size(part: dict[str, Any], kind: str) -> int:
+    """The length of a part's inline media (its data URL or base64 string)."""
+    payload = part.get(kind)
+    value = payload.get("data" if kind == "input_audio" else "url") \
+        if isinstance(payload, dict) else payload
+    return len(value) if isinstance(value, str) else 0
+
+
+def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
+          fetched: tuple[str, bytes] | None) -> tuple[list[bytes], list[bytes] | None]:
+    """(chunks, frames) of one part: its media bytes (`b"".join(chunks)`, never made) and,
+    for a video sent as a list of images (`data:video/jpeg;base64,<f1>,<f2>,...`), the
+    frames; its bytes are then the frames, each prefixed by its length (`_framed`)."""
     limit = cfg.limits.max_media_bytes
+    if fetched is not None:
+        return [fetched[1]], None
     payload = part.get(kind)
     if kind == "input_audio":
         if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
@@ -129,33 +176,60 @@ async def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConf
         if len(payload["data"]) > limit * 4 // 3 + 4:
             raise GatewayError(413, f"media item is larger than {limit} bytes",
                                "media_too_large")
-        fmt = payload.get("format")
-        return f"audio/{fmt}" if isinstance(fmt, str) else "", _b64(payload["data"],
-                                                                    "input_audio"), None
-    if isinstance(payload, str):  # the short form {"image_url": "<url>"}
-        payload = {"url": payload}
-        part[kind] = payload
+        return [_b64(payload["data"], "input_audio")], None
     url = payload.get("url") if isinstance(payload, dict) else None
     if not isinstance(url, str) or not url:
         raise GatewayError(400, f"{kind} needs a url", "bad_part")
-    if url.startswith("data:"):
-        mime, b64 = _split_data_url(url)
-        if len(b64) > limit * 4 // 3 + 4:
-            raise GatewayError(413, f"media item is larger than {limit} bytes",
-                               "media_too_large")
-        if modality == "video" and mime in ("video/jpeg", "image/jpeg"):
-            frames = [_b64(f, f"{kind} frame") for f in b64.split(",")]
-            if not all(frames):
-                raise GatewayError(400, f"{kind}: an empty frame", "bad_part")
-            data = b"".join(len(f).to_bytes(8, "little") + f for f in frames)
-            return mime, data, frames
-        return mime, _b64(b64, f"{kind} data URL"), None
-    data, ctype = await fetch(url)
-    mime = (ctype or "").split(";", 1)[0].strip().lower()
-    if not mime.startswith(f"{modality}/"):
-        mime = {"image": "image/png", "audio": "audio/wav", "video": "video/mp4"}[modality]
-    payload["url"] = f"data:{mime};base64," + pybase64.b64encode(data).decode()
-    return mime, data, None
+    comma = url.find(",")
+    head = url[:comma] if comma >= 0 else url
+    if comma < 0 or not head.startswith("data:") or not head.endswith(";base64"):
+        raise GatewayError(400, "data URLs must look like data:<mime>;base64,<data>",
+                           "bad_data_url")
+    if len(url) - comma - 1 > limit * 4 // 3 + 4:
+        raise GatewayError(413, f"media item is larger than {limit} bytes", "media_too_large")
+    if modality == "video" and head[5:-7].lower() in ("video/jpeg", "image/jpeg"):
+        frames = _frames(url, comma + 1, kind)
+        return _framed(frames), frames
+    return [_b64(url[comma + 1:], f"{kind} data URL")], None
+
+
+def _identify(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
+              fetched: tuple[str, bytes] | None, namespace: str, signer: IdSigner
+              ) -> tuple[str, int, str | None]:
+    """Decode one part's media, give it its content id and check what is new: (id, size,
+    the verdict to remember, None when it was known). Touches no state but `part`, so it
+    may run off the event loop."""
+    chunks, frames = _load(part, kind, modality, cfg, fetched)
+    size = sum(map(len, chunks))
+    if size > cfg.limits.max_media_bytes:
+        raise GatewayError(413, f"media item is larger than {cfg.limits.max_media_bytes} "
+                           "bytes", "media_too_large")
+    if not size:
+        raise GatewayError(400, f"{part.get('type')} is empty", "bad_part")
+    item_id = signer.sign(content_item_id(chunks, namespace))
+    verdict: str | None = f"{hash(cfg.limits)}:{modality}:{item_id}"
+    if verdict in _validated:
+        verdict = None
+    else:
+        _check(modality, chunks[0] if frames is None else b"", frames, cfg)
+    return item_id, size, verdict
+
+
+async def _tag(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
+               fetch: Fetcher, namespace: str, signer: IdSigner) -> int:
+    """Load and check one media part and give it its content id (`uuid`); its size. Large
+    media (a clip's frames) are decoded, hashed and checked on a thread: the event loop
+    serves other requests meanwhile (hashlib and pybase64 let go of the GIL)."""
+    fetched = await _fetch(part, kind, modality, fetch)
+    args = (part, kind, modality, cfg, fetched, namespace, signer)
+    if fetched is None and _inline_size(part, kind) >= _OFFLOAD_FROM:
+        item_id, size, verdict = await asyncio.to_thread(_identify, *args)
+    else:
+        item_id, size, verdict = _identify(*args)
+    if verdict is not None:
+        _validated[verdict] = None  # here, on the loop: BoundedLRU is not thread-safe
+    part["uuid"] = item_id
+    return size
 
 
 def _parts(messages: list[Any]) -> Iterator[dict[str, Any]]:
@@ -185,24 +259,6 @@ def _media_kind(ptype: Any, cfg: GatewayConfig) -> tuple[str, str] | None:
         raise GatewayError(400, f"model {cfg.model!r} does not accept {modality} input here "
                            "(media.modalities)", "modality_disabled")
     return modality, kind
-
-
-async def _tag(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
-               fetch: Fetcher, namespace: str, signer: IdSigner) -> int:
-    """Load and check one media part and give it its content id (`uuid`); its size."""
-    mime, data, frames = await _load(part, kind, modality, cfg, fetch)
-    if len(data) > cfg.limits.max_media_bytes:
-        raise GatewayError(413, f"media item is larger than {cfg.limits.max_media_bytes} "
-                           "bytes", "media_too_large")
-    if not data:
-        raise GatewayError(400, f"{part.get('type')} is empty", "bad_part")
-    item_id = signer.sign(content_item_id(data, namespace))
-    verdict = f"{hash(cfg.limits)}:{modality}:{item_id}"
-    if verdict not in _validated:
-        _check(modality, data, frames, cfg)
-        _validated[verdict] = None
-    part["uuid"] = item_id
-    return len(data)
 
 
 async def prepare_chat(body: Any, cfg: GatewayConfig, fetch: Fetcher,

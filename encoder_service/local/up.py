@@ -56,6 +56,7 @@ from encoder_service.local.up_config import (
     UpConfig,
     UpError,
     connector_extra,
+    gateway_routing,
     kv_side_channel_port,
     kv_transfer_config,
     mooncake_endpoint,
@@ -163,9 +164,10 @@ class Deployment:
         tracing = ({"tracing": {"otlp_traces_endpoint": cfg.otlp_traces_endpoint,
                                 **cfg.gateway.get("tracing", {})}}
                    if cfg.otlp_traces_endpoint else {})
+        routing = gateway_routing(cfg.gateway.get("routing"), cfg.vllm_args)
         try:
             self.gateway_cfg = GatewayConfig.build({
-                **cfg.gateway, **tracing,
+                **cfg.gateway, **tracing, **({"routing": routing} if routing else {}),
                 **({"secret_file": cfg.secret_path} if secret else {}),
                 "host": cfg.host, "port": cfg.base_port,
                 "model": cfg.served_model_name, "encoders": [s.url for s in self.encoders],

@@ -34,6 +34,7 @@ store_metadata).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +47,7 @@ from ec_connectors.config_files import read_config_file, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
 from ec_connectors.protocol.secret import SECRET_ENV, read_secret
+from encoder_service.gateway.config import RoutingConfig
 from encoder_service.local.supervise import RestartPolicy
 from encoder_service.local.testmodels import SPECS, ModelSpec
 
@@ -58,6 +60,9 @@ SHM_POOL_BYTES = 256 << 20  # each decode instance's warm memory for the items i
 # `transport` -> EPDConnector's transport tiers, in load order
 TIERS: dict[str, list[str]] = {**{name: [name] for name in TRANSPORT_NAMES},
                                "tiered": list(TIERED)}
+
+
+COALESCE_DEFAULT = RoutingConfig.model_fields["coalesce_items"].default
 
 
 class UpConfig(BaseModel):
@@ -235,6 +240,38 @@ def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -
     data.update(overrides or {})
     return validate(UpConfig, data, "invalid epd up configuration", UpError)
 
+
+
+def images_per_prompt(vllm_args: list[str]) -> int | None:
+    """The per-prompt image limit `--limit-mm-per-prompt` gives vLLM in `vllm_args` (JSON:
+    `{"image": 1}` or `{"image": {"count": 1, ...}}`), None where they set none."""
+    flag = "--limit-mm-per-prompt"
+    for i, arg in enumerate(vllm_args):
+        if arg == flag and i + 1 < len(vllm_args):
+            value = vllm_args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+        else:
+            continue
+        try:
+            image = json.loads(value).get("image")
+        except (ValueError, AttributeError):
+            return None  # vLLM refuses it at start with its own error
+        if isinstance(image, dict):
+            image = image.get("count")
+        return image if isinstance(image, int) and image >= 0 else None
+    return None
+
+
+def gateway_routing(routing: dict[str, Any] | None, vllm_args: list[str]) -> dict[str, Any]:
+    """The gateway's `routing` keys for servers started with `vllm_args`: `coalesce_items`
+    (images per shared encoder call) at most vLLM's per-prompt image limit, unless set (a
+    shared call over it would be refused, and split, every time)."""
+    out = dict(routing or {})
+    limit = images_per_prompt(vllm_args)
+    if limit is not None and "coalesce_items" not in out:
+        out["coalesce_items"] = max(1, min(limit, COALESCE_DEFAULT))
+    return out
 
 
 def kv_side_channel_port(cfg: UpConfig, j: int) -> int:

@@ -71,6 +71,13 @@ def _nested(depth: int) -> list:
 
 
 PENDING = {"epd": {"items": {ID: {"pending": True}}}}
+FRAME = base64.b64encode(sample_image_png(8, 64)).decode()
+FRAMES_URL = "data:video/jpeg;base64," + ",".join([FRAME] * 6)  # vLLM's list of frames
+
+
+def _video(url: str = FRAMES_URL) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}, "uuid": ID}
+
 CASES = {
     "new item": _enc(body(MODEL, [_image()], ec_transfer_params=PENDING)),
     "no uuid, two images": _enc(body(MODEL, [_image(None), _image(None)])),
@@ -94,6 +101,12 @@ CASES = {
     "bad padding": _enc(body(MODEL, [_image(url=URL + "A")])),
     "escaped key in text": _enc(body(MODEL, [{"type": "text", "text": 'say "url": "' + URL}])),
     "deep": _enc(body(MODEL, [_image()], x=_nested(70))),
+    "frame list": _enc(body(MODEL, [_video()])),
+    "frame list, an empty frame": _enc(body(MODEL, [_video(FRAMES_URL + ",,")])),
+    "frame list, a frame with a quote escaped": _enc(body(MODEL, [_video(
+        FRAMES_URL + ',ab"cd')])),
+    "frame list, an escaped slash": _enc(body(MODEL, [_video(FRAMES_URL + ",ab\\/cd")])),
+    "frame list, a bad frame": _enc(body(MODEL, [_video(FRAMES_URL + ",A")])),
 }
 
 
@@ -118,6 +131,17 @@ def test_a_new_items_payload_is_never_parsed(bounds, monkeypatch):
     with pytest.raises(Refusal, match="not valid JSON"):
         ServerGuard(None, bounds=bounds, api_keys=[])._check(SCOPE, bad)
     assert len(bad) in seen
+
+
+def test_a_frame_lists_payload_is_left_out_of_the_parse(bounds):
+    """A video as a list of frames (comma-joined base64) is elided like one payload: the
+    guard's parse of a 120-frame clip's 25 MB body took 16-30 ms, ~5 ms without it."""
+    raw = CASES["frame list"]
+    reduced = server_guard._without_media(raw)
+    assert reduced is not None and len(reduced) < 300 < len(raw)
+    assert b'"data:video/jpeg;base64,"' in reduced
+    for case in ("frame list, a frame with a quote escaped", "frame list, a bad frame"):
+        assert server_guard._without_media(CASES[case]) is None, case  # parsed whole
 
 
 @settings(max_examples=40, derandomize=True, deadline=None,

@@ -152,3 +152,44 @@ def test_one_item_per_call_sends_every_request_alone_and_at_once():
     client.on_call = sizes.append
     asyncio.run(_gather(client, [[image("a")], [image("b")], [image("c")]]))
     assert inner.calls == [["a"], ["b"], ["c"]] and inner.peak == 3 and sizes == [1, 1, 1]
+
+
+class PerPromptLimit(Recorder):
+    """A vLLM encoder started with `--limit-mm-per-prompt '{"image": N}'`: a call with more
+    images is refused with vLLM's own message."""
+
+    def __init__(self, limit: int, **kw) -> None:
+        super().__init__(**kw)
+        self.limit = limit
+
+    async def encode(self, items, request_id):
+        if len(items) > self.limit:
+            self.calls.append([it.item_id for it in items])
+            raise EncoderFailed(
+                f"{self.name}: HTTP 400: {{\"error\":{{\"message\":\"At most {self.limit} "
+                f"image(s) may be provided in one prompt.\",\"type\":\"BadRequestError\"}}}}",
+                400)
+        return await super().encode(items, request_id)
+
+
+def test_a_refusal_for_vllms_per_prompt_limit_caps_every_later_shared_call():
+    inner = PerPromptLimit(2)
+    client = CoalescingClient(inner, max_items=8, max_calls=1, timeout_s=5)
+    first = [[image(f"a{i}")] for i in range(5)]
+    out = asyncio.run(_gather(client, first))
+    # the shared call of four was refused once and split; every request still answered
+    assert inner.calls[:3] == [["a0"], ["a1", "a2", "a3", "a4"], ["a1"]]
+    assert all(isinstance(o, dict) and len(o) == 1 for o in out)
+    assert client.max_items == 2
+    inner.calls.clear()
+    later = [[image(f"b{i}")] for i in range(5)]
+    out = asyncio.run(_gather(client, later))
+    assert all(isinstance(o, dict) and len(o) == 1 for o in out)
+    assert max(map(len, inner.calls)) <= 2 and len(inner.calls) == 3  # b0, then pairs
+
+
+def test_a_refusal_for_other_content_leaves_the_call_size_alone():
+    inner = Recorder(bad=frozenset({"x"}))
+    client = CoalescingClient(inner, max_items=8, max_calls=1, timeout_s=5)
+    asyncio.run(_gather(client, [[image("a")], [image("x")], [image("b")]]))
+    assert client.max_items == 8

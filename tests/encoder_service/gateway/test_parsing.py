@@ -257,3 +257,53 @@ def test_with_the_secret_the_gateway_signs_the_ids_it_derives(stubs, tmp_path):
     bad.chmod(0o644)
     with pytest.raises(GatewayConfigError, match="chmod 600"):
         GatewayConfig.build({"decoders": ["http://a:1"], "secret_file": str(bad)})
+
+
+def _prepare(part: dict, **limits):
+    import asyncio
+
+    from encoder_service.gateway.parsing import prepare_chat
+
+    cfg = GatewayConfig(model=MODEL, decoders=["http://127.0.0.1:9"], limits=limits)
+
+    async def no_fetch(url):
+        raise AssertionError("nothing to fetch")
+
+    return asyncio.run(prepare_chat(parts_request(part), cfg, no_fetch))
+
+
+def test_a_frame_lists_id_covers_each_frame_after_its_length_and_large_ones_leave_the_loop(
+        monkeypatch):
+    """The id of a frame list is the hash of its frames, each after its 8-byte length (the
+    frames' bytes, never joined); media over 1 MB are decoded, hashed and checked on a
+    thread, the event loop free for other requests meanwhile."""
+    from encoder_service.gateway import parsing
+
+    threads: list[bool] = []
+    identify = parsing._identify
+    monkeypatch.setattr(parsing, "_identify", lambda *a: (
+        threads.append(threading.current_thread() is threading.main_thread()), identify(*a))[1])
+    for frames, on_loop in ((sample_frames(4), True), (sample_frames(8, 40, 224), False)):
+        threads.clear()
+        prepared = _prepare(video_part(frames), max_media_bytes=16 << 20)
+        joined = b"".join(len(f).to_bytes(8, "little") + f for f in frames)
+        assert prepared.items[0].item_id == content_item_id(joined, GatewayConfig(
+            model=MODEL, decoders=["http://127.0.0.1:9"]).namespace)
+        assert prepared.items[0].nbytes == len(joined)
+        assert threads == [on_loop], len(joined)
+
+
+@pytest.mark.parametrize("tail, status, code", [
+    (",", 400, "bad_part"), (",,", 400, "bad_part"), (",@@", 400, "bad_base64"),
+    (",é", 400, "bad_base64"), ("", 200, None)])
+def test_a_frame_list_with_an_empty_or_broken_frame_is_refused(tail, status, code):
+    from encoder_service.gateway.errors import GatewayError
+
+    part = video_part(sample_frames(3))
+    part["video_url"]["url"] += tail
+    if status == 200:
+        assert len(_prepare(part).items) == 1
+        return
+    with pytest.raises(GatewayError) as err:
+        _prepare(part)
+    assert (err.value.status, err.value.reason) == (status, code)

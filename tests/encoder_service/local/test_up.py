@@ -42,7 +42,10 @@ def test_plan_wires_ports_cores_and_the_gateway(tmp_path):
     g = dep.gateway_cfg
     assert g.port == 18510 and g.encoders == [dep.servers[0].url, dep.servers[1].url]
     assert g.availability.storage_path == str(tmp_path / "ec")
-    assert g.limits.max_media_items == 4
+    assert g.limits.max_media_items == 4 and g.routing.coalesce_items == 8
+    one = Deployment(UpConfig(vllm_args=["--limit-mm-per-prompt", '{"image": 1}']), tmp_path)
+    one.plan(tmp_path / "model")  # vLLM takes one image per prompt: no shared calls
+    assert one.gateway_cfg.routing.coalesce_items == 1
     with pytest.raises(UpError, match="cpu_cores lists 1"):
         Deployment(UpConfig(cpu_cores=[0]), tmp_path).plan(tmp_path / "model")
     with pytest.raises(UpError, match="max_media_itemz"):

@@ -42,3 +42,23 @@ def test_auto_picks_shared_memory_on_one_host_and_says_why(monkeypatch):
     monkeypatch.setattr(up_config, "shm_unusable", lambda need: f"{need >> 20} MiB do not fit")
     assert UpConfig(encoders=2).transport_choice == ("safetensors", "1024 MiB do not fit")
     assert UpConfig(transport="shm").transport_choice == ("shm", "as configured")
+
+
+@pytest.mark.parametrize("args, want", [
+    ([], None),
+    (["--limit-mm-per-prompt", '{"image": 1, "video": 1}'], 1),
+    (['--limit-mm-per-prompt={"image": 3}'], 3),
+    (["--limit-mm-per-prompt", '{"image": {"count": 2, "width": 512}}'], 2),
+    (["--limit-mm-per-prompt", '{"video": 1}'], None),
+    (["--limit-mm-per-prompt", "not json"], None),
+    (["--max-model-len", "2048"], None),
+])
+def test_the_gateway_never_shares_more_images_per_call_than_vllm_takes(args, want):
+    from encoder_service.local.up_config import gateway_routing, images_per_prompt
+
+    assert images_per_prompt(args) == want
+    routing = gateway_routing({"overlap": "off"}, args)
+    assert routing.get("coalesce_items") == (None if want is None else min(want, 8))
+    assert routing["overlap"] == "off"
+    # a value the user set stays
+    assert gateway_routing({"coalesce_items": 5}, args) == {"coalesce_items": 5}
