@@ -14,6 +14,8 @@ machine's two cores, behind one front end, every server through the handoff prob
   ours_shm       `epd up`'s servers: vLLM encoder + vLLM prefill/decode with EPDConnector
                  over shared memory, our gateway as `epd up` configures it
   ours_te        the same over the Mooncake Transfer Engine transport (TCP, loopback)
+  ours_fs        the same over safetensors files (not in the default run: the setup of
+                 issue 41's `vllm bench serve` figures)
   ours_pool_shm  the same as ours_shm with our encoder pool (`epd encoder`) on core 0
 
 vLLM's own deployments run plain `vllm serve` (no `--middleware`: our server guard is part of
@@ -47,8 +49,9 @@ from encoder_service.local.up import Deployment
 from encoder_service.local.up_config import UpConfig, gateway_routing
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te",
+DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te", "ours_fs",
                "ours_pool_shm")
+DEFAULT_DEPLOYMENTS = tuple(d for d in DEPLOYMENTS if d != "ours_fs")
 RIVALS = ("ec_example", "ec_mooncake")  # vLLM's connectors; aggregated is the reference
 BASE_PORT = 20800  # front; servers +1, +2; ECMooncake control ports +60, +61
 MOONCAKE_BASE_PORT = 15900  # our TE transport's side channels (announce +1000, data +2000)
@@ -249,7 +252,8 @@ def start_ours(name: str, g: Group, model: Path, work: Path, probe_dir: Path, sa
     the probe, the gateway as a process of its own."""
     sizes = {"memory_pool_bytes": g.buffer_bytes, "shm_arena_bytes": g.buffer_bytes,
              "shm_consumer_pool_bytes": g.buffer_bytes}
-    cfg = UpConfig(model=g.spec.name, transport="mooncake" if name == "ours_te" else "shm",
+    transport = {"ours_te": "mooncake", "ours_fs": "safetensors"}.get(name, "shm")
+    cfg = UpConfig(model=g.spec.name, transport=transport,
                    encoder_backend="pool" if "pool" in name else "vllm",
                    base_port=BASE_PORT, mooncake_base_port=MOONCAKE_BASE_PORT,
                    cpu_cores=[0, 1], vllm_args=list(g.vllm_args),
@@ -306,6 +310,6 @@ def start(name: str, group: str, work: Path, models: Path, probe_dir: Path, say)
         return start_example(g, model, work, probe_dir, say)
     if name == "ec_mooncake":
         return start_mooncake(g, model, work, probe_dir, say)
-    if name in ("ours_shm", "ours_te", "ours_pool_shm"):
+    if name in ("ours_shm", "ours_te", "ours_fs", "ours_pool_shm"):
         return start_ours(name, g, model, work, probe_dir, say)
     raise ValueError(f"unknown deployment {name!r}")

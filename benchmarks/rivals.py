@@ -48,7 +48,12 @@ from benchmarks.rival_report import (  # noqa: E402
     summarize,
     write,
 )
-from benchmarks.rival_stacks import DEPLOYMENTS, Unsupported, start  # noqa: E402
+from benchmarks.rival_stacks import (  # noqa: E402
+    DEFAULT_DEPLOYMENTS,
+    DEPLOYMENTS,
+    Unsupported,
+    start,
+)
 from benchmarks.rival_workloads import GROUP_OF, RUNNERS, WORKLOADS  # noqa: E402
 from encoder_service.local.workdir import work_dir  # noqa: E402
 
@@ -116,7 +121,8 @@ def run_deployment(dep: str, group: str, workloads: list[str], rnd: int,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS, default=list(DEPLOYMENTS))
+    p.add_argument("--deployments", nargs="+", choices=DEPLOYMENTS,
+                   default=list(DEFAULT_DEPLOYMENTS))
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     p.add_argument("--requests", type=int, default=200, help="light and distinct")
     p.add_argument("--frames", type=int, nargs="+", default=[6, 30, 120])

@@ -123,7 +123,8 @@ class RoutingConfig(_Strict):
                                 "concurrent requests share one call, up to this many items "
                                 "(a vLLM server's cost is per request: one core, tiny LLaVA, "
                                 "5.0 ms of CPU per image alone, about 2.5 ms eight per call); "
-                                "1: one call per request")
+                                "at most vLLM's --limit-mm-per-prompt image limit (epd up sets "
+                                "it; a refusal for it lowers it); 1: one call per request")
     encoder_calls: int = Field(2, ge=1, description="coalescing calls in flight per vLLM "
                                "encoder; images that arrive while they all are go together "
                                "in the next")
