@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ _TEXT_PARTS = {"text"}
 _KWARGS_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 _MAX_KWARGS_BYTES = 4096
 _OFFLOAD_FROM = 1 << 20  # inline media from this length on are decoded off the event loop
+# ... on one thread: hashlib and pybase64 let go of the GIL, so a thread per clip would take
+# every core at once from the servers beside the gateway (four 120-frame clips: ~40 ms each)
+_MEDIA_THREAD = ThreadPoolExecutor(1, thread_name_prefix="epd-media")
 
 
 @dataclass
@@ -218,12 +222,13 @@ def _identify(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig
 async def _tag(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
                fetch: Fetcher, namespace: str, signer: IdSigner) -> int:
     """Load and check one media part and give it its content id (`uuid`); its size. Large
-    media (a clip's frames) are decoded, hashed and checked on a thread: the event loop
-    serves other requests meanwhile (hashlib and pybase64 let go of the GIL)."""
+    media (a clip's frames) are decoded, hashed and checked on the media thread: the event
+    loop serves other requests meanwhile."""
     fetched = await _fetch(part, kind, modality, fetch)
     args = (part, kind, modality, cfg, fetched, namespace, signer)
     if fetched is None and _inline_size(part, kind) >= _OFFLOAD_FROM:
-        item_id, size, verdict = await asyncio.to_thread(_identify, *args)
+        item_id, size, verdict = await asyncio.get_running_loop().run_in_executor(
+            _MEDIA_THREAD, _identify, *args)
     else:
         item_id, size, verdict = _identify(*args)
     if verdict is not None:
