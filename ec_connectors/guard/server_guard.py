@@ -43,6 +43,7 @@ from ec_connectors.guard.item_ids import keep_item_ids
 from ec_connectors.guard.request_checks import Checked, ModelBounds, check_request
 from ec_connectors.log import get_logger
 from ec_connectors.plugin import CONNECTOR_NAME
+from ec_connectors.protocol.frame_lists import comma_pieces
 from ec_connectors.protocol.http_api import KeyCheck, error_type
 from ec_connectors.protocol.refusals import (
     EMBEDDING_MISMATCH,
@@ -219,7 +220,8 @@ class ServerGuard:
 def _without_media(body: bytes) -> bytes | None:
     """`body` with the base64 payload of each `"url": "data:<type>;base64,<payload>"` value
     left out (an empty data URL stays), or None when it has none worth leaving out. Only a
-    payload that is whole, valid base64 or a comma-joined list of it (`_base64_list`)
+    payload that is whole, valid base64 or a comma-joined list of it (a video's frames,
+    protocol/frame_lists.py: nothing in either can end, escape or break the string)
     after a `"url"` key no backslash precedes (a key, not text) is left out: the reduced
     body is valid JSON exactly when the body is, with the same structure and every other
     string. No check reads such a payload (vLLM's part parser takes any string as a URL)."""
@@ -234,7 +236,8 @@ def _without_media(body: bytes) -> bytes | None:
         end = body.find(b'"', head.end())
         if end < 0:
             break
-        if end - head.end() >= _ELIDE_MIN and _base64_list(body, view, head.end(), end):
+        if end - head.end() >= _ELIDE_MIN and all(
+                map(_base64, comma_pieces(body, head.end(), end))):
             keep.append(view[start:head.end()])
             start = end
         pos = end + 1
@@ -242,17 +245,6 @@ def _without_media(body: bytes) -> bytes | None:
         return None
     keep.append(view[start:])
     return b"".join(keep)
-
-
-def _base64_list(body: bytes, view: memoryview, start: int, end: int) -> bool:
-    """Whether `body[start:end]` is base64, or base64 pieces joined by commas (a video as
-    vLLM's list of frames, `data:video/jpeg;base64,<f1>,<f2>,...`): nothing in either can
-    end, escape or break a JSON string."""
-    while (comma := body.find(b",", start, end)) >= 0:
-        if not _base64(view[start:comma]):
-            return False
-        start = comma + 1
-    return _base64(view[start:end])
 
 
 def _base64(data: memoryview) -> bool:

@@ -14,4 +14,5 @@ project above it.
 - `channel.py`: a generic ZMQ channel (one owner thread, doorbell, monitor, CURVE) for the
   control wire and the Mooncake TE side channel.
 - `lru.py`: `BoundedLRU`.
+- `frame_lists.py`: a video as vLLM's comma-joined list of base64 frames.
 """

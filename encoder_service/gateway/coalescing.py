@@ -133,7 +133,6 @@ class CoalescingClient:
             self._calls -= 1
             self._pump()
 
-
     def _learn_limit(self, refusal: EncoderFailed, sent: int) -> None:
         """Lower `max_items` to the per-prompt image limit a refusal of `sent` items names."""
         m = _PER_PROMPT.search(str(refusal))

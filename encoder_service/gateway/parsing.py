@@ -22,6 +22,7 @@ from typing import Any
 
 import pybase64
 
+from ec_connectors.protocol.frame_lists import comma_pieces
 from ec_connectors.protocol.keys import content_item_id
 from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.secret import IdSigner
@@ -121,11 +122,7 @@ def _frames(url: str, start: int, kind: str) -> list[bytes]:
         buf = url.encode("ascii")
     except UnicodeEncodeError:  # not base64 (a str, so only ASCII could be)
         raise GatewayError(400, f"{kind} frame: malformed base64 data", "bad_base64") from None
-    view, frames = memoryview(buf), []
-    while (end := buf.find(b",", start)) >= 0:
-        frames.append(_b64(view[start:end], f"{kind} frame"))
-        start = end + 1
-    frames.append(_b64(view[start:], f"{kind} frame"))
+    frames = [_b64(piece, f"{kind} frame") for piece in comma_pieces(buf, start)]
     if not all(frames):
         raise GatewayError(400, f"{kind}: an empty frame", "bad_part")
     return frames
@@ -137,9 +134,9 @@ def _framed(frames: list[bytes]) -> list[bytes]:
 
 
 async def _fetch(part: dict[str, Any], kind: str, modality: str, fetch: Fetcher
-                 ) -> tuple[str, bytes] | None:
-    """(mime, bytes) of a part whose media is a URL to fetch (inlined as a data: URL, so
-    no server fetches it); None for every other part (its media are in the request)."""
+                 ) -> bytes | None:
+    """The bytes of a part whose media is a URL to fetch (inlined as a data: URL, so no
+    server fetches it); None for every other part (its media are in the request)."""
     payload = part.get(kind)
     if kind == "input_audio":
         return None
@@ -154,7 +151,7 @@ async def _fetch(part: dict[str, Any], kind: str, modality: str, fetch: Fetcher
     if not mime.startswith(f"{modality}/"):
         mime = {"image": "image/png", "audio": "audio/wav", "video": "video/mp4"}[modality]
     payload["url"] = f"data:{mime};base64," + pybase64.b64encode(data).decode()
-    return mime, data
+    return data
 
 
 def _inline_size(part: dict[str, Any], kind: str) -> int:
@@ -166,13 +163,13 @@ def _inline_size(part: dict[str, Any], kind: str) -> int:
 
 
 def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
-          fetched: tuple[str, bytes] | None) -> tuple[list[bytes], list[bytes] | None]:
+          fetched: bytes | None) -> tuple[list[bytes], list[bytes] | None]:
     """(chunks, frames) of one part: its media bytes (`b"".join(chunks)`, never made) and,
     for a video sent as a list of images (`data:video/jpeg;base64,<f1>,<f2>,...`), the
     frames; its bytes are then the frames, each prefixed by its length (`_framed`)."""
     limit = cfg.limits.max_media_bytes
     if fetched is not None:
-        return [fetched[1]], None
+        return [fetched], None
     payload = part.get(kind)
     if kind == "input_audio":
         if not isinstance(payload, dict) or not isinstance(payload.get("data"), str):
@@ -198,7 +195,7 @@ def _load(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
 
 
 def _identify(part: dict[str, Any], kind: str, modality: str, cfg: GatewayConfig,
-              fetched: tuple[str, bytes] | None, namespace: str, signer: IdSigner
+              fetched: bytes | None, namespace: str, signer: IdSigner
               ) -> tuple[str, int, str | None]:
     """Decode one part's media, give it its content id and check what is new: (id, size,
     the verdict to remember, None when it was known). Touches no state but `part`, so it

@@ -167,7 +167,7 @@ class Deployment:
         routing = gateway_routing(cfg.gateway.get("routing"), cfg.vllm_args)
         try:
             self.gateway_cfg = GatewayConfig.build({
-                **cfg.gateway, **tracing, **({"routing": routing} if routing else {}),
+                **cfg.gateway, **tracing, "routing": routing,
                 **({"secret_file": cfg.secret_path} if secret else {}),
                 "host": cfg.host, "port": cfg.base_port,
                 "model": cfg.served_model_name, "encoders": [s.url for s in self.encoders],

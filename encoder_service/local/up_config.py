@@ -241,7 +241,6 @@ def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -
     return validate(UpConfig, data, "invalid epd up configuration", UpError)
 
 
-
 def images_per_prompt(vllm_args: list[str]) -> int | None:
     """The per-prompt image limit `--limit-mm-per-prompt` gives vLLM in `vllm_args` (JSON:
     `{"image": 1}` or `{"image": {"count": 1, ...}}`), None where they set none."""
