@@ -268,9 +268,9 @@ def start_ours(name: str, g: Group, model: Path, work: Path, probe_dir: Path, sa
     gw = None
     try:
         config = {**g.gateway, "encoder_backend": cfg.encoder_backend,
-                  "routing": gateway_routing(g.gateway.get("routing"), cfg.vllm_args),
-                  "availability": dep.gateway_cfg.availability.model_dump(
-                      mode="json", exclude_none=True)}
+                  **{key: getattr(dep.gateway_cfg, key).model_dump(mode="json",
+                                                                  exclude_none=True)
+                     for key in ("routing", "availability")}}  # as `epd up` made them
         gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None,
                             work / "logs" / f"rv-{name}-gateway.log", config=config,
                             model=g.served)
