@@ -52,6 +52,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY ec_connectors ec_connectors
 COPY scheduler_hooks scheduler_hooks
+COPY epd_common epd_common
 COPY encoder_service encoder_service
 COPY deploy/wait_for.py /opt/epd/wait_for.py
 # The project itself, editable (its code stays here, nothing copied twice), no dependencies.

@@ -28,13 +28,17 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ec_connectors import child_process  # noqa: E402
 from encoder_service.local.conformance import CuttingProxy, ask, cases  # noqa: E402
-from encoder_service.local.processes import UpProcess, VllmServer, metric_value  # noqa: E402
+from encoder_service.local.processes import (  # noqa: E402
+    UpProcess,
+    VllmServer,
+    default_work_dir,  # noqa: E402
+    metric_value,
+)
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
+from epd_common import child_process  # noqa: E402
 
-WORK = work_dir(ROOT)
+WORK = default_work_dir(ROOT)
 STACKS = {  # name: (encoder backend, transport, decoders, prefill instances)
     "vllm+safetensors": ("vllm", "safetensors", 2, 0),
     "pool+safetensors": ("pool", "safetensors", 1, 0),

@@ -28,11 +28,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_measure import stage_means  # noqa: E402
 from encoder_service.bench import BenchSpec, run_bench  # noqa: E402
-from encoder_service.local.processes import UpProcess, VllmServer  # noqa: E402
+from encoder_service.local.processes import (  # noqa: E402
+    UpProcess,
+    VllmServer,
+    default_work_dir,  # noqa: E402
+)
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
 
-WORK = work_dir(ROOT)
+WORK = default_work_dir(ROOT)
 PORT = 20920  # aggregated; e+pd 20930..; e/p/d 20940.. (clear of the tests' blocks)
 DEPLOYMENTS = ("aggregated", "e+pd", "e/p/d")
 

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import httpx
 
-from ec_connectors.child_process import popen
+from encoder_service.local.processes import default_work_dir
 from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodels import SPECS, build
-from encoder_service.local.workdir import work_dir
+from epd_common.child_process import popen
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT = 20700
@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU feature budget (default ~60 embeddings: eviction is exercised)")
     args = p.parse_args(argv)
     spec = SPECS["vitl32"]
-    model = build(work_dir(ROOT) / "models" / "vitl32-llava", spec)
+    model = build(default_work_dir(ROOT) / "models" / "vitl32-llava", spec)
     images = [sample_image_png(10_000 + i, spec.image_size) for i in range(args.images)]
     warmup = [sample_image_png(90_000 + i, spec.image_size) for i in range(args.clients * 2)]
     budget = int(args.budget_mib * (1 << 20))
-    work = Path(tempfile.mkdtemp(prefix="pool-bench-", dir=work_dir(ROOT)))
+    work = Path(tempfile.mkdtemp(prefix="pool-bench-", dir=default_work_dir(ROOT)))
     item_bytes = spec.image_tokens * spec.lm_hidden * 2
     print(f"pool bench: {spec.name} tower ({spec.vision_layers} layers x {spec.vision_hidden}, "
           f"{spec.image_tokens} tokens, {item_bytes / 1024:.0f} KiB bf16 per embedding), "

@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from encoder_service.gateway.config import GatewayConfig  # noqa: E402
-from encoder_service.gateway.errors import GatewayError  # noqa: E402
-from encoder_service.gateway.parsing import metadata_only_body, prepare_chat  # noqa: E402
+from encoder_service.gateway.media.parsing import metadata_only_body, prepare_chat  # noqa: E402
+from encoder_service.gateway.wire import GatewayError  # noqa: E402
 from encoder_service.local.processes import ManagedProcess  # noqa: E402
 
 
@@ -112,7 +112,7 @@ class MooncakeFront:
 
     async def prepare(self, raw: Any) -> tuple[dict[str, Any], bool, str]:
         """(the consumer's request, streamed?, its URL), after the encode."""
-        prepared = await prepare_chat(raw, self.cfg, _no_fetch)
+        prepared = await prepare_chat(raw, self.cfg.media_rules, _no_fetch)
         body = prepared.body
         decoder, consumer_zmq = next(self.decoders)
         uuids = [p["uuid"] for p in media_parts(body)]

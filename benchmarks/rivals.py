@@ -55,7 +55,7 @@ from benchmarks.rival_stacks import (  # noqa: E402
     start,
 )
 from benchmarks.rival_workloads import GROUP_OF, RUNNERS, WORKLOADS  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
+from encoder_service.local.processes import default_work_dir  # noqa: E402
 
 HANDOFF = ("per encode: the producer's save_caches call (the pool: its publish) -> the "
            "first time the item appears in the consumer's encoder cache after it "
@@ -138,8 +138,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.rounds, a.requests, a.frames = 1, 24, [6]
     if any(not 2 <= n <= 128 for n in a.frames):
         p.error("--frames: 2 to 128 frames per clip (the servers keep 128)")
-    a.work = work_dir(ROOT) / "rivals"
-    a.models = work_dir(ROOT) / "models"
+    a.work = default_work_dir(ROOT) / "rivals"
+    a.models = default_work_dir(ROOT) / "models"
     a.json = a.json or a.work / "rivals.json"
     return a
 

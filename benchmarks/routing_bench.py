@@ -31,10 +31,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess  # noqa: E402
 from encoder_service.bench import BenchSpec, run_bench  # noqa: E402
-from encoder_service.local.processes import PoolServer, VllmServer, start_all  # noqa: E402
+from encoder_service.local.processes import (  # noqa: E402
+    PoolServer,
+    VllmServer,
+    default_work_dir,  # noqa: E402
+    start_all,
+)
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
 
 PORT = 20400  # gateway 20400; pools 20401-20404; decode 20405-20406
 POLICIES = ("affinity", "least_loaded", "round_robin")
@@ -86,9 +90,9 @@ def main() -> int:
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--work", type=Path, default=work_dir(ROOT) / "routing-bench")
+    p.add_argument("--work", type=Path, default=default_work_dir(ROOT) / "routing-bench")
     a = p.parse_args()
-    model = build(work_dir(ROOT) / "models" / "tiny-llava", SPECS["tiny"])
+    model = build(default_work_dir(ROOT) / "models" / "tiny-llava", SPECS["tiny"])
     shutil.rmtree(a.work, ignore_errors=True)
     storage = a.work / "ec"
     pools = [PoolServer(f"pool-{i}", model, PORT + 1 + i, a.work, cpu_core=i % 2,

@@ -56,10 +56,14 @@ from benchmarks.serve_report import (  # noqa: E402
     say,
 )
 from encoder_service.bench import format_table, parse_mix  # noqa: E402
-from encoder_service.local.processes import PoolServer, VllmServer, start_all  # noqa: E402
+from encoder_service.local.processes import (  # noqa: E402
+    PoolServer,
+    VllmServer,
+    default_work_dir,  # noqa: E402
+    start_all,
+)
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import epd_config  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
 
 PORT = 20300  # 20300-20309
 
@@ -149,7 +153,7 @@ def main() -> int:
     p.add_argument("--mix", help="item modalities and weights (epd bench serve --mix); "
                    "default: image, or image=1,video=1,audio=1 (qwen-omni), image=1,video=1 "
                    "(qwen-vl)")
-    p.add_argument("--out", type=Path, default=work_dir(ROOT) / "bench")
+    p.add_argument("--out", type=Path, default=default_work_dir(ROOT) / "bench")
     a = p.parse_args()
     spec = SPECS[a.spec]
     a.model = spec.model_name  # the served name every server and request uses
@@ -160,7 +164,7 @@ def main() -> int:
     a.mix = parse_mix(a.mix or ",".join(f"{m}=1" for m in spec.modalities))
     qwen = spec.family != "llava"
     work = a.out
-    model = build(work_dir(ROOT) / "models" / spec.model_name, spec)
+    model = build(default_work_dir(ROOT) / "models" / spec.model_name, spec)
     if a.overhead_only:
         a.num_requests = 8
         _, overhead = epd_run(model, work, EPD, epd_config, True, a, PORT + 3,

@@ -24,8 +24,8 @@ from benchmarks.serve_report import say  # noqa: E402
 from ec_connectors.protocol.keys import content_item_id  # noqa: E402
 from ec_connectors.protocol.params import ItemEntry, TransferParams  # noqa: E402
 from encoder_service.bench import BenchSpec, item_part, run_bench  # noqa: E402
-from encoder_service.gateway.availability import SafetensorsAvailability  # noqa: E402
 from encoder_service.gateway.config import GatewayConfig  # noqa: E402
+from encoder_service.gateway.upstreams.availability import SafetensorsAvailability  # noqa: E402
 from encoder_service.local.processes import PoolServer, VllmServer, metric_value  # noqa: E402
 from encoder_service.local.requests import chat_body, parts_body, sample_image_png  # noqa: E402
 

@@ -21,8 +21,8 @@ import msgspec
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ec_connectors.child_process import popen  # noqa: E402
 from encoder_service.local.processes import ManagedProcess  # noqa: E402
+from epd_common.child_process import popen  # noqa: E402
 
 
 class GatewayProcess:

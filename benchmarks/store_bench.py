@@ -35,10 +35,10 @@ from mooncake_bench import HIDDEN, MiB, mooncake_s, raw_tcp_s
 
 from ec_connectors.testing.peer_process import PeerClient
 from encoder_service.local.mooncake_master import master_server
-from encoder_service.local.workdir import work_dir
+from encoder_service.local.processes import default_work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-WORK = work_dir(ROOT) / "store-bench"
+WORK = default_work_dir(ROOT) / "store-bench"
 GiB = 1 << 30
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}

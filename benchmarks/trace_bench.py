@@ -1,4 +1,4 @@
-"""What tracing costs the gateway (encoder_service/gateway/tracing.py), two ways:
+"""What tracing costs the gateway (encoder_service/gateway/telemetry/tracing.py), two ways:
 
 1. In process: the work one traced request adds on the event loop (its trace started, the
    spans of a request with one image recorded, traceparent formatted for three upstream
@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess, StandIn  # noqa: E402
-from encoder_service.gateway import tracing  # noqa: E402
 from encoder_service.gateway.config import GatewayConfig, TracingConfig  # noqa: E402
 from encoder_service.gateway.server import GatewayThread  # noqa: E402
-from encoder_service.gateway.tracing import Tracer, inject  # noqa: E402
+from encoder_service.gateway.telemetry import tracing  # noqa: E402
+from encoder_service.gateway.telemetry.tracing import Tracer, inject  # noqa: E402
+from encoder_service.local.processes import default_work_dir  # noqa: E402
 from encoder_service.local.requests import chat_body, sample_image_png  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
 
 PORT = 20960  # sink 20960, encoder 20961, decode 20962, gateways 20963 (off), 20964 (on),
 # 20965 (toggled, in this process)
@@ -189,7 +189,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=200, help="per gateway and round")
     p.add_argument("--rounds", type=int, default=10)
     a = p.parse_args()
-    work = work_dir(ROOT) / "trace-bench"
+    work = default_work_dir(ROOT) / "trace-bench"
     sink = subprocess.Popen([sys.executable, "-m", "encoder_service.local.trace_sink",
                              "--port", str(PORT), "--quiet"], cwd=ROOT)
     url = f"http://127.0.0.1:{PORT}/v1/traces"

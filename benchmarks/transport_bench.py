@@ -41,10 +41,10 @@ from pathlib import Path
 
 from mooncake_bench import memcpy_s, raw_tcp_s
 
-from ec_connectors.protocol.net import port_open
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
-from encoder_service.local.workdir import work_dir
+from encoder_service.local.processes import default_work_dir
+from epd_common.net import port_open
 
 HIDDEN = 4096
 MiB = 1 << 20
@@ -173,7 +173,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     os.environ.update(LOOPBACK)
-    work = work_dir(Path(__file__).resolve().parent.parent)
+    work = default_work_dir(Path(__file__).resolve().parent.parent)
     work.mkdir(parents=True, exist_ok=True)
     sizes = [int(mb * MiB) // (HIDDEN * 2) * HIDDEN * 2 for mb in args.sizes_mb]
     secret = None

@@ -29,10 +29,10 @@ import httpx
 import numpy as np
 
 from encoder_service.bench import stream_greedy
+from encoder_service.local.processes import default_work_dir
 from encoder_service.local.requests import image_part, sample_frames, sample_image_png, video_part
 from encoder_service.local.up import run_up
 from encoder_service.local.up_config import UpConfig
-from encoder_service.local.workdir import work_dir
 
 MODEL = "qwen-vl-heavy"
 FRAMES = 120
@@ -82,7 +82,7 @@ def measure(mode: str, chunk_tokens: int, a: argparse.Namespace) -> dict:
                    chunks=stats.get("chunks", 0), answers=answers)
         return 0
 
-    if run_up(cfg, work_dir(), demo=bench) != 0 or not out:
+    if run_up(cfg, default_work_dir(), demo=bench) != 0 or not out:
         raise SystemExit(f"[{mode}] the stack did not run (see the lines above)")
     return out
 

@@ -43,12 +43,15 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess  # noqa: E402
 from encoder_service.bench import stream_greedy  # noqa: E402
-from encoder_service.local.processes import VllmServer, start_all  # noqa: E402
+from encoder_service.local.processes import (  # noqa: E402
+    VllmServer,
+    default_work_dir,  # noqa: E402
+    start_all,
+)
 from encoder_service.local.requests import sample_frames, video_part  # noqa: E402
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from encoder_service.local.up import run_up  # noqa: E402
 from encoder_service.local.up_config import UpConfig  # noqa: E402
-from encoder_service.local.workdir import work_dir  # noqa: E402
 
 SPEC = SPECS["qwen3-vl-video"]
 MODEL = SPEC.model_name
@@ -113,7 +116,7 @@ def run_up_stack(a: argparse.Namespace, dep: str) -> dict:
         out.update(workload(stack.url, a))
         return 0
 
-    if run_up(cfg, work_dir(ROOT), demo=demo) != 0 or not out:
+    if run_up(cfg, default_work_dir(ROOT), demo=demo) != 0 or not out:
         raise SystemExit(f"{dep}: the stack did not run (see the lines above)")
     return out
 
@@ -193,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if any(not 2 <= n <= 128 for n in a.frames):
         p.error("--frames: 2 to 128 frames per clip (the servers keep 128)")
-    work = work_dir(ROOT) / "video-bench"
-    model = build(work_dir(ROOT) / "models" / MODEL, SPEC)
+    work = default_work_dir(ROOT) / "video-bench"
+    model = build(default_work_dir(ROOT) / "models" / MODEL, SPEC)
     runs: dict[str, dict] = {}
     for dep in a.deployments:
         say(f"{dep}: starting")

@@ -5,12 +5,11 @@ All vLLM processes:
 - `connector.py`: `EPDConnector`, vLLM's EC connector: a thin delegate to the SCHEDULER role
   (`sched/`) and the WORKER role (`workers/`).
 - `plugin.py`: the `vllm.general_plugins` entry point (the bare name `EPDConnector`).
-- `config.py`: `EPDConfig`, every key of `ec_connector_extra_config`, validated in one place;
-  `config_files.py`: config files and the one error format of every EPD config.
+- `config.py`: `EPDConfig`, every key of `ec_connector_extra_config`, validated in one place.
 - `placeholders.py`: vLLM's placeholder metadata per model (what a producer publishes, which
   items are metadata-only on a consumer).
 - `stats.py`: counters, gauges and histograms (vLLM's log lines and Prometheus).
-- `child_process.py`: children that die with their parent; `log.py`: loggers under vLLM's.
+- `log.py`: loggers under vLLM's.
 Per process:
 - `guard/`: the vLLM API server's middleware (`server_guard.py` keeps the `--middleware`
   path `ec_connectors.server_guard.ServerGuard` stable).
@@ -18,7 +17,9 @@ Per process:
 - `control/`: the scheduler <-> worker wire between them.
 Shared below them:
 - `transports/`: one small interface, several backends (safetensors, shm, Mooncake TE and
-  Store, tiers). `protocol/`: the torch-free formats every EPD process shares.
+  Store, tiers). `channel.py`: a ZMQ message channel (one owner thread, doorbell, monitor,
+  CURVE) under the control wire and the Mooncake TE side channel. `protocol/`: the wire
+  protocol every EPD process shares.
 - `testing/`: transport peers in processes of their own (tests and benchmarks only).
 """
 

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ec_connectors.config_files import InvalidConfig, validate
 from ec_connectors.protocol import ports
 from ec_connectors.protocol.fingerprint import model_fingerprint
-from ec_connectors.protocol.names import TransportName
-from ec_connectors.protocol.net import Endpoint, EndpointList
 from ec_connectors.protocol.secret import CurveKeys, IdSigner, Seal, curve_keys, read_secret
+from ec_connectors.protocol.stored import TransportName
+from epd_common.config_files import InvalidConfig, validate
+from epd_common.net import Endpoint, EndpointList
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -149,9 +149,8 @@ class MooncakeSettings(_Settings):
     memory_pool_bytes: int = Field(default=2 * GiB, ge=1 * MiB)
     # Large items are written in chunks of this size, each announced as it lands, so the
     # consumer verifies chunk k while chunk k+1 is on the wire (0: one write, verify after).
-    # Measured over TCP (docs/benchmarks.md): 4, 8, 16, 32 MiB and one write take the same
-    # time within this host's noise once the producer stopped spinning; 8 MiB keeps the
-    # verification overlapped.
+    # Chunk sizes from a quarter of the default to four times it measured the same over TCP
+    # (docs/benchmarks.md, transfer chunks); the default keeps the verification overlapped.
     transfer_chunk_bytes: int = Field(default=8 * MiB, ge=0)
     lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, promised items stay this long
     # A pool full of leased items evicts the one promised longest ago once that was this long
@@ -250,7 +249,7 @@ class ProducerSettings(_Settings):
     """ec_producer instances (encoders): the queue of saves to the transport."""
 
     max_pending_saves: int = Field(default=16, ge=1)
-    # host copies queued for the transport, in bytes (a 4 s video's embedding is ~125 MB)
+    # host copies queued for the transport, in bytes (room for several long videos' items)
     max_pending_save_bytes: int = Field(default=1 * GiB, gt=0)
     save_queue_timeout_s: float = Field(default=10.0, gt=0)
 

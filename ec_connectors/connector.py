@@ -22,7 +22,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.control.endpoint import control_address
-from ec_connectors.control.metadata import EPDConnectorMetadata
+from ec_connectors.control.messages import EPDConnectorMetadata
 from ec_connectors.log import get_logger
 from ec_connectors.placeholders import Placeholders
 from ec_connectors.sched.scheduler import EPDSchedulerSide

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 
-from ec_connectors import child_process
+from epd_common import child_process
 
 CONNECTOR_NAME = "EPDConnector"
 # multiprocessing names of the processes vLLM starts (v1/engine/utils.py, coordinator.py,

@@ -12,8 +12,8 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import (
     ECConnectorStats,
 )
 
-from ec_connectors.protocol.names import TRANSPORT_NAMES
-from scheduler_hooks.items import LIFECYCLE
+from ec_connectors.protocol.stored import TRANSPORT_NAMES
+from scheduler_hooks.item_table import LIFECYCLE
 
 COUNTERS = {
     # name: help

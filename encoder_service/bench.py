@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from encoder_service.local.processes import default_work_dir
 from encoder_service.local.requests import (
     audio_part,
     image_part,
@@ -38,7 +39,6 @@ from encoder_service.local.requests import (
     sample_wav,
     video_part,
 )
-from encoder_service.local.workdir import work_dir
 
 MODALITIES = ("image", "video", "audio")
 
@@ -348,7 +348,7 @@ def write_json(results: dict[str, BenchResult], path: Path, extra: dict | None =
 def default_output_dir() -> Path:
     """Where a run's JSON and PNG go unless --json/--png say otherwise: the work directory
     (ignored by git), as `epd up` and the test models use it."""
-    return work_dir() / "bench"
+    return default_work_dir() / "bench"
 
 
 def main(argv: list[str]) -> int:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ec_connectors.protocol.ports import GATEWAY_PORT
-from encoder_service.local.workdir import work_dir
+from encoder_service.local.processes import default_work_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
            "up": ("encoder_service.local.up_cli", "start a local deployment (encoders, "
                   "prefill/decode, gateway) from one config file; --demo sends a request and "
                   "stops"),
-           "top": ("encoder_service.gateway.top", "live view of a deployment from its "
+           "top": ("encoder_service.gateway.telemetry.top", "live view of a deployment from its "
                    "gateway's /metrics and /instances (--once: one frame, for scripts)"),
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "
                      "load against any OpenAI-compatible endpoint)"),
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                          "servers take no API key")
         print(admin_token(secret) if args.cmd == "admin-token" else api_key(secret))
         return 0
-    work = work_dir()
+    work = default_work_dir()
     if args.cmd == "build-model":
         spec = SPECS.get(args.spec)
         if spec is None:

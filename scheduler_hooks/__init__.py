@@ -1,5 +1,6 @@
 """The scheduler-side policy of EPDConnector as pure logic over plain values (no threads
-started, no I/O): the consumer's items, one table and one state machine per item (`items.py`:
+started, no I/O): the consumer's items, one table and one state machine per item
+(`item_table.py`:
 LOADING -> STAGED -> MERGED -> PREFILLED -> DISCARDED, FAILED; deadlines, bytes per state,
 waiters, the owner index, the transition table and `IllegalTransition`), the consumer's
 per-item plan and its readiness and failure decisions (`decisions.py`), whether a stored

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from scheduler_hooks.fit import is_mismatch
-from scheduler_hooks.items import DEADLINE_PASSED, ItemState, ItemTable
+from scheduler_hooks.item_table import DEADLINE_PASSED, ItemState, ItemTable
 
 
 class Verdict(enum.Enum):

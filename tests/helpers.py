@@ -19,11 +19,10 @@ import uvicorn
 from ec_connectors.protocol import ports
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
-from encoder_service.local.processes import UpProcess
-from encoder_service.local.workdir import work_dir
+from encoder_service.local.processes import UpProcess, default_work_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-WORK = work_dir(ROOT)
+WORK = default_work_dir(ROOT)
 
 # Environment of processes using Mooncake on one node: traffic stays on loopback.
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}

@@ -1,19 +1,25 @@
 """The layout rules the README and docs/architecture.md promise, checked on the tree itself:
 every module named in its package's map (the package docstring) and in docs/architecture.md,
 imports flowing one way between and inside the top-level packages (type-only imports
-included), no import cycle, no production file over 500 lines."""
+included), no import cycle, no production file over 450 lines, no module of 25 lines or fewer
+that is not a package's face, `encoder_service` importing only the wire protocol and the
+connector's config from `ec_connectors`, no running machinery in the protocol, no measured
+figure in a production comment."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("encoder_service", "ec_connectors", "scheduler_hooks")  # top to bottom
+PACKAGES = ("encoder_service", "ec_connectors", "scheduler_hooks", "epd_common")  # top to bottom
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
-MAX_LINES = 500
+MAX_LINES = 450
 
 
 def _modules() -> dict[str, Path]:
@@ -69,7 +75,7 @@ def test_imports_flow_down_between_top_level_packages():
 
 
 def test_protocol_imports_nothing_of_the_project_above_it():
-    allowed = ("ec_connectors.protocol", "ec_connectors.log", "ec_connectors.config_files")
+    allowed = ("ec_connectors.protocol", "ec_connectors.log", "epd_common")
     bad = [f"{m} -> {i}" for m, p in MODULES.items() if m.startswith("ec_connectors.protocol")
            for i in _imports(p) if not i.startswith(allowed)]
     assert not bad, "\n".join(bad)
@@ -111,12 +117,102 @@ def test_no_import_cycles():
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_no_production_file_over_500_lines():
+# Over the limit still, to be cut by concern (each is one class that a split would cut in two).
+LONG_EXCEPTIONS = {"ec_connectors.sched.scheduler": 480,
+                   "encoder_service.encoder_pool.batching": 455}
+
+
+def test_no_production_file_over_450_lines():
     long = {m: n for m, p in MODULES.items()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+            if (n := len(p.read_text().splitlines())) > LONG_EXCEPTIONS.get(m, MAX_LINES)}
     assert not long, f"over {MAX_LINES} lines: {long}"
 
 
 def test_readme_stays_a_front_page():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines < 200, f"README.md has {lines} lines: caveats belong in docs/"
+
+
+# What encoder_service may take from ec_connectors beyond the wire protocol and the
+# connector's config, each with the reason it is the connector's own code and not a copy.
+SERVICE_EXCEPTIONS = {
+    # the encoder pool is a producer: it stores items through the connector's transports and
+    # publishes vLLM's placeholder metadata as a vLLM producer's connector does
+    "encoder_service.encoder_pool.publish": ("ec_connectors.transports",
+                                             "ec_connectors.placeholders"),
+    "encoder_service.encoder_pool.server": ("ec_connectors.transports",),
+    "encoder_service.encoder_pool.models": ("ec_connectors.placeholders",),
+    # the gateway follows a Mooncake TE producer's announcements with the consumers' catalog
+    # (and names its places with the transports' `Placement`)
+    "encoder_service.gateway.upstreams.availability": (
+        "ec_connectors.transports.mooncake_te.catalog", "ec_connectors.transports.base"),
+    # epd up names the vLLM middleware by its stable path and checks that it imports
+    "encoder_service.local.processes": ("ec_connectors.server_guard",),
+}
+SERVICE_ALLOWED = ("ec_connectors.protocol", "ec_connectors.config")
+
+
+def test_encoder_service_takes_only_the_protocol_and_config_from_ec_connectors():
+    bad = [f"{m} -> {i}" for m, p in MODULES.items() if m.startswith("encoder_service")
+           for i in _imports(p) if i.startswith("ec_connectors")
+           and not i.startswith(SERVICE_ALLOWED + SERVICE_EXCEPTIONS.get(m, ()))]
+    assert not bad, "encoder_service reaching into the connector:\n" + "\n".join(bad)
+
+
+def _top_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_the_protocol_holds_no_running_machinery():
+    """Formats only: no thread, event loop, child process or ZMQ context (it may set a
+    socket's CURVE options, which runs nothing), no torch."""
+    machinery = {"threading", "asyncio", "subprocess", "multiprocessing", "torch"}
+    bad = {}
+    for m, p in MODULES.items():
+        if m.startswith("ec_connectors.protocol"):
+            found = sorted(_top_imports(p) & machinery)
+            found += [s for s in ("zmq.Context", "Thread(") if s in p.read_text()]
+            if found:
+                bad[m] = found
+    assert not bad, f"the wire protocol runs nothing: {bad}"
+
+
+# Small modules that stay on their own, and why.
+SMALL_EXCEPTIONS = {
+    "ec_connectors.server_guard": "the stable `--middleware` path users pass to vLLM",
+    "ec_connectors.log": "the logger every connector module imports; merged anywhere it "
+                         "would make that module everyone's dependency",
+}
+
+
+def test_no_tiny_module_outside_a_package_face():
+    tiny = sorted(m for m, p in MODULES.items()
+                  if p.name not in ("__init__.py", "__main__.py")
+                  and len(p.read_text().splitlines()) <= 25 and m not in SMALL_EXCEPTIONS)
+    assert not tiny, f"modules of 25 lines or fewer (merge them into their idea): {tiny}"
+
+
+_FIGURE = re.compile(r"\d(?:[\d.,]*\d)?\s?(?:ms|us|µs|ns|s|KiB|MiB|GiB|KB|MB|GB|kB|%)\b")
+
+
+def _comments(path: Path) -> list[tuple[int, str]]:
+    toks = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return [(t.start[0], t.string) for t in toks if t.type == tokenize.COMMENT]
+
+
+def test_no_measured_figure_in_a_production_comment():
+    """Figures belong in docs/benchmarks.md: a comment with a number and a unit goes stale."""
+    bad = [f"{p.relative_to(ROOT)}:{n}: {c}" for m, p in MODULES.items()
+           for n, c in _comments(p) if _FIGURE.search(c)]
+    assert not bad, "measured figures in comments:\n" + "\n".join(bad)
+
+
+def test_figure_rule_sees_a_figure():
+    assert _FIGURE.search("# took 12.5 ms per call") and _FIGURE.search("# 125 MiB")
+    assert not _FIGURE.search("# two calls, then the next") and not _FIGURE.search("# x2")

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ec_connectors.channel import Channel
 from ec_connectors.control import messages
-from ec_connectors.protocol.channel import Channel
 
 
 def control_address(control_dir: str, engine_id: str, dp_rank: int) -> str:

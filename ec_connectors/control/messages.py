@@ -1,14 +1,19 @@
-"""Wire types: scheduler<->worker control messages (msgspec, never pickle).
+"""What the scheduler and its workers tell each other: control messages and step metadata.
 
-The Mooncake TE peer side channel has its own wire: transports/mooncake_te/messages.py. Both
-are encoded by `channel.encode` (re-exported here); each wire has its own `decode`."""
+The control messages (msgspec, never pickle) ride the control channel; `EPDConnectorMetadata`
+rides inside vLLM's SchedulerOutput each step. The Mooncake TE peer side channel has its own
+wire (transports/mooncake_te/messages.py); both are encoded by `channel.encode` (re-exported
+here); each wire has its own `decode`."""
 
 from __future__ import annotations
 
-import msgspec
+from dataclasses import dataclass, field
 
-from ec_connectors.protocol.channel import encode as encode  # the shared encoder, re-exported
-from ec_connectors.protocol.items import ItemInfo
+import msgspec
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
+
+from ec_connectors.channel import encode as encode  # the shared encoder, re-exported
+from ec_connectors.protocol.stored import ItemInfo
 
 Stats = dict[str, dict[str, float | list[float] | dict[str, float]]]  # EPDStats.data
 
@@ -89,3 +94,18 @@ _decoder = msgspec.msgpack.Decoder(ControlMessage)
 def decode(data: bytes) -> ControlMessage:
     """Raises msgspec.DecodeError / ValidationError on garbage; callers drop such frames."""
     return _decoder.decode(data)
+
+
+# An item read by the scheduler itself: its verified bytes, dtype name and shape.
+InlineItem = tuple[bytes, str, tuple[int, ...]]
+
+
+@dataclass
+class EPDConnectorMetadata(ECConnectorMetadata):
+    """scheduler -> worker, every step: the items to put into the encoder cache this step
+    (item id -> number of embeddings); those the scheduler read itself travel here too
+    (`inline`, a subset of `place`); the others wait in the workers' staging. Plain and
+    picklable."""
+
+    place: dict[str, int] = field(default_factory=dict)
+    inline: dict[str, InlineItem] = field(default_factory=dict)

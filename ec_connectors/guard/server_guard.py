@@ -43,8 +43,7 @@ from ec_connectors.guard.item_ids import keep_item_ids
 from ec_connectors.guard.request_checks import Checked, ModelBounds, check_request
 from ec_connectors.log import get_logger
 from ec_connectors.plugin import CONNECTOR_NAME
-from ec_connectors.protocol.frame_lists import comma_pieces
-from ec_connectors.protocol.http_api import KeyCheck, error_type
+from ec_connectors.protocol.http_api import KeyCheck, comma_pieces, error_type
 from ec_connectors.protocol.refusals import (
     EMBEDDING_MISMATCH,
     ReasonBoard,
@@ -196,7 +195,7 @@ class ServerGuard:
         if ctype and "json" not in ctype:
             return None  # multipart uploads (transcriptions): vLLM reads no parts there
         # Every JSON body is parsed (a JSON \\u escape can spell any key, so no substring test
-        # can skip one): msgspec, 1.1 ms for 1 MB of base64 media, 4-5x json's time; what it
+        # can skip one): msgspec, several times faster than json (docs/benchmarks.md); what it
         # refuses (NaN, lone surrogates) json reads as vLLM's FastAPI does (same duplicate keys).
         # No check reads a media URL's payload: a body carrying one is parsed without it
         # (`_without_media`), the whole body again only where that could answer otherwise.
@@ -221,7 +220,7 @@ def _without_media(body: bytes) -> bytes | None:
     """`body` with the base64 payload of each `"url": "data:<type>;base64,<payload>"` value
     left out (an empty data URL stays), or None when it has none worth leaving out. Only a
     payload that is whole, valid base64 or a comma-joined list of it (a video's frames,
-    protocol/frame_lists.py: nothing in either can end, escape or break the string)
+    protocol/http_api.py: nothing in either can end, escape or break the string)
     after a `"url"` key no backslash precedes (a key, not text) is left out: the reduced
     body is valid JSON exactly when the body is, with the same structure and every other
     string. No check reads such a payload (vLLM's part parser takes any string as a URL)."""

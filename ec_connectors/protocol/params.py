@@ -48,15 +48,15 @@ from typing import Annotated, Any, NamedTuple
 
 import msgspec
 
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, item_key
-from ec_connectors.protocol.net import parse_endpoint
+from ec_connectors.protocol.stored import ItemInfo
+from epd_common.net import parse_endpoint
 
 PARAMS_KEY = "epd"  # our object inside `ec_transfer_params` (other connectors' keys untouched)
 MAX_ITEMS = 1024
-# Qwen3-VL's video metadata holds a timestamp per temporal group: a 120-frame clip's 60
-# floats are ~1.3 KB of JSON, the gateway's 1024-frame limit ~10 KB. Under 1 KiB, long
-# videos (the items EPD exists for) lost metadata-only and went with all their frames.
+# Qwen3-VL's video metadata holds a timestamp per temporal group, so it grows with the clip:
+# the bound leaves room for the gateway's longest clip (max_video_frames); a tighter one made
+# long videos (the items EPD exists for) lose metadata-only and go with all their frames.
 MAX_METADATA_BYTES = 16 * 1024
 _MAX_NBYTES = 1 << 40
 _MAX_NAME = 1024  # transport, namespace (a model name or path), producer (an engine id)

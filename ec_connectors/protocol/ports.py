@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from ec_connectors.protocol.net import parse_endpoint
+from epd_common.net import parse_endpoint
 
 # --- the gateway (`epd gateway`, `epd up`, `epd demo`) ---
 GATEWAY_PORT = 18100  # `epd up`: its vLLM servers take the next ports

@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 from zmq.utils import z85
 
-from ec_connectors.protocol.net import resolve_host
+from epd_common.net import resolve_host
 
 SECRET_ENV = "EPD_SECRET_FILE"
 MIN_SECRET_BYTES = 16

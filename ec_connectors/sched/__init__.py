@@ -2,7 +2,7 @@
 
 - `scheduler.py`: `EPDSchedulerSide`, vLLM's scheduler hooks wired to `scheduler_hooks/` (the
   policy), the control channel to the workers and the transports. Start here.
-- `feature_book.py`: the consumer's items (one `scheduler_hooks.items.ItemTable`), the byte
+- `staging_budget.py`: the consumer's items (one `scheduler_hooks.item_table.ItemTable`), the byte
   budget of what the connector holds and the gauges per state.
 - `hints.py`: each request's `ec_transfer_params`, parsed once; where an item is pulled from.
 - `part_fit.py`: does the stored item a metadata-only part names fit it (rows, grid, modality).
@@ -11,6 +11,7 @@
 - `promises.py`: items a gateway sent as `pending` (still encoding), waited for with a deadline.
 - `unavailable.py`: requests whose items cannot arrive: failed once, with a reason, or encoded
   locally.
-- `producer_book.py`: a producer's saves and the `ec_transfer_params` a finished request returns.
+- `producer_saves.py`: `ProducerSaves`, a producer's saves and the `ec_transfer_params` a
+  finished request returns.
 - `load_spans.py`: a deferred request's loads as spans in vLLM's trace of it (when vLLM traces).
 """

@@ -13,28 +13,28 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
-from ec_connectors.control.metadata import InlineItem
+from ec_connectors.control.messages import InlineItem
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.params import Source
-from ec_connectors.sched.feature_book import FeatureBook
+from ec_connectors.sched.staging_budget import StagingBudget
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport, dtype_name, tensor_bytes
-from scheduler_hooks.items import ItemState
+from scheduler_hooks.item_table import ItemState
 
 logger = get_logger(__name__)
 
 INLINE_RANK = -1  # the "rank" that stages inline items: the scheduler side itself
 # A scheduler step waits this long for a small item's read before deferring the request
-# (the read goes on; the item is STAGED a step later). A local read takes ~0.1 ms.
+# (the read goes on; the item is STAGED a step later). A local read takes far less.
 _WAIT_S = 0.005
 _HELD_MAX = 64 << 20  # bytes read and not yet placed; beyond, new items go to the workers
 
 
 class InlineReader:
-    def __init__(self, transport: Transport, book: FeatureBook, stats: StatsRecorder,
+    def __init__(self, transport: Transport, budget: StagingBudget, stats: StatsRecorder,
                  max_bytes: int, *, on_miss: Callable[[str, Source], None],
                  on_ready: Callable[[], None]) -> None:
-        self.transport, self.book, self.stats = transport, book, stats
+        self.transport, self.budget, self.stats = transport, budget, stats
         self.max_bytes = max_bytes
         self._on_miss, self._on_ready = on_miss, on_ready
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="epd-inline")
@@ -71,7 +71,7 @@ class InlineReader:
             self.held_bytes += len(item[0])
         now = time.monotonic()
         rows = int(tensor.shape[0]) if tensor.dim() else 1
-        if self.book.staged(item_id, INLINE_RANK, True, rows, "", {INLINE_RANK}, now,
+        if self.budget.staged(item_id, INLINE_RANK, True, rows, "", {INLINE_RANK}, now,
                             nbytes=len(item[0])) is ItemState.STAGED:
             self.stats.observe("load_s", now - started)
             self.stats.inc("inline_loads")

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from ec_connectors.control.messages import Staged
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.lru import BoundedLRU
-from scheduler_hooks.items import ItemState, ItemTable
+from epd_common.lru import BoundedLRU
+from scheduler_hooks.item_table import ItemState, ItemTable
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from scheduler_hooks.fit import Asked, Known, is_mismatch, misfit
-from scheduler_hooks.items import Item, ItemState
+from scheduler_hooks.item_table import Item, ItemState
 
 if TYPE_CHECKING:
     from ec_connectors.placeholders import Placeholders

@@ -1,32 +1,11 @@
-"""Scheduler role of EPDConnector (runs in vLLM's EngineCore process): wires vLLM's scheduler
-hooks to the pure policy of `scheduler_hooks/` (the item table `items.py`, `plan_item`), to the
-control channel to the workers and to the transports. Helpers, one concern each: `index.py`
-(the availability index: which items the transport holds), `inline.py` (small items read here),
-`promises.py` (items a gateway sent as pending), `unavailable.py` (requests that fail or
-fall back), `producer_book.py` (a producer's saves and the params it returns), `hints.py`
-(each request's params: where its items come from), `feature_book.py` (the staging budget and
-the gauges over the item table: LOADING -> STAGED -> MERGED -> PREFILLED -> DISCARDED, FAILED).
+"""The SCHEDULER role of EPDConnector, in vLLM's EngineCore: vLLM's hooks wired to the policy.
 
-Consumer, per item and step (`ensure_cache_available`: facts -> `plan_item` -> act):
-  in the KV cache or in vLLM's encoder cache -> nothing to load, nothing to wait for
-  promised `pending` (a gateway sent the request while the item is encoded) -> defer, asking
-      nobody, until its save shows here (index, announcements); not within load_timeout_s ->
-      as an item that cannot arrive
-  known (index, the request's params, a store probe) -> small (inline_max_bytes) and the
-      transport reads here: read and verified on the inline reader, STAGED usually this step
-      (its bytes go to the workers in the step's metadata); else (or a miss there) Prefetch
-      to every worker, the request deferred (LOADING, with a deadline); no room in the
-      staging budget (max_staged_bytes) -> the request deferred, at most load_timeout_s
-  Staged from all workers (control thread) -> STAGED; any failure -> FAILED
-  has_cache_item: True only for STAGED items; update_state_after_alloc -> MERGED, this step's
-      metadata; vLLM frees it after the prefill -> PREFILLED, DISCARDED at the step's end
-  unknown -> vLLM encodes it; failed or late -> local encode (default) or the request fails
-      (on_unavailable=fail); a metadata-only item (no media) -> the request fails
-      (take_unavailable_requests), never scheduled without its embedding
-  a step that scheduled nothing because requests wait on us waits for news (_IDLE_WAIT_S)
-Producer: update_state_after_alloc records the request's items; request_finished returns
-them as ec_transfer_params, each with its placeholder metadata (so the consumer's request can
-be metadata-only); `has_cache_item` answers "already stored" so nothing is encoded twice.
+`EPDSchedulerSide` answers vLLM's scheduler hooks without blocking, asks `scheduler_hooks/`
+what to do per item (`plan_item`, the item table) and acts through the control channel to
+the workers and the transports; its helpers in this package own one concern each (see the
+package map). Per item and step, a consumer goes facts -> `plan_item` -> act; a producer
+records the request's items and returns them as `ec_transfer_params` (docs/architecture.md,
+"The scheduler role, step by step").
 """
 
 from __future__ import annotations
@@ -42,26 +21,27 @@ from ec_connectors.control.endpoint import ControlEndpoint
 from ec_connectors.control.messages import (
     ControlMessage,
     Drop,
+    EPDConnectorMetadata,
     Hello,
+    InlineItem,
     Prefetch,
     Renew,
     Saved,
     Staged,
     WorkerStats,
 )
-from ec_connectors.control.metadata import EPDConnectorMetadata, InlineItem
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import safe_key
 from ec_connectors.protocol.params import Source, TransferParams
 from ec_connectors.protocol.refusals import board_dir
-from ec_connectors.sched.feature_book import FeatureBook
 from ec_connectors.sched.hints import RequestHints
 from ec_connectors.sched.index import AvailabilityIndex
 from ec_connectors.sched.inline import InlineReader
 from ec_connectors.sched.load_spans import LoadSpans
 from ec_connectors.sched.part_fit import PartFit
-from ec_connectors.sched.producer_book import ProducerBook
+from ec_connectors.sched.producer_saves import ProducerSaves
 from ec_connectors.sched.promises import Promises
+from ec_connectors.sched.staging_budget import StagingBudget
 from ec_connectors.sched.unavailable import Unavailable
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
@@ -77,7 +57,7 @@ from scheduler_hooks.decisions import (
     plan_item,
 )
 from scheduler_hooks.encoder_cache import EncoderCacheView
-from scheduler_hooks.items import ItemState, ItemTable
+from scheduler_hooks.item_table import ItemState, ItemTable
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -89,7 +69,7 @@ logger = get_logger(__name__)
 _FAILED_MEMORY_S = 5.0  # how long a failed item is answered "encode locally" without retrying
 _SCHEDULER_GRACE_S = 1.0  # scheduler deadline = worker deadline + this (dead-worker guard)
 # A step that scheduled nothing while requests wait on us: the engine would come straight
-# back (vLLM sleeps 1 ms) and send its workers another empty step, again and again, taking
+# back (vLLM sleeps only briefly) and send its workers another empty step, again and again, taking
 # both cores from the encoder being waited for. Instead the step waits for news (an item
 # landed, staged or read) at most this long; a request that arrives meanwhile waits that long.
 _IDLE_WAIT_S = 0.005
@@ -125,18 +105,18 @@ class EPDSchedulerSide:
                                        watch=transport.watch_keys, start=start_index,
                                        on_change=self._news.set)
         self.promises = Promises(self.index, transport, config.load_timeout_s, self.stats)
-        self.book = ProducerBook(self.ids.vouched)  # producer: made, saving, saved
+        self.saves = ProducerSaves(self.ids.vouched)  # producer: made, saving, saved
         self._deferred_step = False  # a request was deferred in this step
         self._lock = threading.Lock()  # workers, endpoints (control thread)
         self._workers: dict[int, bytes] = {}
         self.items = ItemTable(_FAILED_MEMORY_S, config.staged_ttl_s)  # consumer: its items
-        self.features = FeatureBook(self.items, config.max_staged_bytes, self.stats)
+        self.budget = StagingBudget(self.items, config.max_staged_bytes, self.stats)
         self.spans = LoadSpans.make(self.items)  # in vLLM's traces, when it traces
         self._said_yes: set[str] = set()  # has_cache_item answered True this step
         self._renewed: set[str] = set()  # producer: Renew sent this step
         self._to_place: dict[str, int] = {}
         self._to_place_inline: dict[str, InlineItem] = {}
-        self.inline = (InlineReader(transport, self.features, self.stats,
+        self.inline = (InlineReader(transport, self.budget, self.stats,
                                     config.inline_max_bytes, on_miss=self._prefetch,
                                     on_ready=self._news.set)
                        if is_consumer and transport.reads_in_scheduler
@@ -176,7 +156,7 @@ class EPDSchedulerSide:
             self._news.set()
         elif isinstance(msg, Saved):
             info = msg.info if msg.ok else None
-            self.book.saved(msg.item_id, msg.rank, info)
+            self.saves.saved(msg.item_id, msg.rank, info)
             if info is not None:
                 self.index.add(info.key)
             self._news.set()
@@ -186,7 +166,7 @@ class EPDSchedulerSide:
         with self._lock:
             ranks = set(self._workers)
         now = time.monotonic()
-        state = self.features.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
+        state = self.budget.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
                                      ranks, now, msg.nbytes)
         if state is ItemState.STAGED:
             st = self.items.get(msg.item_id)
@@ -209,7 +189,7 @@ class EPDSchedulerSide:
         inline = self.inline is not None and self.inline.takes(source.nbytes)
         with self._lock:
             have_workers = inline or bool(self._workers)
-        if self.features.reserve(item_id, source.nbytes, num_embeds, now, timeout,
+        if self.budget.reserve(item_id, source.nbytes, num_embeds, now, timeout,
                                  have_workers) is None:
             return False
         if inline and self.inline is not None:
@@ -378,13 +358,13 @@ class EPDSchedulerSide:
         item_id = request.mm_features[index].identifier
         num_embeds = request.get_num_encoder_embeds(index)
         if self.is_producer:
-            self.book.made(request.request_id, item_id, num_embeds)
+            self.saves.made(request.request_id, item_id, num_embeds)
             if item_id not in self._said_yes:  # vLLM encodes it this step; the save follows
                 deadline = (time.monotonic() + self.config.save_queue_timeout_s
                             + self.config.load_timeout_s)
                 with self._lock:
                     ranks = set(self._workers)
-                self.book.expect_save(item_id, ranks, deadline)
+                self.saves.expect_save(item_id, ranks, deadline)
         if self.is_consumer:
             self.engine_cache.allocated(item_id, num_embeds)
         if self.is_consumer and item_id in self._said_yes:
@@ -453,7 +433,7 @@ class EPDSchedulerSide:
           (a report lost for good stops counting at save_queue_timeout_s + load_timeout_s).
         The steps are empty and vLLM sleeps 1 ms between them; no wait of ours, which would
         hold back a request arriving meanwhile."""
-        return self.stats.pending or self.book.saving(time.monotonic())
+        return self.stats.pending or self.saves.saving(time.monotonic())
 
     def update_connector_output(self, finished_saves: set[str] | None) -> None:
         # The control channel normally told us already; this is the vLLM-sanctioned path.
@@ -478,7 +458,7 @@ class EPDSchedulerSide:
         metadata = (self.placeholders.describe(request.mm_features)
                     if self.placeholders is not None and request.mm_features else {})
         endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
-        entries = self.book.finish(request, metadata, with_location=bool(endpoint),
+        entries = self.saves.finish(request, metadata, with_location=bool(endpoint),
                                    stored=lambda item_id: self._stored(item_id) is True)
         if entries is None:
             return None

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from ec_connectors import child_process
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports import Placement, Transport, make_transport
 from ec_connectors.transports.base import (
@@ -44,6 +43,7 @@ from ec_connectors.transports.base import (
     host_copy,
     tensor_bytes,
 )
+from epd_common import child_process
 
 
 def seeded_tensor(seed: int, shape: list[int], dtype: str) -> torch.Tensor:
@@ -162,7 +162,7 @@ class PeerClient:
                  log_path: str | None = None, ready_timeout_s: float = 60.0) -> None:
         self._log = open(log_path or os.devnull, "ab")  # noqa: SIM115 - closed in close()
         # dies with this thread even if this process is SIGKILLed (create clients from a
-        # long-lived thread: ec_connectors.child_process)
+        # long-lived thread: epd_common.child_process)
         self.proc = child_process.popen(
             [*(prefix or []), sys.executable, "-m", "ec_connectors.testing.peer_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,

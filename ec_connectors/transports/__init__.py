@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.names import TRANSPORT_NAMES
+from ec_connectors.protocol.stored import TRANSPORT_NAMES
 from ec_connectors.transports.base import Placement, Transport
 
 logger = get_logger(__name__)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import xxhash
 
-from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.stored import ItemInfo
 
 if TYPE_CHECKING:  # torch is imported where tensors are touched: catalogs stay torch-free
     import torch

@@ -15,7 +15,7 @@ from collections.abc import MutableMapping
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.net import parse_endpoint, resolve_host
+from epd_common.net import parse_endpoint, resolve_host
 
 logger = get_logger(__name__)
 

@@ -27,11 +27,10 @@ from typing import NamedTuple
 import torch
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.secret import Seal, identity
-from ec_connectors.protocol.storage_names import FAILED_SUFFIX, TMP_PREFIX
-from ec_connectors.protocol.storage_names import SAFETENSORS_SUFFIX as SUFFIX
+from ec_connectors.protocol.stored import FAILED_SUFFIX, TMP_PREFIX, ItemInfo
+from ec_connectors.protocol.stored import SAFETENSORS_SUFFIX as SUFFIX
 from ec_connectors.transports.base import (
     Transport,
     checksum,

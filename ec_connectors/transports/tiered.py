@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import Transport, TransportEvents, Want
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from ec_connectors.control.messages import (
     ControlMessage,
     Drop,
     Hello,
+    InlineItem,
     Prefetch,
     Renew,
     Saved,
@@ -32,7 +33,6 @@ from ec_connectors.control.messages import (
     Stats,
     WorkerStats,
 )
-from ec_connectors.control.metadata import InlineItem
 from ec_connectors.log import get_logger
 from ec_connectors.stats import COUNTERS, StatsRecorder
 from ec_connectors.transports.base import Transport, Want, dtype_from_name, host_copy
@@ -110,7 +110,7 @@ class EPDWorker:
         # host now. A CPU tensor is a fresh encoder output vLLM never mutates: no copy.
         tensor = host_copy(tensor)
         if nbytes <= self.config.inline_max_bytes and self.transport.writes_fast:
-            # A small local write (~0.1 ms) costs less than a hand-off to the writer thread,
+            # A small local write costs less than a hand-off to the writer thread,
             # which would take this core and the GIL from the model runner anyway.
             self._write(item_id, tensor, time.perf_counter())
             return

@@ -1,31 +1,8 @@
 """The async encoder pool: per-modality bounded queues, dynamic batching, least-loaded
 dispatch over workers, per-item deadlines and failure isolation.
 
-Contract of `EncoderPool`:
-- `submit(item)` reserves the item's estimated bytes in the CPU tier of the FeatureStore and
-  queues it (capacity: `max_queue_items` per modality, plus the one batch being formed
-  while it waits for a worker); it raises `Overloaded` (queue full: HTTP 429) or
-  `BudgetExceeded` (memory budget full: HTTP 503) at once, never blocks, never grows
-  memory without bound.
-  Duplicate ids share one encode; an id whose feature is already in memory is not re-encoded.
-- A batch holds one modality. It forms when `max_batch_size` items are queued, when the next
-  item would take it past `max_batch_tokens` estimated embedding rows (that item opens the
-  next batch; an item over the budget alone is a batch of one), or when the oldest queued
-  item has waited `max_wait_ms`; it goes to the eligible worker with the least outstanding
-  work, formed batches shortest remaining work first (rows left of the batch's largest item,
-  a chunked video's whole remainder); a batch passed over for `AGING_S` goes first, in the
-  order such batches started waiting.
-- An item whose deadline passes while queued is failed (`ItemFailed`, code "timeout") without
-  being encoded. An exception fails that item only: a failing batch is re-run item by item.
-  Out of memory: the batch is split; a single item that still does not fit fails ("oom")
-  and goes to the decode instance as raw media. It is never retried at reduced resolution:
-  that embedding (fewer tokens) would be published under the full-resolution item's id.
-- A video whose encoder may split it (`MediaEncoder.chunks_video`) and whose embedding is
-  over `video_chunk_tokens` rows is queued as chunks of whole temporal groups (chunking.py):
-  each chunk is a job of its own (a queue slot), and a video batch holds at most that many
-  rows (chunks and short videos of any request together), so other batches run between a
-  long video's. The item resolves once every chunk has been placed into its embedding, and
-  fails as a whole (its other chunks are then not encoded).
+`EncoderPool`'s contract (submit, batch forming, deadlines, out of memory, chunked video) is
+written out in docs/architecture.md, "The encoder pool's batching contract".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ec_connectors.config_files import InvalidConfig, validate
+from epd_common.config_files import InvalidConfig, validate
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -5,7 +5,7 @@
 Either live state may go to DISCARDED (failure, abort, eviction, release: the decode side
 has prefilled it); a released ENCODED_CPU feature stays when kept for multi-turn reuse.
 Anything else raises `IllegalTransition` (the one class the consumer's item table,
-`scheduler_hooks/items.py`, raises too).
+`scheduler_hooks/item_table.py`, raises too).
 
 Bytes: a feature reserves its *estimated* size when encoding starts (so a full budget is
 known before any work is done), is re-accounted at its real size when encoded, and frees
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler_hooks.items import IllegalTransition  # one class for every state table
+from scheduler_hooks.item_table import IllegalTransition  # one class for every state table
 
 
 class PoolItemState(str, enum.Enum):

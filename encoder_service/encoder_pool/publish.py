@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ec_connectors.config import EPDConfig
-from ec_connectors.protocol.items import ItemInfo
-from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.params import ItemEntry, TransferParams
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports import make_transport
+from epd_common.lru import BoundedLRU
 
 MAX_REMEMBERED = 65536
 

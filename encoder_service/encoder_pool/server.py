@@ -38,12 +38,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from ec_connectors.config_files import read_config_file
 from ec_connectors.protocol.http_api import UPSTREAM_ERROR, RequireKey, error_type
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import MAX_ID_BYTES, InvalidItemId, item_key
-from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.protocol.secret import server_api_key
+from ec_connectors.protocol.stored import ItemInfo
 from encoder_service.encoder_pool.batching import (
     QUEUE_FULL,
     EncoderPool,
@@ -64,6 +62,8 @@ from encoder_service.encoder_pool.media import (
 from encoder_service.encoder_pool.metrics import make_registry
 from encoder_service.encoder_pool.models import MediaEncoder, load_encoder
 from encoder_service.encoder_pool.publish import MAX_REMEMBERED, Publisher
+from epd_common.config_files import read_config_file
+from epd_common.lru import BoundedLRU
 
 if TYPE_CHECKING:
     from ec_connectors.config import EPDConfig

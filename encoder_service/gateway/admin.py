@@ -17,12 +17,12 @@ from starlette.responses import JSONResponse
 
 from ec_connectors.protocol.http_api import KeyCheck, error_type
 from ec_connectors.protocol.secret import is_loopback
-from encoder_service.gateway.admission import Admission
-from encoder_service.gateway.config import AdminChange, GatewayConfig
-from encoder_service.gateway.decoders import DecodePool
-from encoder_service.gateway.encoder_clients import EncoderClient, EncoderRouter
-from encoder_service.gateway.errors import GatewayError
-from encoder_service.gateway.probes import Prober
+from encoder_service.gateway.config import AdminChange, AdminSection
+from encoder_service.gateway.requests.admission import Admission
+from encoder_service.gateway.upstreams.decoders import DecodePool
+from encoder_service.gateway.upstreams.encoder_clients import EncoderClient, EncoderRouter
+from encoder_service.gateway.upstreams.probes import Prober
+from encoder_service.gateway.wire import GatewayError
 
 logger = logging.getLogger("epd.gateway")
 
@@ -31,26 +31,25 @@ class Admin:
     """The control-plane handlers over the gateway's pools (made at start-up).
     `encoder_client(url)` makes the client of an encoder that joins."""
 
-    def __init__(self, cfg: GatewayConfig, client: httpx.AsyncClient, router: EncoderRouter,
+    def __init__(self, section: AdminSection, client: httpx.AsyncClient, router: EncoderRouter,
                  decoders: DecodePool, prober: Prober | None, admission: Admission,
-                 token: str | None, encoder_client: Callable[[str], EncoderClient],
+                 encoder_client: Callable[[str], EncoderClient],
                  prefills: DecodePool | None = None) -> None:
-        self.cfg = cfg
+        self.section = section
         self.client = client
         self.router = router
         self.decoders = decoders
         self.prober = prober
         self.admission = admission
-        self.token = token  # the admin token (None: no secret, loopback callers only)
         self.encoder_client = encoder_client
         self.prefills = prefills  # E/P/D: the prefill instances (kv_handoff.py)
-        keys = cfg.client_api_keys
+        keys = list(section.client_keys)
         self.readers = KeyCheck(keys) if keys else None  # who may GET /instances
 
     async def health(self, request: Request) -> JSONResponse:
         """200 when at least one prefill/decode instance is healthy (encoders are optional:
         without them requests still succeed, encoded locally)."""
-        timeout = self.cfg.timeouts.health_s
+        timeout = self.section.health_s
 
         async def probe(url: str) -> bool:
             try:
@@ -82,7 +81,7 @@ class Admin:
                 headers={"www-authenticate": "Bearer"})
         probes = self.prober.results if self.prober is not None else {}
         out = {"encoders": self.router.describe(), "decoders": self.decoders.describe(),
-               "routing": self.cfg.routing.model_dump()}
+               "routing": self.section.routing.model_dump()}
         if self.prefills is not None:
             out["prefills"] = self.prefills.describe()
         for entry in (*out["encoders"], *out.get("prefills", ()), *out["decoders"]):
@@ -96,15 +95,15 @@ class Admin:
             return True
         authorization = request.headers.get("authorization")
         return self.readers.admits(authorization) or (
-            self.token is not None and self._is_admin(authorization or ""))
+            self.section.token is not None and self._is_admin(authorization or ""))
 
     def _is_admin(self, authorization: str) -> bool:
         given = authorization.removeprefix("Bearer ").strip()
-        assert self.token is not None
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        assert self.section.token is not None
+        return hmac.compare_digest(given.encode(), self.section.token.encode())
 
     def _allowed(self, request: Request) -> bool:
-        if self.token is not None:
+        if self.section.token is not None:
             return self._is_admin(request.headers.get("authorization", ""))
         client = request.client
         return client is not None and is_loopback(client.host)
@@ -113,7 +112,7 @@ class Admin:
         """POST {"role": "encoder"|"decoder", "url": BASE_URL, "action": "add"|"remove",
         "drain_timeout_s": 60}: join or leave at run time. A removed instance gets nothing new
         and is forgotten once its requests in flight are done (or the timeout passed)."""
-        if not self.cfg.routing.admin:
+        if not self.section.routing.admin:
             return JSONResponse({"error": "admin endpoints are off (routing.admin)"}, 404)
         if not self._allowed(request):
             return JSONResponse({"error": "admin endpoints need the deployment's admin token "

@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ec_connectors.config_files import read_config_file
 from ec_connectors.protocol.ports import GATEWAY_PORT
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
+from epd_common.config_files import read_config_file
 
 
 def config_from_argv(argv: list[str]) -> GatewayConfig:

@@ -1,23 +1,24 @@
 """Gateway configuration: one validated place, embedded defaults, clear errors.
 
 Build with `GatewayConfig.build(dict)` (raises GatewayConfigError naming each bad key), from
-`ec_connectors.config_files.read_config_file(path)` (JSON or TOML) and/or flags. Unknown keys
+`epd_common.config_files.read_config_file(path)` (JSON or TOML) and/or flags. Unknown keys
 are errors, so a typo never silently falls back to a default.
 """
 
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ec_connectors.config_files import InvalidConfig, validate
-from ec_connectors.protocol.net import EndpointList
 from ec_connectors.protocol.ports import GATEWAY_PORT
-from ec_connectors.protocol.secret import IdSigner, read_secret
-from encoder_service.gateway.auth import client_keys, read_keys_file
+from ec_connectors.protocol.secret import IdSigner, admin_token, read_secret
+from encoder_service.gateway.auth import client_keys, read_keys_file, upstream_headers
+from epd_common.config_files import InvalidConfig, validate
+from epd_common.net import EndpointList
 
 MiB = 1 << 20
 
@@ -33,6 +34,9 @@ def _check_base_url(url: str) -> str:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise ValueError(f"{url!r}: give the server's base URL only (no path, query)")
     return url.rstrip("/")
+
+
+Policy = Literal["affinity", "least_loaded", "round_robin"]  # routing.py
 
 
 class _Strict(BaseModel):
@@ -98,8 +102,8 @@ class RoutingConfig(_Strict):
     item) with bounded loads, the same on every gateway replica; `least_loaded`,
     `round_robin` for comparison."""
 
-    encoders: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
-    decoders: Literal["affinity", "least_loaded", "round_robin"] = "affinity"
+    encoders: Policy = "affinity"
+    decoders: Policy = "affinity"
     load_factor: float = Field(1.25, ge=1.0, description="an encoder carrying more than "
                                "this times the average in-flight load is passed over for an "
                                "item no encoder holds yet")
@@ -189,7 +193,7 @@ class AvailabilityConfig(_Strict):
     consumers' `producers`). `shm`: the shm transport's records under `shm_path` (same
     `shm_path` and `namespace` as the servers; the gateway on their host, as their user).
     `none`: always encode. (The kinds are transport names,
-    ec_connectors.protocol.names, with a catalog the gateway can follow; the Mooncake Store
+    ec_connectors.protocol.stored, with a catalog the gateway can follow; the Mooncake Store
     has none.)"""
 
     kind: Literal["safetensors", "mooncake", "shm", "none"] = "none"
@@ -208,6 +212,51 @@ class AvailabilityConfig(_Strict):
             raise ValueError("producers (host:port side channels) are required for kind "
                              "'mooncake'")
         return self
+
+
+@dataclass(frozen=True)
+class MediaRules:
+    """What parsing a chat body's media needs: the model served, the id namespace, limits."""
+
+    model: str
+    namespace: str
+    limits: LimitsConfig
+    media: MediaConfig
+
+
+@dataclass(frozen=True)
+class ChatSection:
+    """What the chat flow needs beyond its collaborators."""
+
+    rules: MediaRules
+    encoder_backend: Literal["vllm", "pool"]
+    routing: RoutingConfig
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    """One pool of prefill or decode instances: members, routing, deadlines, credentials."""
+
+    urls: tuple[str, ...]
+    role: str  # in its errors: "no <role> instance answered"
+    policy: Policy
+    load_factor: float
+    cooldown_s: float
+    connect_s: float
+    read_s: float
+    headers: dict[str, str]  # the deployment's key (auth.py)
+
+
+@dataclass(frozen=True)
+class AdminSection:
+    """What the control plane needs: its routing (shown, `admin` switch), probe deadline and
+    who may read /instances."""
+
+    routing: RoutingConfig
+    health_s: float
+    client_keys: tuple[str, ...]
+    token: str | None  # the admin token (None: no secret, loopback callers only)
 
 
 class GatewayConfig(_Strict):
@@ -274,6 +323,11 @@ class GatewayConfig(_Strict):
     def ids(self) -> IdSigner:
         return IdSigner(read_secret(self.secret_file))
 
+    @property
+    def upstream_headers(self) -> dict[str, str]:
+        """What the gateway presents to every server of its deployment (auth.py)."""
+        return upstream_headers(self.secret_file)
+
     @field_validator("encoders", "decoders", "prefills")
     @classmethod
     def _urls(cls, v: list[str]) -> list[str]:
@@ -282,6 +336,33 @@ class GatewayConfig(_Strict):
     @property
     def namespace(self) -> str:
         return self.availability.namespace or self.model
+
+    @property
+    def media_rules(self) -> MediaRules:
+        return MediaRules(self.model, self.namespace, self.limits, self.media)
+
+    @property
+    def chat(self) -> ChatSection:
+        return ChatSection(self.media_rules, self.encoder_backend, self.routing,
+                           self.timeouts.decode_s)
+
+    def pool(self, role: Literal["decode", "prefill"]) -> PoolSection:
+        """The decode instances (`decoders`; under E/P/D they go by load, not by item) or
+        the prefill instances (`prefills`, routed by item)."""
+        epd = bool(self.prefills)
+        urls, name = ((self.prefills, "prefill") if role == "prefill"
+                      else (self.decoders, "prefill/decode"))
+        policy = "least_loaded" if role == "decode" and epd else self.routing.decoders
+        t = self.timeouts
+        return PoolSection(tuple(urls), name, policy, self.routing.decoder_load_factor,
+                           self.cooldown_s, t.connect_s, t.decode_s, self.upstream_headers)
+
+    @property
+    def admin(self) -> AdminSection:
+        secret = read_secret(self.secret_file)
+        return AdminSection(self.routing, self.timeouts.health_s,
+                            tuple(self.client_api_keys),
+                            None if secret is None else admin_token(secret))
 
     @classmethod
     def build(cls, data: dict[str, Any]) -> GatewayConfig:

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, ClassVar
 import httpx
 
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.net import port_holder, port_open
 from encoder_service.local.processes import ManagedProcess, ServerFailed
+from epd_common.net import port_holder, port_open
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; annotations only

@@ -5,7 +5,7 @@ here, `MasterServer` (`mooncake_master`) is in mooncake_master.py.
 
 Every managed process runs in a session of its own (stopped as a whole: SIGTERM, then
 SIGKILL, even when the process itself is already gone) and dies with the thread that started
-it, even when its parent is SIGKILLed (`ec_connectors.child_process`: parent-death signal; for
+it, even when its parent is SIGKILLed (`epd_common.child_process`: parent-death signal; for
 vLLM, whose SIGTERM handling misses a signal that arrives during start-up, a process-group
 guard on top; vLLM's EngineCore and workers die with their API server: ec_connectors.plugin).
 Start them from a thread that lives as long as they should (the main thread: `epd up`,
@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
-from ec_connectors import child_process
-from encoder_service.local.workdir import work_dir as project_work_dir
+from epd_common import child_process
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; annotations only
@@ -46,9 +45,9 @@ def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         TMPDIR=str(tmp),
-        VLLM_CACHE_ROOT=env.get("VLLM_CACHE_ROOT") or str(project_work_dir() / "cache" / "vllm"),
+        VLLM_CACHE_ROOT=env.get("VLLM_CACHE_ROOT") or str(default_work_dir() / "cache" / "vllm"),
         TORCHINDUCTOR_CACHE_DIR=env.get("TORCHINDUCTOR_CACHE_DIR")
-        or str(project_work_dir() / "cache" / "inductor"),
+        or str(default_work_dir() / "cache" / "inductor"),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
@@ -187,7 +186,7 @@ class VllmServer(ManagedProcess):
     proc: subprocess.Popen | None = None
 
     # Its API server stops EngineCore and the workers on SIGTERM once it serves, but not
-    # during start-up: vllm_cli guards the process group (see ec_connectors.child_process).
+    # during start-up: vllm_cli guards the process group (see epd_common.child_process).
     guards_group: ClassVar[bool] = True
 
     @property
@@ -297,7 +296,7 @@ class UpProcess(ManagedProcess):
 
     def child_env(self) -> dict[str, str]:
         # its servers keep the caller's vLLM and inductor caches (vllm_env), not ones in its
-        # own work dir: a cold cache costs every first start ~7 s, a first logprobs ~25 s
+        # own work dir: a cold cache slows every first start and first logprobs request
         env = vllm_env(self.work_dir)
         return dict(os.environ, EPD_WORK_DIR=str(self.work_dir),
                     VLLM_CACHE_ROOT=env["VLLM_CACHE_ROOT"],
@@ -357,3 +356,8 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name) and (line[len(name)] in " {"):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def default_work_dir(base: Path | None = None) -> Path:
+    """`$EPD_WORK_DIR`, else `<base>/.work` (default base: the current directory)."""
+    return Path(os.environ.get("EPD_WORK_DIR", (base or Path.cwd()) / ".work")).resolve()

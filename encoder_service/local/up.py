@@ -14,7 +14,7 @@ store master that exits unasked is restarted with backoff, the gateway told (sup
 Ctrl-C or SIGTERM stops everything: the gateway, then every server's whole session (SIGTERM,
 then SIGKILL after a grace period; also of one that died), the store master last, so no process
 is left behind. A SIGKILL of `epd up` itself cannot be handled; its servers then get their
-parent-death signal and go too (`ec_connectors.child_process`: they are started from the main
+parent-death signal and go too (`epd_common.child_process`: they are started from the main
 thread, which lives as long as `epd up`). The command line: up_cli.py.
 """
 
@@ -34,7 +34,6 @@ from typing import Any
 
 from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.net import port_holder
 from ec_connectors.protocol.secret import (
     API_KEY_ENV,
     SECRET_ENV,
@@ -61,6 +60,7 @@ from encoder_service.local.up_config import (
     kv_transfer_config,
     mooncake_endpoint,
 )
+from epd_common.net import port_holder
 
 DECODE_ARGS = ["--enable-scale-out"]  # vLLM flags every decode instance gets
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from ec_connectors.protocol import ports
 from encoder_service.gateway.config import GatewayConfigError
 from encoder_service.local.demo import DEMO_MODEL, demo_requests
+from encoder_service.local.processes import default_work_dir
 from encoder_service.local.up import Deployment, run_up
 from encoder_service.local.up_config import TIERS, UpError, load_up_config
-from encoder_service.local.workdir import work_dir
 
 
 def main(argv: list[str]) -> int:
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
     except (UpError, GatewayConfigError) as exc:
         print(f"epd up: {exc}", file=sys.stderr)
         return 2
-    work = work_dir()
+    work = default_work_dir()
 
     def demo(dep: Deployment) -> int:
         return demo_requests(dep, args.prompt)

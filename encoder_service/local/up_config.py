@@ -43,13 +43,13 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ec_connectors.config import default_shm_path
-from ec_connectors.config_files import read_config_file, validate
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES, UpTransport
 from ec_connectors.protocol.secret import SECRET_ENV, read_secret
+from ec_connectors.protocol.stored import TIERED, TRANSPORT_NAMES, UpTransport
 from encoder_service.gateway.config import RoutingConfig
 from encoder_service.local.supervise import RestartPolicy
 from encoder_service.local.testmodels import SPECS, ModelSpec
+from epd_common.config_files import read_config_file, validate
 
 # Ports: ec_connectors/protocol/ports.py (gateway = base_port, then encoders, then decoders)
 MOONCAKE_POOL_BYTES = 512 << 20  # registered pool per process (connector_extra overrides)

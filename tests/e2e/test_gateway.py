@@ -21,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from ec_connectors import child_process
-from ec_connectors.child_process import session_members
 from encoder_service.local.processes import VllmServer, metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
+from epd_common import child_process
+from epd_common.child_process import session_members
 from tests.e2e.client import FIELDS, MODEL_NAME, PROMPT, answer, ask, metric_at
 from tests.e2e.outage import (
     Traffic,
@@ -382,7 +382,7 @@ def test_epd_up_restarts_killed_servers_and_no_request_fails(cluster, second_dec
     encoder is down), and each restarted server then serves a new request. The encoder's
     API server: test_encoder_killed_mid_run_..."""
     from ec_connectors.protocol.keys import content_item_id
-    from encoder_service.gateway.routing import rendezvous
+    from encoder_service.gateway.upstreams.routing import rendezvous
 
     c, dec2, client = cluster, second_decoder, cluster["client"]
     admin = GW + "/admin/instances"
@@ -438,7 +438,7 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
     The client gets one stream whose tokens are exactly the aggregated server's: none
     repeated, none missing."""
     from ec_connectors.protocol.keys import content_item_id
-    from encoder_service.gateway.routing import rendezvous
+    from encoder_service.gateway.upstreams.routing import rendezvous
 
     c, dec2 = cluster, second_decoder
     gw2 = None

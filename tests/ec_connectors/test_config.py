@@ -65,7 +65,7 @@ def test_groups_combine_into_one_flat_frozen_strict_config():
 
 # -- config files and error messages -------------------------------------------------------
 def test_read_config_file_json_or_toml_with_errors_naming_the_file(tmp_path):
-    from ec_connectors.config_files import InvalidConfig, read_config_file
+    from epd_common.config_files import InvalidConfig, read_config_file
 
     (tmp_path / "a.json").write_text('{"x": 1, "y": {"z": [1, 2]}}')
     (tmp_path / "a.toml").write_text('x = 1\n[y]\nz = [1, 2]\n')
@@ -85,7 +85,7 @@ def test_read_config_file_json_or_toml_with_errors_naming_the_file(tmp_path):
 def test_explain_is_one_line_per_config():
     from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-    from ec_connectors.config_files import InvalidConfig, explain, model_keys
+    from epd_common.config_files import InvalidConfig, explain, model_keys
 
     class Inner(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -120,7 +120,7 @@ def test_transport_names_are_one_list():
     import inspect
     import typing
 
-    from ec_connectors.protocol.names import TIERED, TRANSPORT_NAMES
+    from ec_connectors.protocol.stored import TIERED, TRANSPORT_NAMES
     from ec_connectors.transports import _make_one
     from encoder_service.gateway.config import AvailabilityConfig
 

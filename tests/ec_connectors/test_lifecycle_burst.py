@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from scheduler_hooks.items import LIFECYCLE, ItemState
+from scheduler_hooks.item_table import LIFECYCLE, ItemState
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.ec_connectors.test_roles import Pair, produce, wait_until
 from tests.ec_connectors.test_roles import pair_factory as pair_factory  # noqa: F401 (fixture)
@@ -24,7 +24,7 @@ def _stored(prod: Pair, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     params = {}
     for n, (item_id, x) in enumerate(tensors.items()):
         produce(prod, request(f"p{n}", item_id), {item_id: x})
-        wait_until(lambda i=item_id: prod.sched.book.info(i) is not None)
+        wait_until(lambda i=item_id: prod.sched.saves.info(i) is not None)
         again = request(f"q{n}", item_id)
         prod.sched.update_state_after_alloc(again, 0)
         params[item_id] = prod.sched.request_finished(again)
@@ -58,7 +58,7 @@ def test_a_burst_under_a_small_budget_waits_for_room_and_ends_at_zero(pair_facto
     tensors = {f"img{n}": torch.randn(NUM_EMBEDS, 32) for n in range(12)}
     params = _stored(prod, tensors)
     waiting = [request(f"c{n}", i, params=params[i]) for n, i in enumerate(tensors)]
-    book, done, cache = cons.sched.features, {}, {}
+    book, done, cache = cons.sched.budget, {}, {}
     deadline = time.monotonic() + 20
     while waiting:
         assert time.monotonic() < deadline, f"{len(waiting)} requests still waiting"

@@ -17,7 +17,7 @@ from ec_connectors.control.endpoint import control_address
 from ec_connectors.sched.scheduler import EPDSchedulerSide
 from ec_connectors.transports import make_transport
 from ec_connectors.workers.worker import EPDWorker
-from scheduler_hooks.items import ItemState
+from scheduler_hooks.item_table import ItemState
 from tests.ec_connectors.fakes import NUM_EMBEDS, request
 from tests.helpers import wait_for
 
@@ -100,7 +100,7 @@ def test_producer_to_consumer_round_trip(pair_factory):
     # once the save is reported, the producer's params describe the stored bytes too
     later = request("p2", "img")
     prod.sched.update_state_after_alloc(later, 0)
-    wait_until(lambda: prod.sched.book.info("img") is not None)
+    wait_until(lambda: prod.sched.saves.info("img") is not None)
     described = prod.sched.request_finished(later)["epd"]["items"]["img"]
     assert described["nbytes"] == x.numel() * 2 and described["shape"] == [NUM_EMBEDS, 32]
     assert len(described["checksum"]) == 16

@@ -22,7 +22,7 @@ from scheduler_hooks.decisions import (
     lookup_of,
     plan_item,
 )
-from scheduler_hooks.items import DEADLINE_PASSED
+from scheduler_hooks.item_table import DEADLINE_PASSED
 
 A = ItemAction
 READY, LOADING = Decision(Verdict.READY), Decision(Verdict.WAIT)

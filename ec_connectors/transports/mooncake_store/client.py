@@ -15,8 +15,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.net import parse_endpoint, port_open, resolve_host
 from ec_connectors.transports.engine_ports import EngineRangeError, plan_engine_ports
+from epd_common.net import parse_endpoint, port_open, resolve_host
 
 logger = get_logger(__name__)
 
@@ -75,7 +75,7 @@ class StoreClient:
                 "(mooncake-transfer-engine-non-cuda) or '[cuda]'; it needs libibverbs.so.1 "
                 f"(apt-get install libibverbs1). Import failed: {exc}") from exc
         host, port = parse_endpoint(self.master)
-        # setup() blocks ~90 s retrying when no master answers: probe it first.
+        # setup() blocks for a long time retrying when no master answers: probe it first.
         if not port_open(host, port, max(0.1, min(2.0, deadline - time.monotonic()))):
             raise StoreUnavailable(
                 f"Mooncake Store master {self.master} is not reachable: start it (`epd "
@@ -198,7 +198,7 @@ class StoreClient:
         self._health.shutdown(wait=False, cancel_futures=True)
         store, self._store = self._store, None
         if store is not None:
-            # With the master gone, close() retries its unmount RPCs for ~20 s: bounded here,
+            # With the master gone, close() retries its unmount RPCs for long: bounded here,
             # the rest runs out in a daemon thread (the process is leaving anyway).
             closer = threading.Thread(target=_quiet_close, args=(store,), daemon=True,
                                       name=f"{self.name}-close")

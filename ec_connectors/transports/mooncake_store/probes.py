@@ -7,12 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
-from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.transports.mooncake_store.client import (
     RPC_FAILED,
     StoreClient,
     StoreUnavailable,
 )
+from epd_common.lru import BoundedLRU
 
 _PROBE_BATCH = 256
 _PROBE_CACHE = 65536

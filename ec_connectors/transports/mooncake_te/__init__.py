@@ -3,9 +3,11 @@ workers' registered pools (RDMA or TCP), a ZMQ side channel carrying only contro
 
 - transport.py: MooncakeTransport, the worker-role Transport: a facade over the rest.
 - engine.py: starting the transfer engine, only where items move through it (needs_engine).
-- producer_store.py: a producer's held items (buffers, pins) under the lease book, ../leases.py.
-- producer.py: announcements, the ranges consumers proved, PullServer serving pulls.
-- consumer.py: the link to one producer (pulls in flight, quarantine) and Puller (retries).
+- producer_store.py: a producer's pinned items (buffers, pins) under the lease book, ../leases.py.
+- producer.py: the ranges consumers proved, PullServer serving pulls.
+- announcer.py: a producer's announcements of the items it holds.
+- peer_link.py: a consumer's link to one producer (pulls in flight, quarantine).
+- consumer.py: Puller, a consumer's pulls over its links (retries, verification).
 - stream.py: the socket data path (`te_data_path` socket) both ends share: tickets, framing.
 - stream_server.py: its producer side: the stream port, handshakes, a thread per connection.
 - stream_client.py: its consumer side: warm data connections, one pull at a time on each.
@@ -13,5 +15,5 @@ workers' registered pools (RDMA or TCP), a ZMQ side channel carrying only contro
 - messages.py: the side-channel and announcement wire types (torch-free).
 
 Import the module you need: `catalog` and `messages` load without torch (the gateway uses them).
-The ZMQ channel under the side channel is the generic `ec_connectors.protocol.channel.Channel`.
+The ZMQ channel under the side channel is the generic `ec_connectors.channel.Channel`.
 """

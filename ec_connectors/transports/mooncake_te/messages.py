@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.protocol.stored import ItemInfo
 
 # --- Peer side channel (Mooncake TE transport): consumer worker <-> producer worker ---------
 # Control only: the bytes of an item move through the transfer engine or a data connection of

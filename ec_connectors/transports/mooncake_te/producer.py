@@ -19,81 +19,29 @@ import msgspec
 import torch
 import zmq
 
+from ec_connectors.channel import Channel
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.channel import Channel, encode
-from ec_connectors.protocol.items import ItemInfo
-from ec_connectors.protocol.lru import BoundedLRU
-from ec_connectors.protocol.net import parse_endpoint
 from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.mooncake_te import messages, stream, stream_server
 from ec_connectors.transports.mooncake_te.messages import (
-    Announce,
-    Evicted,
     PeerMessage,
     Progress,
     Pull,
     Pulled,
     PullFailed,
     Register,
-    Snapshot,
     StreamOpen,
 )
-from ec_connectors.transports.mooncake_te.producer_store import Held, ProducerStore
+from ec_connectors.transports.mooncake_te.producer_store import PinnedItem, ProducerStore
+from epd_common.lru import BoundedLRU
+from epd_common.net import parse_endpoint
 
 logger = get_logger(__name__)
 
 _REGISTER_WAIT_S = 5.0  # a pull waits this long at most for its connection's Register
 _CHUNKS_AHEAD = 2  # chunk writes submitted and not yet seen landed, per pull
 _POLL_S = 0.0002  # between checks of a chunk write in flight
-
-
-class Announcer:
-    """ZMQ PUB of a producer: each stored/evicted item at once, a full snapshot periodically."""
-
-    def __init__(self, bind: str, endpoint: str, store: ProducerStore, interval_s: float,
-                 context: zmq.Context, namespace: str, curve: CurveKeys | None = None):
-        self.endpoint = endpoint
-        self.namespace = namespace
-        self._store = store
-        self._interval_s = interval_s
-        self._queue: queue.SimpleQueue[msgspec.Struct | None] = queue.SimpleQueue()
-        self._sock = context.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        if curve is not None:  # only holders of the deployment secret may subscribe
-            curve.server(self._sock)
-        self._sock.bind(bind)
-        self._thread = threading.Thread(target=self._run, name="epd-announce", daemon=True)
-        self._thread.start()
-
-    def stored(self, info: ItemInfo) -> None:
-        self._queue.put(Announce(endpoint=self.endpoint, items=[info], namespace=self.namespace))
-
-    def evicted(self, keys: list[str]) -> None:
-        if keys:
-            self._queue.put(Evicted(endpoint=self.endpoint, keys=keys, namespace=self.namespace))
-
-    def _run(self) -> None:
-        next_snapshot = 0.0
-        try:
-            while True:
-                try:
-                    msg = self._queue.get(timeout=max(0.0, next_snapshot - time.monotonic()))
-                except queue.Empty:
-                    keys, sizes = self._store.catalog()
-                    msg = Snapshot(endpoint=self.endpoint, keys=keys, nbytes=sizes,
-                                   interval_s=self._interval_s, namespace=self.namespace)
-                    next_snapshot = time.monotonic() + self._interval_s
-                if msg is None:
-                    return
-                self._sock.send(encode(msg))
-        finally:
-            self._sock.close()
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=5)
 
 
 @dataclass
@@ -372,7 +320,7 @@ class PullServer:
             if held is not None:
                 self.store.unpin(held)
 
-    def _write(self, msg: Pull, peer: bytes, held: Held, expires: float) -> bool:
+    def _write(self, msg: Pull, peer: bytes, held: PinnedItem, expires: float) -> bool:
         """The item into the puller's buffer, chunk by chunk; False once a reply ended it.
 
         Up to `_CHUNKS_AHEAD` chunks are submitted at once (the engine sends the next while

@@ -8,16 +8,16 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ec_connectors.protocol.items import ItemInfo
-from ec_connectors.protocol.lru import BoundedLRU
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.leases import LeaseBook, StoreNames
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
+from epd_common.lru import BoundedLRU
 
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 
 
 @dataclass
-class Held:
+class PinnedItem:
     info: ItemInfo
     buf: PoolBuffer
     pins: int = 0
@@ -36,7 +36,7 @@ class ProducerStore:
     def __init__(self, pool: MemoryPool, lease_ttl_s: float,
                  lease_min_s: float | None = None) -> None:
         self.pool = pool
-        self._items: LeaseBook[str, Held] = LeaseBook(_NAMES, lease_ttl_s, lease_min_s)
+        self._items: LeaseBook[str, PinnedItem] = LeaseBook(_NAMES, lease_ttl_s, lease_min_s)
         self._lock = threading.Lock()
         self.recently_evicted: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)
         self.recently_failed: BoundedLRU[str, None] = BoundedLRU(_RECENT_EVICTIONS)  # saves
@@ -47,18 +47,18 @@ class ProducerStore:
     def leases_yielded(self) -> int:
         return self._items.leases_yielded
 
-    def get(self, key: str) -> Held | None:
+    def get(self, key: str) -> PinnedItem | None:
         with self._lock:
             return self._items.get(key)
 
-    def pin(self, key: str) -> Held | None:
+    def pin(self, key: str) -> PinnedItem | None:
         with self._lock:
             held = self._items.get(key)
             if held is not None:
                 held.pins += 1
             return held
 
-    def unpin(self, held: Held) -> None:
+    def unpin(self, held: PinnedItem) -> None:
         with self._lock:
             held.pins -= 1
         self.pool.notify()
@@ -78,7 +78,7 @@ class ProducerStore:
         with self._lock:
             held = self._items.get(info.key)
             if held is None:
-                self._items.add(info.key, Held(info, buf))
+                self._items.add(info.key, PinnedItem(info, buf))
             else:
                 self._items.renew(info.key)
             self.recently_evicted.pop(info.key, None)
@@ -104,7 +104,7 @@ class ProducerStore:
                     "evicted" if key in self.recently_evicted else
                     "pending" if key in self.expected else "unknown")
 
-    def evict_one(self) -> Held | None:
+    def evict_one(self) -> PinnedItem | None:
         """Release the lease book's victim among the unpinned items; None if there is none."""
         with self._lock:
             victim = self._items.victim(_unpinned)
@@ -114,10 +114,10 @@ class ProducerStore:
         victim.buf.release()
         return victim
 
-    def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[Held]]:
+    def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[PinnedItem]]:
         """A block for a new item: free space, else evict, else wait for leases to lapse or
         pins to drop (backpressure) until `deadline`. Raises PoolExhausted."""
-        evicted: list[Held] = []
+        evicted: list[PinnedItem] = []
         while True:
             buf = self.pool.try_allocate(nbytes)
             if buf is not None:
@@ -147,6 +147,6 @@ class ProducerStore:
                 held.buf.release()
 
 
-def _unpinned(held: Held) -> bool:
+def _unpinned(held: PinnedItem) -> bool:
     """The lease book's pin test: no pull is reading it (the buffer is released after)."""
     return held.pins == 0

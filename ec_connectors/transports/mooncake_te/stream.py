@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from ec_connectors.protocol.channel import encode
+from ec_connectors.channel import encode
 
 TICKET_BYTES = 32
 READY = b"EPD\x01"  # a served connection's first bytes: its ticket was live

@@ -27,8 +27,8 @@ from ec_connectors.transports.mooncake_te.stream import (
 )
 
 # recv_into at most this much at a time and hash it at once, while it is still in the cache
-# (256 KiB, 1 and 4 MiB measured the same within this host's noise at 30 MiB; kernel socket
-# buffers left to autotuning: fixed 4 MiB ones did not measurably help either)
+# (other sizes measured the same, docs/benchmarks.md; kernel socket buffers are left to
+# autotuning: fixed ones did not measurably help either)
 RECV_CHUNK = 1 << 20
 PER_PRODUCER = 4  # a consumer's data connections to one producer, pulls in parallel
 IDLE_S = 30.0  # a consumer closes a connection unused this long (before the producer does)

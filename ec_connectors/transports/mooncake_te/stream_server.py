@@ -18,7 +18,6 @@ import msgspec
 import torch
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.lru import BoundedLRU
 from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.stream import (
@@ -28,6 +27,7 @@ from ec_connectors.transports.mooncake_te.stream import (
     nodelay,
     read_frame,
 )
+from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)
 

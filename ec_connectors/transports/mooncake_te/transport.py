@@ -46,9 +46,7 @@ import zmq
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.protocol.net import holders, resolve_host
 from ec_connectors.protocol.ports import (
     PURPOSE_ANNOUNCE,
     PURPOSE_SERVE,
@@ -56,6 +54,7 @@ from ec_connectors.protocol.ports import (
     port_for,
 )
 from ec_connectors.protocol.secret import SECRET_ENV, data_plane_host
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import (
     Placement,
     Transport,
@@ -65,6 +64,7 @@ from ec_connectors.transports.base import (
     tensor_bytes,
 )
 from ec_connectors.transports.memory import MemoryPool
+from ec_connectors.transports.mooncake_te.announcer import Announcer
 from ec_connectors.transports.mooncake_te.consumer import Puller
 from ec_connectors.transports.mooncake_te.engine import (
     TransferEngineUnavailable,
@@ -72,13 +72,10 @@ from ec_connectors.transports.mooncake_te.engine import (
     start_engine,
 )
 from ec_connectors.transports.mooncake_te.messages import Register
-from ec_connectors.transports.mooncake_te.producer import (
-    Announcer,
-    ConsumerRanges,
-    PullServer,
-)
+from ec_connectors.transports.mooncake_te.producer import ConsumerRanges, PullServer
 from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
 from ec_connectors.transports.mooncake_te.stream_server import StreamServer
+from epd_common.net import holders, resolve_host
 
 logger = get_logger(__name__)
 

@@ -7,7 +7,7 @@ arena, consumers copy it once into warm memory, verifying while they copy.
   mappings; which block makes room is the lease book's (../leases.py, shared with
   mooncake_te's producer pool);
 - transport.py: ShmTransport, the Transport interface over them.
-File names (`<key>.item`, `.failed`, `.tmp-`) are ec_connectors/protocol/storage_names.py's,
+File names (`<key>.item`, `.failed`, `.tmp-`) are ec_connectors/protocol/stored.py's,
 which the gateway reads too.
 Nothing is imported here, so the torch-free parts stay importable without torch.
 """

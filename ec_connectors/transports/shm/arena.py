@@ -80,7 +80,7 @@ def range_lock(fd: int, kind: int, start: int, length: int) -> bool:
 
 
 @dataclass
-class Held:
+class ArenaBlock:
     key: str
     offset: int  # block start in the arena file
     nbytes: int  # payload
@@ -97,7 +97,7 @@ class Arena:
     def __init__(self, shm_dir: ShmDir, capacity: int, lease_ttl_s: float,
                  lease_min_s: float | None = None) -> None:
         self.dir = shm_dir
-        self.leases: LeaseBook[int, Held] = LeaseBook(_NAMES, lease_ttl_s, lease_min_s)
+        self.leases: LeaseBook[int, ArenaBlock] = LeaseBook(_NAMES, lease_ttl_s, lease_min_s)
         self.name = arena_name()
         self.size = PAGE + (capacity + PAGE - 1) // PAGE * PAGE
         tmp = TMP_PREFIX + self.name
@@ -184,7 +184,7 @@ class Arena:
             if old_held is not None:
                 old_held.current = False
                 self.leases.drop_lease(old)
-            self.leases.add(offset, Held(key, offset, nbytes, gen))
+            self.leases.add(offset, ArenaBlock(key, offset, nbytes, gen))
             self._by_key[key] = offset
 
     def renew(self, key: str) -> bool:
@@ -205,7 +205,7 @@ class Arena:
             self.leases.pop(off)
             return True
 
-    def _evict_locked(self, held: Held) -> bool:
+    def _evict_locked(self, held: ArenaBlock) -> bool:
         """Free `held`'s block unless a consumer is reading it (the lease book's pin test;
         the book forgets the block when this says True)."""
         length = BLOCK_HEADER + held.nbytes

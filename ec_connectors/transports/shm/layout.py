@@ -26,11 +26,11 @@ from collections.abc import Iterator
 
 import msgspec
 
-from ec_connectors.protocol.storage_names import FAILED_SUFFIX, TMP_PREFIX
-from ec_connectors.protocol.storage_names import SHM_RECORD_SUFFIX as RECORD_SUFFIX
+from ec_connectors.protocol.stored import FAILED_SUFFIX, TMP_PREFIX
+from ec_connectors.protocol.stored import SHM_RECORD_SUFFIX as RECORD_SUFFIX
 
 RECORD_MAGIC = b"EPDSHMR1"
-MAX_RECORD_BYTES = 192 * 1024  # an item id may take 64 KiB (protocol.keys.MAX_ID_BYTES)
+MAX_RECORD_BYTES = 192 * 1024  # room for the longest item id (protocol.keys.MAX_ID_BYTES)
 ARENA_RE = re.compile(r"arena-[0-9]{1,10}-[0-9a-f]{8}\.shm")
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 

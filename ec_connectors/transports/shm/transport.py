@@ -22,9 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.protocol.secret import identity, read_secret
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import (
     Placement,
     Transport,

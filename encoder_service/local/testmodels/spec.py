@@ -61,7 +61,7 @@ class ModelSpec:
 
 SPECS = {
     "tiny": ModelSpec(),
-    # 336 px -> 576 tokens x 1024 hidden: a 1.2 MB bf16 embedding, a ViT that costs real CPU.
+    # 336 pixels -> 576 tokens x 1024 hidden: a bf16 embedding and a ViT that cost real CPU.
     "large": ModelSpec(
         name="large", image_size=336, vision_hidden=512, vision_layers=6, vision_heads=8,
         lm_hidden=1024, lm_layers=2, lm_heads=16,
@@ -90,9 +90,9 @@ SPECS = {
     # 16 px patches; a 128 px image -> 16 tokens, each 256 wide (DeepStack) for a 128-wide LM
     "qwen3-vl": ModelSpec(name="qwen3-vl", family="qwen3_vl", lm_heads=2, patch_size=16),
     # Video at real sizes: Qwen3-VL with a 2048-wide LM (one layer, one 64-wide head, a
-    # 64-wide MLP) and DeepStack, so a 512 px frame pair is 256 rows of 2 x 2048 bf16 = 2 MiB:
-    # 6 frames ~6 MB, 30 frames ~31 MB, 120 frames (4 s at 30 fps) ~126 MB, as the real
-    # models' items are, at a prefill cost one CPU core pays (benchmarks/video_serve_bench.py)
+    # 64-wide MLP) and DeepStack, so a 512-pixel frame pair is 256 rows of 2 x 2048 bf16:
+    # the items are as large as the real models' (docs/benchmarks.md, video sizes), at a
+    # prefill cost one CPU core pays (benchmarks/video_serve_bench.py)
     "qwen3-vl-video": ModelSpec(
         name="qwen3-vl-video", family="qwen3_vl", patch_size=16, lm_hidden=2048, lm_layers=1,
         lm_heads=1, lm_head_dim=64, lm_intermediate=64, max_positions=32768,

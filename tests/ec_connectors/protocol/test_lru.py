@@ -1,6 +1,6 @@
 import pytest
 
-from ec_connectors.protocol.lru import BoundedLRU
+from epd_common.lru import BoundedLRU
 
 
 def test_oldest_written_entry_goes_first_once_the_limit_is_passed():

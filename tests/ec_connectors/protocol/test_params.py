@@ -3,7 +3,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.params import (
     MAX_METADATA_BYTES,
@@ -13,6 +12,7 @@ from ec_connectors.protocol.params import (
     TransferParams,
     valid_metadata,
 )
+from ec_connectors.protocol.stored import ItemInfo
 
 INFO = ItemInfo(item_id="a", key=item_key("a"), shape=(4, 8), dtype="bfloat16", nbytes=64,
                 checksum="0123abcd", location="10.0.0.1:7000")

@@ -181,7 +181,7 @@ def test_a_process_started_by_hand_plans_around_the_ports_it_knows():
 
 
 def test_a_bind_failure_names_the_process_holding_the_port():
-    from ec_connectors.protocol.net import holders, port_holder
+    from epd_common.net import holders, port_holder
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

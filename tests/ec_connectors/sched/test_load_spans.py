@@ -15,7 +15,7 @@ from opentelemetry.trace import StatusCode
 
 from ec_connectors.control.messages import Staged
 from ec_connectors.sched.load_spans import LoadSpans, NoSpans
-from scheduler_hooks.items import ItemTable
+from scheduler_hooks.item_table import ItemTable
 
 TRACE, CALLER = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 

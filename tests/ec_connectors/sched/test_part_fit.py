@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from ec_connectors.sched.hints import RequestHints
 from ec_connectors.sched.part_fit import PartFit
 from scheduler_hooks.encoder_cache import EncoderCacheView
-from scheduler_hooks.items import ItemState, ItemTable
+from scheduler_hooks.item_table import ItemState, ItemTable
 
 ITEM = "stored-item"
 ENTRY = {"num_embeds": 16, "shape": [16, 128], "dtype": "bfloat16", "nbytes": 4096,

@@ -157,7 +157,7 @@ def test_side_channel_and_announcements_need_the_deployment_secret(peers, tmp_pa
         assert not stranger.result(30)["found"]
     # a foreign client speaking the wire format by hand: no handshake, no answer, and the
     # producer never writes anywhere for it
-    from ec_connectors.protocol.channel import encode
+    from ec_connectors.channel import encode
     from ec_connectors.protocol.keys import item_key
     from ec_connectors.transports.mooncake_te.messages import Pull
 
@@ -185,7 +185,7 @@ def test_a_producer_writes_only_into_the_range_its_connection_proved(peers, tmp_
     """A peer holding the deployment secret still cannot aim the producer at another
     consumer's memory: a pull is written only into the range its own connection registered
     and proved by a nonce the producer reads back from that memory."""
-    from ec_connectors.protocol.channel import encode
+    from ec_connectors.channel import encode
     from ec_connectors.protocol.keys import item_key
     from ec_connectors.protocol.secret import curve_keys, read_secret
     from ec_connectors.transports.mooncake_te.messages import Pull, PullFailed, Register
@@ -236,7 +236,7 @@ def test_a_producer_writes_only_into_the_range_its_connection_proved(peers, tmp_
 
 
 def test_without_a_secret_the_data_plane_stays_on_loopback(peers):
-    from ec_connectors.protocol.net import resolve_host
+    from epd_common.net import resolve_host
 
     outward = resolve_host("auto")
     if outward.startswith("127."):

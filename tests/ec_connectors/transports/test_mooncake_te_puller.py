@@ -184,8 +184,8 @@ def test_a_dead_producer_costs_a_pull_milliseconds_not_its_deadline(peers):
 def test_a_streamed_pull_arrives_verified_and_outsiders_get_no_bytes(peers):
     import socket
 
-    from ec_connectors.protocol.net import parse_endpoint
     from ec_connectors.protocol.ports import stream_port
+    from epd_common.net import parse_endpoint
 
     base = next(_ports)
     prod = peers.start(PRODUCER, **mc_config(base))
@@ -307,9 +307,9 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
     quarantined, and the connection is not used again."""
     import zmq
 
-    from ec_connectors.protocol.channel import Channel, encode
-    from ec_connectors.protocol.items import ItemInfo
+    from ec_connectors.channel import Channel, encode
     from ec_connectors.protocol.ports import stream_port
+    from ec_connectors.protocol.stored import ItemInfo
     from ec_connectors.transports.mooncake_te import messages, stream, stream_server
     from ec_connectors.transports.mooncake_te.messages import Pulled, StreamOpen
 

@@ -134,7 +134,7 @@ def test_producer_pool_budget_leases_eviction_and_backpressure(peers):
 def test_producer_store_keeps_pinned_items_and_remembers_evicted_ones():
     """Which lease yields is the lease book's (test_leases.py); here: the store's own part,
     pins (a pull reading an item keeps it), freed buffers, and `absent` after an eviction."""
-    from ec_connectors.protocol.items import ItemInfo
+    from ec_connectors.protocol.stored import ItemInfo
     from ec_connectors.transports.memory import MemoryPool, PoolExhausted
     from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
 
@@ -169,7 +169,7 @@ def test_producer_store_keeps_pinned_items_and_remembers_evicted_ones():
 def test_producer_store_keeps_the_first_copy_when_two_saves_of_one_key_race():
     """Both saves found the key absent and reserved a block: the second block is freed, the
     first copy (a pull may be reading it) stays, and both saves answer with it."""
-    from ec_connectors.protocol.items import ItemInfo
+    from ec_connectors.protocol.stored import ItemInfo
     from ec_connectors.transports.memory import MemoryPool
     from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
 
@@ -202,7 +202,7 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     for frame in garbage:
         sock.send(frame)
     # A well-formed pull with a forged session must be refused, not attempted.
-    from ec_connectors.protocol.channel import encode
+    from ec_connectors.channel import encode
     from ec_connectors.transports.mooncake_te import messages
 
     sock.send(encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
@@ -271,8 +271,8 @@ def test_a_failed_save_is_answered_so_the_consumer_stops_waiting(peers):
 
 
 def test_port_scheme_and_host_detection():
-    from ec_connectors.protocol.net import resolve_host
     from ec_connectors.protocol.ports import PURPOSE_ANNOUNCE, PURPOSE_SERVE, port_for
+    from epd_common.net import resolve_host
 
     # dp 0..1 x tp 0..3 on one node: eight distinct ports per purpose, no cross-purpose clash
     serve = {port_for(15500, PURPOSE_SERVE, 0, dp, 4, tp) for dp in range(2) for tp in range(4)}

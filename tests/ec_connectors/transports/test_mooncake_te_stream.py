@@ -17,12 +17,12 @@ import torch
 import xxhash
 import zmq
 
-from ec_connectors.protocol.channel import Channel, encode
-from ec_connectors.protocol.items import ItemInfo
+from ec_connectors.channel import Channel, encode
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.memory import MemoryPool
 from ec_connectors.transports.mooncake_te import messages, stream, stream_client, stream_server
-from ec_connectors.transports.mooncake_te.consumer import PeerLink
 from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed, StreamOpen
+from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from tests.helpers import wait_for
 
 MiB = 1 << 20

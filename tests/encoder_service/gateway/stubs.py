@@ -21,9 +21,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from encoder_service.gateway.config import GatewayConfig
-from encoder_service.gateway.encoder_clients import EncoderFailed
-from encoder_service.gateway.parsing import MediaPart
+from encoder_service.gateway.media.parsing import MediaPart
 from encoder_service.gateway.server import GatewayThread
+from encoder_service.gateway.upstreams.encoder_clients import EncoderFailed
 from encoder_service.local.processes import metric_value
 from tests.helpers import free_port
 

@@ -19,20 +19,20 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from ec_connectors.control.messages import encode
-from ec_connectors.protocol.items import ItemInfo
 from ec_connectors.protocol.keys import content_item_id, item_key
 from ec_connectors.protocol.params import ItemEntry
+from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
-from encoder_service.gateway.availability import MooncakeAvailability, make_availability
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
-from encoder_service.gateway.encoder_clients import (
+from encoder_service.gateway.media.parsing import MediaPart
+from encoder_service.gateway.server import GatewayThread
+from encoder_service.gateway.upstreams.availability import MooncakeAvailability, make_availability
+from encoder_service.gateway.upstreams.encoder_clients import (
     EncoderRouter,
     PoolEncoderClient,
     Releasing,
     VllmEncoderClient,
 )
-from encoder_service.gateway.parsing import MediaPart
-from encoder_service.gateway.server import GatewayThread
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.helpers import MOONCAKE, port_block, wait_for
@@ -179,7 +179,7 @@ def test_mooncake_availability_follows_announcements(producer):
 def test_mooncake_availability_config():
     cfg = GatewayConfig.build({"decoders": ["http://127.0.0.1:1"], "availability": {
         "kind": "mooncake", "producers": [PRODUCER]}})
-    avail = make_availability(cfg)
+    avail = make_availability(cfg.availability, cfg.namespace, cfg.secret_file)
     try:
         assert avail.name == "mooncake"
     finally:
@@ -382,7 +382,7 @@ def test_shm_availability_follows_the_records_of_a_real_shm_producer(tmp_path):
         Placement(is_producer=True, is_consumer=False))
     cfg = GatewayConfig.build({"decoders": ["http://127.0.0.1:1"], "model": "tiny-model",
                                "availability": {"kind": "shm", "shm_path": root}})
-    avail = make_availability(cfg)
+    avail = make_availability(cfg.availability, cfg.namespace, cfg.secret_file)
     try:
         assert avail.name == "shm" and avail.available(["a"]) == set()
         prod.put("a", torch.zeros(1 << 20, dtype=torch.uint8))

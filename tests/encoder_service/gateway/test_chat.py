@@ -44,7 +44,7 @@ def test_encoder_failure_retries_then_falls_back_to_raw_media(stubs):
     dead = f"http://127.0.0.1:{LAB.port()}"  # nothing listens there
     g = gateway([dead, enc.url], [dec.url], cooldown_s=30)
     try:
-        from encoder_service.gateway.routing import rendezvous
+        from encoder_service.gateway.upstreams.routing import rendezvous
 
         # an image whose encoder (by affinity) is the dead one: the first request is retried
         # on the other; then the dead one cools down and is not tried again

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from encoder_service.gateway.coalescing import CoalescingClient
-from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
-from encoder_service.gateway.parsing import MediaPart, canonical_settings
+from encoder_service.gateway.media.parsing import MediaPart, canonical_settings
+from encoder_service.gateway.upstreams.coalescing import CoalescingClient
+from encoder_service.gateway.upstreams.encoder_clients import EncoderFailed, EncoderRouter
 
 
 class Recorder:

@@ -17,10 +17,10 @@ from aiohttp import web
 
 from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.config import GatewayConfig
-from encoder_service.gateway.decoders import DecodePool
-from encoder_service.gateway.errors import GatewayError
-from encoder_service.gateway.metrics import GatewayMetrics
-from encoder_service.gateway.routing import rendezvous
+from encoder_service.gateway.telemetry.metrics import GatewayMetrics
+from encoder_service.gateway.upstreams.decoders import DecodePool
+from encoder_service.gateway.upstreams.routing import rendezvous
+from encoder_service.gateway.wire import GatewayError
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
 from tests.helpers import port_block
@@ -63,7 +63,7 @@ async def pool_of(*instances: Scripted, dead: int = 0) -> AsyncIterator[DecodePo
         urls = [f"http://127.0.0.1:{LAB.port()}" for _ in range(dead)]
         cfg = GatewayConfig.build({"decoders": urls + [i.url for i in instances],
                                    "routing": {"probe_interval_s": 0}})
-        pool = DecodePool(cfg, GatewayMetrics())
+        pool = DecodePool(cfg.pool("decode"), GatewayMetrics())
         await pool.start()
         try:
             yield pool
@@ -183,7 +183,7 @@ def test_a_connection_the_instance_drops_unanswered_is_tried_once_more_on_it():
         server = await asyncio.start_server(handle, "127.0.0.1", port)
         url = f"http://127.0.0.1:{port}"
         cfg = GatewayConfig.build({"decoders": [url], "routing": {"probe_interval_s": 0}})
-        pool = DecodePool(cfg, GatewayMetrics())
+        pool = DecodePool(cfg.pool("decode"), GatewayMetrics())
         await pool.start()
         try:
             got, retries, body = await ask(pool)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from encoder_service.gateway.failover import (
+from encoder_service.gateway.upstreams.failover import (
     Cut,
     GenerateToChat,
     ResumeMismatch,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ec_connectors.protocol.keys import content_item_id
-from encoder_service.gateway.kv_handoff import handoff_params, prefill_body
+from encoder_service.gateway.upstreams.kv_handoff import handoff_params, prefill_body
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
 from tests.helpers import port_block

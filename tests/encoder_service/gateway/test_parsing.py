@@ -177,8 +177,8 @@ def test_allowed_hosts_lets_a_private_image_server_through(stubs):
 
 
 def test_b64_helper_rejects_padding_garbage():
-    from encoder_service.gateway.errors import GatewayError
-    from encoder_service.gateway.parsing import _b64
+    from encoder_service.gateway.media.parsing import _b64
+    from encoder_service.gateway.wire import GatewayError
 
     assert _b64(base64.b64encode(b"abc").decode(), "x") == b"abc"
     with pytest.raises(GatewayError):
@@ -262,14 +262,14 @@ def test_with_the_secret_the_gateway_signs_the_ids_it_derives(stubs, tmp_path):
 def _prepare(part: dict, **limits):
     import asyncio
 
-    from encoder_service.gateway.parsing import prepare_chat
+    from encoder_service.gateway.media.parsing import prepare_chat
 
     cfg = GatewayConfig(model=MODEL, decoders=["http://127.0.0.1:9"], limits=limits)
 
     async def no_fetch(url):
         raise AssertionError("nothing to fetch")
 
-    return asyncio.run(prepare_chat(parts_request(part), cfg, no_fetch))
+    return asyncio.run(prepare_chat(parts_request(part), cfg.media_rules, no_fetch))
 
 
 def test_a_frame_lists_id_covers_each_frame_after_its_length_and_large_ones_leave_the_loop(
@@ -277,7 +277,7 @@ def test_a_frame_lists_id_covers_each_frame_after_its_length_and_large_ones_leav
     """The id of a frame list is the hash of its frames, each after its 8-byte length (the
     frames' bytes, never joined); media over 1 MB are decoded, hashed and checked on a
     thread, the event loop free for other requests meanwhile."""
-    from encoder_service.gateway import parsing
+    from encoder_service.gateway.media import parsing
 
     threads: list[bool] = []
     identify = parsing._identify
@@ -297,7 +297,7 @@ def test_a_frame_lists_id_covers_each_frame_after_its_length_and_large_ones_leav
     (",", 400, "bad_part"), (",,", 400, "bad_part"), (",@@", 400, "bad_base64"),
     (",é", 400, "bad_base64"), ("", 200, None)])
 def test_a_frame_list_with_an_empty_or_broken_frame_is_refused(tail, status, code):
-    from encoder_service.gateway.errors import GatewayError
+    from encoder_service.gateway.wire import GatewayError
 
     part = video_part(sample_frames(3))
     part["video_url"]["url"] += tail

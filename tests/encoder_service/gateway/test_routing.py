@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from encoder_service.gateway.encoder_clients import EncoderFailed, EncoderRouter
-from encoder_service.gateway.parsing import MediaPart
-from encoder_service.gateway.routing import Chooser, bounded, rendezvous
+from encoder_service.gateway.media.parsing import MediaPart
+from encoder_service.gateway.upstreams.encoder_clients import EncoderFailed, EncoderRouter
+from encoder_service.gateway.upstreams.routing import Chooser, bounded, rendezvous
 from tests.encoder_service.gateway.stubs import MODEL, FakeEncoder, Lab, items
 from tests.helpers import port_block
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from ec_connectors.protocol.secret import SECRET_ENV, admin_token
-from encoder_service.gateway import top
 from encoder_service.gateway.auth import CLIENT_KEY_ENV
-from encoder_service.gateway.metrics import GatewayMetrics
+from encoder_service.gateway.telemetry import top
+from encoder_service.gateway.telemetry.metrics import GatewayMetrics
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab
 from tests.helpers import ROOT, port_block, wait_for

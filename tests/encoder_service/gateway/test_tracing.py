@@ -1,4 +1,4 @@
-"""Traces (encoder_service/gateway/tracing.py) through a real gateway in front of stub
+"""Traces (encoder_service/gateway/telemetry/tracing.py) through a real gateway in front of stub
 upstreams (stubs.py), exported over OTLP/HTTP to a receiver on loopback (local/trace_sink.py):
 one trace per request with a span per stage and the right parents, a caller's traceparent
 continued, `traceparent` sent to the encoder and the decode instance (the span ids of the
@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from ec_connectors.protocol.keys import content_item_id
-from encoder_service.gateway.availability import SafetensorsAvailability
-from encoder_service.gateway.tracing import _parse_traceparent
+from encoder_service.gateway.telemetry.tracing import _parse_traceparent
+from encoder_service.gateway.upstreams.availability import SafetensorsAvailability
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.trace_sink import TraceSink
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post

@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from encoder_service.gateway.config import LimitsConfig, MediaConfig
-from encoder_service.gateway.errors import GatewayError
-from encoder_service.gateway.urls import check_destination, fetch_media
+from encoder_service.gateway.media.urls import check_destination, fetch_media
+from encoder_service.gateway.wire import GatewayError
 from encoder_service.local.requests import sample_image_png
 from tests.helpers import free_port, port_block
 

@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-from ec_connectors import child_process
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import ManagedProcess, PoolServer, VllmServer
+from epd_common import child_process
 from tests.helpers import (
     MASTER,
     ROOT,
@@ -36,7 +36,7 @@ _ports = iter(port_block(__name__, MASTER)[::5])  # this module's masters: rpc, 
 # does nothing) and has a child of its own that ignores it too; it runs the group guard.
 STUBBORN = textwrap.dedent("""
     import signal, subprocess, sys, time
-    from ec_connectors.child_process import guard_process_group_from_env
+    from epd_common.child_process import guard_process_group_from_env
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     guard_process_group_from_env(grace_s=1.0)
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -49,7 +49,7 @@ PARENT = textwrap.dedent("""
     from pathlib import Path
     from typing import ClassVar
 
-    from ec_connectors import child_process
+    from epd_common import child_process
     from encoder_service.local.processes import ManagedProcess
 
     kind, work, port = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
@@ -216,16 +216,15 @@ def test_every_server_and_every_epd_up_share_one_vllm_cache(tmp_path, monkeypatc
     compiles its logprobs kernels with inductor: every server, and the servers of every `epd
     up` (which runs in a work dir of its own), use the project's caches, or
     `$VLLM_CACHE_ROOT` when set."""
-    from encoder_service.local.processes import UpProcess
-    from encoder_service.local.workdir import work_dir
+    from encoder_service.local.processes import UpProcess, default_work_dir
 
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     a = VllmServer("a", tmp_path / "model", 18990, tmp_path / "a")
     b = PoolServer("b", tmp_path / "model", 18991, tmp_path / "b")
     up = UpProcess({}, tmp_path / "up")
-    for var, shared in (("VLLM_CACHE_ROOT", work_dir() / "cache" / "vllm"),
-                        ("TORCHINDUCTOR_CACHE_DIR", work_dir() / "cache" / "inductor")):
+    for var, shared in (("VLLM_CACHE_ROOT", default_work_dir() / "cache" / "vllm"),
+                        ("TORCHINDUCTOR_CACHE_DIR", default_work_dir() / "cache" / "inductor")):
         assert {p.child_env()[var] for p in (a, b, up)} == {str(shared)}, var
     assert up.child_env()["EPD_WORK_DIR"] == str(tmp_path / "up")
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "mine"))
@@ -236,7 +235,7 @@ def test_every_server_and_every_epd_up_share_one_vllm_cache(tmp_path, monkeypatc
 
 MP_PARENT = textwrap.dedent("""
     import multiprocessing, os, time
-    from ec_connectors import child_process
+    from epd_common import child_process
     from ec_connectors.plugin import VLLM_CHILDREN
 
     def child():  # what the plugin does in every vLLM process

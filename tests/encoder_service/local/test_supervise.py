@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from ec_connectors import child_process
 from encoder_service.local.processes import ManagedProcess
 from encoder_service.local.supervise import RestartPolicy, Supervisor, describe_exit
+from epd_common import child_process
 from tests.helpers import alive, wait_for
 
 pytestmark = pytest.mark.skipif(not child_process.supported(), reason="Linux only")

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from ec_connectors.child_process import die_with_parent
 from ec_connectors.protocol import ports
 from encoder_service.local import up_config
 from encoder_service.local.up import Deployment
 from encoder_service.local.up_config import UpConfig, UpError, load_up_config
+from epd_common.child_process import die_with_parent
 from tests.helpers import MASTER, MOONCAKE, ROOT, port_block
 
 # the ports of the deployments this module checks or lets `epd up` check (it starts none): a

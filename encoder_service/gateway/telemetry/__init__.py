@@ -1,0 +1,8 @@
+"""What the gateway tells its operator.
+
+- `metrics.py`: Prometheus metrics, every label set exported from the start.
+- `tracing.py`: OpenTelemetry traces of chat requests (off unless configured), traceparent
+  to every upstream; `otlp.py`: their OTLP/HTTP export (protobuf encoded here).
+- `top.py`: `epd top`, a live view of a deployment from its gateway's /metrics and
+  /instances.
+"""
