@@ -9,9 +9,11 @@ handed covers the item); the gateway counts one handoff and no failure; a stream
 the same too. The same deployment runs with tracing on (a receiver in this process,
 local/trace_sink.py): one image request with a caller's traceparent is one trace across the
 gateway, the encoder's vLLM, the prefill instance's vLLM (and its connector's load) and the
-decode instance's vLLM; `epd top --once` lists every instance. Last, the prefill instance is
-killed: the next request is still answered exactly, the decode instance computing the prompt
-itself, the failed handoff logged and counted."""
+decode instance's vLLM; `epd top --once` lists every instance. Then the decode instance is
+killed mid-stream: the stream goes on, exact, on the prefill instance, which also answers
+the requests sent while the decode instance is down (it comes back: one restart). Last, the
+prefill instance is killed: the next request is still answered exactly, the decode instance
+computing the prompt itself, the failed handoff logged and counted."""
 
 from __future__ import annotations
 
@@ -86,10 +88,11 @@ def deployment(aggregated):
     try:
         with pytest.MonkeyPatch.context() as mp, httpx.Client(timeout=120) as c:
             mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # vLLM's span batches: 5 s
-            # no restarts: the prefill instance killed last would start again as the module
-            # ends (supervision: test_gateway.py)
+            # one restart each: the decode instance killed mid-stream comes back for the
+            # tests after it; the prefill instance killed last is stopped with the module
+            conf["restart"] = {"max_restarts": 1, "backoff_s": 0.5}
             with epd_up(conf, work, also_ready=aggregated.healthy,
-                        args=["--prefill", "1", "--decode", "1", "--no-restart"]) as up:
+                        args=["--prefill", "1", "--decode", "1"]) as up:
                 yield {"up": up[0], "gw": up[1], "log": up[2], "c": c, "sink": sink,
                        "agg": aggregated}
     finally:
@@ -179,6 +182,47 @@ def test_epd_top_once_lists_every_instance(deployment):
     assert frame["totals"]["requests"] == sent >= 3
     assert rows[PREFILL]["requests"] >= 3 and rows[DECODE]["requests"] >= 3
     assert rows[PREFILL]["ttft_p50_s"] is not None and rows[DECODE]["ttft_p50_s"] is not None
+
+
+def test_a_decode_instance_killed_mid_stream_goes_on_on_the_prefill_instance(deployment):
+    """E/P/D with its one decode instance SIGKILLed after the first tokens of a long greedy
+    stream: the gateway continues the answer on the prefill instance (a whole vLLM server of
+    the same model), exact; a request sent while the decode instance is down is answered by
+    the prefill instance in full, equal to aggregated vLLM's. The decode instance is
+    restarted and serves again."""
+    d = deployment
+    c, gw, aggregated = d["c"], d["gw"], d["agg"]
+    image = sample_image_png(seed=74)
+    long = {"max_tokens": 200, "ignore_eos": True}
+    ref = answer(c, aggregated.url, image, **long)
+    body = {**chat_body(MODEL_NAME, image, PROMPT), **long, "stream": True}
+    got: list[int] = []
+    errors: list[dict] = []
+    killed = False
+    with c.stream("POST", gw + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event)
+                continue
+            got += event["choices"][0].get("token_ids") or [] if event["choices"] else []
+            if got and not killed:
+                kill_server(d["up"].pid, BASE + 2)  # the decode instance, mid-stream
+                killed = True
+    assert killed and not errors and got == ref  # one uninterrupted, exact stream
+    assert metric_at(c, gw, 'epd_prefill_answers_total{stage="resume"}') == 1
+    other = sample_image_png(seed=75)  # the decode instance is down (restarting)
+    assert answer(c, gw, other) == answer(c, aggregated.url, other)
+    assert metric_at(c, gw, 'epd_prefill_answers_total{stage="start"}') >= 1
+
+    def decode_up() -> bool:
+        rows = c.get(gw + "/instances").json()["decoders"]
+        return rows[0]["state"] == "up"
+
+    assert wait_for(decode_up, timeout=180, interval=1), "the decode instance did not return"
 
 
 def test_a_killed_prefill_instance_leaves_the_decode_instance_to_compute(deployment):

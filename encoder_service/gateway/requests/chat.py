@@ -34,7 +34,7 @@ from encoder_service.gateway.media.parsing import (
 from encoder_service.gateway.media.urls import fetch_media
 from encoder_service.gateway.requests.admission import Admission, request_id
 from encoder_service.gateway.requests.relay import Exchange, Relay, RelayPlan, Watch
-from encoder_service.gateway.telemetry.metrics import ENCODER, GatewayMetrics
+from encoder_service.gateway.telemetry.metrics import ENCODER, START, GatewayMetrics
 from encoder_service.gateway.telemetry.tracing import RequestTrace, Tracer
 from encoder_service.gateway.upstreams.availability import Availability
 from encoder_service.gateway.upstreams.decoders import DecodePool, Upstream
@@ -87,7 +87,8 @@ class ChatFlow:
         self.fetch_client = fetch_client
         self.admission = admission
         self.relay = relay
-        self.resumer = Resumer(decoders, section.rules.model, section.decode_s)
+        self.resumer = Resumer(decoders, section.rules.model, section.decode_s,
+                               kv.pool if kv is not None else None, metrics)
         self._background: set[asyncio.Task] = set()  # releases in flight (strong refs)
         # item id -> placeholder metadata its encoder published: a later request for an
         # item that is already available goes metadata-only too
@@ -324,8 +325,20 @@ class ChatFlow:
                 sent = {**body, "kv_transfer_params": params}
             decode_key = None
         span = trace.open_decode() if trace is not None else None
-        up = await self.decoders.request("POST", "/v1/chat/completions", json_encode(sent),
-                                         rid, key=decode_key)
+        try:
+            up = await self.decoders.request("POST", "/v1/chat/completions",
+                                             json_encode(sent), rid, key=decode_key)
+        except GatewayError:
+            if self.kv is None:
+                raise
+            # no decode instance usable: a prefill instance is a whole vLLM server with the
+            # prompt's KV cache in its prefix cache, so it answers the request in full
+            logger.warning("no decode instance answered rid=%s action=the prefill instance "
+                           "answers in full", rid)
+            up = await self.kv.pool.request("POST", "/v1/chat/completions",
+                                            json_encode(body), rid, key=key)
+            info["decode"] = "prefill"
+            self.metrics.prefill_answers.labels(START).inc()
         if span is not None:
             span.attrs.update({"server.address": up.url, "epd.retries": up.retries,
                                "http.response.status_code": up.status_code})

@@ -14,6 +14,8 @@ ENCODER, DECODE = "encoder", "decode"  # `target`; decode: a (prefill/)decode in
 UPSTREAM_TARGETS = (ENCODER, DECODE)
 RESUMED, REFUSED = "resumed", "refused"  # `outcome` of a failover
 FAILOVER_OUTCOMES = (RESUMED, REFUSED)
+START, RESUME = "start", "resume"  # `stage` of a prefill instance's whole answer (E/P/D)
+PREFILL_ANSWER_STAGES = (START, RESUME)
 
 
 class GatewayMetrics:
@@ -67,6 +69,14 @@ class GatewayMetrics:
         self.kv_handoff_failures = Counter(
             "epd_kv_handoff_failures", "Prefills that handed no KV cache on: the decode "
             "instance computed the prompt itself", ["reason"], registry=r)
+        # E/P/D: answers a prefill instance gave in full because no decode instance could
+        # (at the request's start, or to continue a stream whose decode instance died)
+        self.prefill_answers = Counter(
+            "epd_prefill_answers", "Requests (or continued streams) a prefill instance "
+            "answered in full because no decode instance was usable (E/P/D)", ["stage"],
+            registry=r)
+        for stage in PREFILL_ANSWER_STAGES:
+            self.prefill_answers.labels(stage)
         for target in UPSTREAM_TARGETS:  # every known label set at 0
             self.retries.labels(target)
             self.upstream_errors.labels(target)

@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from encoder_service.gateway.telemetry.metrics import RESUME, GatewayMetrics
 from encoder_service.gateway.upstreams.decoders import DecodePool, Upstream, UpstreamError
 from encoder_service.gateway.upstreams.failover import (
     GenerateToChat,
@@ -33,10 +34,14 @@ ResumeFn = Callable[[StreamTracker | None, str], Awaitable[Resumed | None]]
 
 
 class Resumer:
-    """Continues broken answers on the other decode instances of `decoders`."""
+    """Continues broken answers on the other decode instances of `decoders`; under E/P/D,
+    when none is usable, on a prefill instance of `prefills` (a whole vLLM server)."""
 
-    def __init__(self, decoders: DecodePool, model: str, decode_timeout_s: float) -> None:
+    def __init__(self, decoders: DecodePool, model: str, decode_timeout_s: float,
+                 prefills: DecodePool | None = None, metrics: GatewayMetrics | None = None
+                 ) -> None:
         self.decoders, self.model, self.timeout = decoders, model, decode_timeout_s
+        self.prefills, self.metrics = prefills, metrics
 
     def bound(self, sent: dict[str, Any], rid: str) -> ResumeFn:
         """`resume` for the answer to `sent` (the body the decode instance was sent)."""
@@ -97,12 +102,25 @@ class Resumer:
                     failed_url: str) -> Upstream | None:
         """`body` to `path` on an instance other than `failed_url`: the answer once it began
         with a 200, else None (released)."""
+        content = json_encode(body)
         try:
-            up = await self.decoders.open("POST", path, json_encode(body), f"{rid}-resume",
+            up = await self.decoders.open("POST", path, content, f"{rid}-resume",
                                           exclude={failed_url})
         except GatewayError as exc:  # no other instance, or none answered
-            logger.warning("failover rid=%s %s not possible: %s", rid, path, exc.message)
-            return None
+            if self.prefills is None:
+                logger.warning("failover rid=%s %s not possible: %s", rid, path, exc.message)
+                return None
+            try:  # E/P/D: the prefill instances are whole vLLM servers of the same model
+                up = await self.prefills.open("POST", path, content, f"{rid}-resume",
+                                              exclude={failed_url})
+            except GatewayError as exc2:
+                logger.warning("failover rid=%s %s not possible: %s; %s", rid, path,
+                               exc.message, exc2.message)
+                return None
+            logger.info("failover rid=%s %s on prefill instance %s (no decode instance "
+                        "usable)", rid, path, up.url)
+            if self.metrics is not None and path != "/v1/chat/completions/render":
+                self.metrics.prefill_answers.labels(RESUME).inc()
         if up.status_code != 200:
             try:
                 why = (await asyncio.wait_for(up.read(), 5.0))[:300]

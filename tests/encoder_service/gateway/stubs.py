@@ -98,7 +98,8 @@ class Stub:
         await asyncio.sleep(self.delay)
         if self.fail:
             return JSONResponse({"error": "boom"}, status_code=500)
-        if self.role == "prefill":  # E/P/D: one token, the KV cache kept for a decode
+        handoff = body.get("kv_transfer_params") == {"do_remote_decode": True}
+        if self.role == "prefill" and handoff:  # E/P/D: one token, the KV kept for a decode
             return JSONResponse({"choices": [{"message": {"content": "o"}}],
                                  "kv_transfer_params": {
                                      "do_remote_prefill": True, "remote_block_ids": [1, 2],

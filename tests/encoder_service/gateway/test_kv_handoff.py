@@ -2,7 +2,8 @@
 gets the request for one token with `kv_transfer_params: {"do_remote_decode": true}` (and
 the items' ec_transfer_params), the decode instance gets the kv_transfer_params the prefill
 answered; a handoff that fails (prefill instance down or failing) leaves the decode instance
-to compute the prompt itself, counted by reason (epd_kv_handoff_failures_total)."""
+to compute the prompt itself, counted by reason (epd_kv_handoff_failures_total); with no
+decode instance usable, the prefill instance answers the request in full."""
 
 from __future__ import annotations
 
@@ -132,3 +133,27 @@ def test_prefill_instances_are_probed_and_a_failing_one_is_tried_last():
         g.stop()
         for s in (enc, dec, pre):
             s.stop()
+
+
+def test_no_decode_instance_usable_leaves_the_prefill_instance_to_answer_in_full():
+    """A prefill instance is a whole vLLM server with the prompt's KV cache: when no decode
+    instance answers, it gets the request as the client sent it (no handoff params) and its
+    answer goes back; counted (epd_prefill_answers_total{stage="start"})."""
+    enc, pre = LAB.stub("encoder"), LAB.stub("prefill")
+    dead = f"http://127.0.0.1:{LAB.port()}"  # nothing listens there
+    g = LAB.gateway([enc.url], [dead], prefills=[pre.url])
+    try:
+        r = post(g, {**chat_body(MODEL, sample_image_png(45), "x", max_tokens=5),
+                     "stream": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "ok"
+        handoff, whole = pre.calls[-2:]
+        assert handoff["kv_transfer_params"] == {"do_remote_decode": True}
+        assert "kv_transfer_params" not in whole and whole["max_tokens"] == 5
+        assert metric(g, 'epd_prefill_answers_total{stage="start"}') == 1
+        r = post(g, {**chat_body(MODEL, sample_image_png(46), "x"), "stream": True})
+        assert r.status_code == 200 and "data: [DONE]" in r.text
+    finally:
+        g.stop()
+        enc.stop()
+        pre.stop()
