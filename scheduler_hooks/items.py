@@ -70,7 +70,9 @@ class IllegalTransition(RuntimeError):
 
 def fits(held: int, nbytes: int, budget: int) -> bool:
     """Whether a new load of `nbytes` fits the budget. With nothing held, any item fits (one
-    larger than the budget loads alone): a wait for room always ends."""
+    larger than the budget loads alone): a wait for room always ends. The one rule of the
+    staging budget: the scheduler's reservations (`ItemTable.begin`) and the worker's staging
+    area (`ec_connectors/workers/worker.py`) both ask it."""
     return held == 0 or held + nbytes <= budget
 
 
