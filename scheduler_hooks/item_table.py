@@ -70,7 +70,9 @@ class IllegalTransition(RuntimeError):
 
 def fits(held: int, nbytes: int, budget: int) -> bool:
     """Whether a new load of `nbytes` fits the budget. With nothing held, any item fits (one
-    larger than the budget loads alone): a wait for room always ends."""
+    larger than the budget loads alone): a wait for room always ends. The one rule of the
+    staging budget: the scheduler's reservations (`ItemTable.begin`) and the worker's staging
+    area (`ec_connectors/workers/worker.py`) both ask it."""
     return held == 0 or held + nbytes <= budget
 
 
@@ -126,16 +128,9 @@ class ItemTable:
     def held(self) -> int:
         return self._bytes[S.LOADING] + self._bytes[S.STAGED]
 
-    def bytes_in(self, *states: ItemState) -> int:
-        return sum(self._bytes[s] for s in states)
-
     def by_state(self) -> dict[str, int]:
         """Bytes per lifecycle state, every one named (DISCARDED holds none)."""
         return {s.value: self._bytes[s] for s in LIFECYCLE}
-
-    def items_in(self, *states: ItemState) -> list[str]:
-        """The ids in `states` (a scan: for tests and diagnostics, never per step)."""
-        return [i for i, e in self._items.items() if e.state in states]
 
     def current(self, item_id: str, now: float) -> Item | None:
         """The item's load (LOADING, STAGED, or FAILED within its memory), or None: none,

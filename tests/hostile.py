@@ -1,5 +1,5 @@
 """Hostile metadata-only requests and transfer params (hypothesis strategies), shared by the
-guard's fast-lane tests (tests/ec_connectors/test_server_guard.py, the guard in-process) and
+guard's fast-lane tests (tests/ec_connectors/guard/test_server_guard.py, the guard in-process) and
 the slow lane (tests/e2e/test_qwen_modalities.py, a real prefill/decode server).
 
 Every generated body breaks at least one bound of `ec_connectors/guard/request_checks.py` for the

@@ -34,18 +34,6 @@ class StagingBudget:
         items.on_illegal = self._illegal
         stats.on_take(self.flush)
 
-    @property
-    def held(self) -> int:
-        return self.items.held
-
-    @property
-    def peak_held(self) -> int:
-        return self.items.peak_held
-
-    @property
-    def errors(self) -> int:
-        return self.items.errors
-
     def reserve(self, item_id: str, nbytes: int, num_embeds: int, now: float,
                 timeout_s: float, have_workers: bool = True) -> Item | None:
         """Start a load of the item (LOADING, `timeout_s` to land), reserving its bytes

@@ -1,2 +1,2 @@
-"""Test and benchmark drivers (not used by the connector itself): `peer_process` runs one
+"""Test and benchmark drivers (not used by the connector itself): `peer_process.py` runs one
 transport peer in a process of its own, driven over stdin."""

@@ -5,9 +5,11 @@ runner never waits on storage; each finished save is reported to the scheduler a
 (control channel) and through `get_finished`.
 Consumer: the scheduler asks for items over the control channel *before* it schedules the
 request (`Prefetch`); loader threads fetch and verify them into a byte-bounded staging area
-and answer `Staged`. `place`, called from `start_load_caches` on the step that schedules the
-request, only moves staged tensors into vLLM's encoder cache, and the small items the
-scheduler read itself (already verified) from the step's metadata.
+and answer `Staged` (the budget's rule is the scheduler's, `scheduler_hooks.item_table.fits`: with
+nothing staged, an item larger than `max_staged_bytes` is staged alone). `place`, called from
+`start_load_caches` on the step that schedules the request, only moves staged tensors into
+vLLM's encoder cache, and the small items the scheduler read itself (already verified) from
+the step's metadata.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ec_connectors.log import get_logger
 from ec_connectors.stats import COUNTERS, StatsRecorder
 from ec_connectors.transports.base import Transport, Want, dtype_from_name, host_copy
 from ec_connectors.workers.save_queue import SaveQueue
+from scheduler_hooks.item_table import fits
 
 logger = get_logger(__name__)
 _REAP_MARGIN_S = 10.0  # the worker drops an unplaced copy this long after the scheduler would
@@ -226,7 +229,8 @@ class EPDWorker:
                 held = self._staged.get(item_id)
                 if held is not None:  # loaded twice (two prefetches raced): one copy stays
                     tensor = held[0]
-                elif self._staged_bytes + tensor.nbytes > self.config.max_staged_bytes:
+                elif not fits(self._staged_bytes, tensor.nbytes, self.config.max_staged_bytes):
+                    # The scheduler's rule (it reserved this load by it): alone, any item fits.
                     error = (f"staging full ({self._staged_bytes} of "
                              f"{self.config.max_staged_bytes} bytes)")
                     tensor = None

@@ -32,7 +32,7 @@ import pytest
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.trace_sink import TraceSink
-from tests.e2e.client import MODEL_NAME, PROMPT, answer, metric_at
+from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at
 from tests.helpers import WORK, descendants, epd_up, port_block, wait_for
 
 pytest.importorskip("nixl._api")
@@ -169,8 +169,11 @@ def test_one_request_one_trace_across_gateway_encoder_prefill_and_decode(deploym
 
 def test_epd_top_once_lists_every_instance(deployment):
     """`epd top --once --json` against the running deployment: the encoder, the prefill and
-    the decode instance, each up, and the requests this module sent."""
+    the decode instance, each up, and the requests sent so far: three by this test itself
+    (it once counted on the module's earlier tests and failed when run alone)."""
     d = deployment
+    for seed in (74, 75, 76):
+        ask(d["c"], d["gw"], sample_image_png(seed=seed), max_tokens=4)
     done = subprocess.run([sys.executable, "-m", "encoder_service.cli", "top", "--once",
                            "--json", d["gw"]], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr

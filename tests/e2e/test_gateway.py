@@ -430,6 +430,93 @@ def test_epd_up_restarts_killed_servers_and_no_request_fails(cluster, second_dec
                     timeout=120)
 
 
+class LongStreams:
+    """`n` long greedy text streams through `gateway` on threads (600 tokens, `ignore_eos`),
+    each read to its end; `errors`: those that ended with an error event or failed."""
+
+    def __init__(self, gateway: str, n: int) -> None:
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._one, args=(gateway,), daemon=True)
+                        for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, gateway: str) -> None:
+        body = {"model": MODEL_NAME, "stream": True, "temperature": 0.0, "max_tokens": 600,
+                "ignore_eos": True, "messages": [{"role": "user", "content": PROMPT}]}
+        try:
+            with httpx.Client(timeout=300) as client, client.stream(
+                    "POST", gateway + "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith('data: {"error"'):
+                        self.errors.append(line)
+        except httpx.HTTPError as exc:
+            self.errors.append(repr(exc))
+
+    def open(self) -> int:
+        return sum(t.is_alive() for t in self.threads)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=300)
+
+
+def test_in_flight_per_decode_instance_equals_its_open_requests_through_a_kill(
+        cluster, second_decoder):
+    """What load-aware routing reads: GET /instances' `inflight` of each decode instance is
+    the number of requests that instance is really serving (its own vLLM's running and
+    waiting requests), with streams open while decode-0 is SIGKILLed (its streams continue
+    on the second instance), and again once `epd up` restarted it and the gateway took it
+    back (the count once drifted there: 0 on an instance streaming an answer)."""
+    c, dec2, client = cluster, second_decoder, cluster["client"]
+    admin = GW + "/admin/instances"
+    urls = [DEC_URL, dec2.url]
+
+    def listed() -> dict[str, int]:
+        return {d["url"]: d["inflight"] for d in client.get(GW + "/instances").json()[
+            "decoders"]}
+
+    def serving(url: str) -> int:
+        try:
+            return int(metric_at(client, url, "vllm:num_requests_running")
+                       + metric_at(client, url, "vllm:num_requests_waiting"))
+        except httpx.HTTPError:  # killed: it serves nothing
+            return 0
+
+    def exact(total: int) -> bool:
+        counts = listed()
+        return sum(counts.values()) == total and counts == {u: serving(u) for u in urls}
+
+    joined = client.post(admin, json={"role": "decoder", "url": dec2.url, "action": "add"})
+    assert joined.status_code == 200, joined.text
+    try:
+        streams = LongStreams(GW, 4)
+        assert wait_for(lambda: exact(4), timeout=60, interval=0.2), (listed(), [
+            serving(u) for u in urls])
+        assert min(listed().values()) > 0  # both serve some (least loaded: 2 and 2)
+        dec = server_session(c["up"].pid, UP_PORT + 2)
+        c.setdefault("sessions", set()).add(dec)
+        t0 = time.monotonic()
+        os.kill(dec, signal.SIGKILL)  # decode-0's API server, mid-stream
+        assert wait_for(lambda: listed() == {DEC_URL: 0, dec2.url: streams.open()}
+                        and exact(streams.open()), timeout=30, interval=0.2), (
+            listed(), streams.open(), serving(dec2.url))
+        wait_back(client, GW, [DEC_URL], t0)
+        streams.join()
+        assert not streams.errors, streams.errors  # every stream went on exactly
+        assert wait_for(lambda: listed() == dict.fromkeys(urls, 0), timeout=10), listed()
+        again = LongStreams(GW, 4)  # on both again, the restarted one included
+        assert wait_for(lambda: exact(4), timeout=60, interval=0.2), (listed(), [
+            serving(u) for u in urls])
+        assert listed()[DEC_URL] > 0
+        again.join()
+        assert not again.errors, again.errors
+        assert wait_for(lambda: listed() == dict.fromkeys(urls, 0), timeout=10), listed()
+    finally:
+        client.post(admin, json={"role": "decoder", "url": dec2.url, "action": "remove"},
+                    timeout=120)
+
+
 def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluster,
                                                                           second_decoder):
     """A second decode instance serves a long greedy stream and is SIGKILLed after the first

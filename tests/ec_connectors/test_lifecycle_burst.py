@@ -58,20 +58,20 @@ def test_a_burst_under_a_small_budget_waits_for_room_and_ends_at_zero(pair_facto
     tensors = {f"img{n}": torch.randn(NUM_EMBEDS, 32) for n in range(12)}
     params = _stored(prod, tensors)
     waiting = [request(f"c{n}", i, params=params[i]) for n, i in enumerate(tensors)]
-    book, done, cache = cons.sched.budget, {}, {}
+    table, done, cache = cons.sched.items, {}, {}
     deadline = time.monotonic() + 20
     while waiting:
         assert time.monotonic() < deadline, f"{len(waiting)} requests still waiting"
         _step(cons, waiting, done, cache)
-        assert book.held <= budget and cons.worker.staged_bytes <= budget
+        assert table.held <= budget and cons.worker.staged_bytes <= budget
         time.sleep(0.002)
     cons.sched.build_connector_meta()  # the next step closes the books of the last ones
     for n, item_id in enumerate(tensors):  # none dropped, none encoded locally
         assert torch.equal(done[f"c{n}"], tensors[item_id])
     totals = cons.sched.stats.totals
     assert totals["budget_waits"] > 0 and not totals.get("local_encode_fallbacks")
-    assert not totals.get("load_failures") and book.errors == 0
-    assert book.peak_held <= budget and book.items.by_state() == ZERO
+    assert not totals.get("load_failures") and table.errors == 0
+    assert table.peak_held <= budget and table.by_state() == ZERO
     assert cons.worker.staged_bytes == 0
     wait_until(lambda: cons.sched.stats.pending)  # the zeros wait for vLLM's next take
     assert cons.sched.stats.take().data["gauges"]["feature_bytes"] == ZERO

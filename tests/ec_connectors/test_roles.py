@@ -208,14 +208,41 @@ def test_producer_skips_items_already_stored_and_renews_them(pair_factory):
     wait_until(lambda: path.stat().st_mtime > old + 3000)
 
 
-def test_staging_budget_is_enforced(pair_factory):
+def test_an_item_larger_than_the_staging_budget_loads_alone(pair_factory):
+    """One rule for the budget on both sides (`scheduler_hooks.item_table.fits`): the scheduler
+    starts the load of an item larger than `max_staged_bytes` when nothing is held, and the
+    worker stages it (it once refused it, 'staging full (0 of 1024 bytes)': the item was
+    pulled, thrown away, then encoded locally)."""
     prod = pair_factory("producer")
     cons = pair_factory("consumer", max_staged_bytes=1024)
-    params = produce(prod, request("p", "big"), {"big": torch.randn(NUM_EMBEDS, 64)})
+    big = torch.randn(NUM_EMBEDS, 64)  # 4 KiB
+    params = produce(prod, request("p", "big"), {"big": big})
     req = request("c", "big", params=params)
     cons.step_until_ready(req)
-    assert not cons.sched.has_cache_item("big")
+    assert cons.sched.items.state("big") is ItemState.STAGED
+    assert cons.sched.has_cache_item("big")
+    assert cons.worker.staged_bytes == big.nbytes
+    place, cache = cons.schedule(req)
+    assert torch.equal(cache["big"], big)
     assert cons.worker.staged_bytes == 0
+
+
+def test_the_worker_stages_beyond_the_budget_only_with_nothing_staged(pair_factory):
+    """The worker's side of the rule: an oversized item with nothing staged is staged; with
+    something staged, an item that does not fit is refused ('staging full')."""
+    from ec_connectors.control.messages import Prefetch
+
+    prod, cons = pair_factory("producer"), pair_factory("consumer", max_staged_bytes=1024)
+    big, small = torch.randn(NUM_EMBEDS, 64), torch.randn(NUM_EMBEDS, 8)  # 4 KiB, 512 B
+    produce(prod, request("p1", "big"), {"big": big})
+    produce(prod, request("p2", "small"), {"small": small})
+    cons.worker._prefetch([Prefetch(item_id="big", timeout_s=5.0)], time.perf_counter())
+    assert cons.worker.staged_bytes == big.nbytes  # nothing staged before: loads alone
+    cons.worker._prefetch([Prefetch(item_id="small", timeout_s=5.0)], time.perf_counter())
+    assert cons.worker.staged_bytes == big.nbytes  # 4 KiB held: 512 B more does not fit
+    cons.worker.place({}, {"big": NUM_EMBEDS})
+    cons.worker._prefetch([Prefetch(item_id="small", timeout_s=5.0)], time.perf_counter())
+    assert cons.worker.staged_bytes == small.nbytes
 
 
 def test_garbled_control_message_is_dropped(pair_factory, ctl_dir):

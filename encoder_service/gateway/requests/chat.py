@@ -60,11 +60,15 @@ Routed = tuple[Upstream, dict[str, Any], dict[str, Any]]
 
 async def _discard(task: asyncio.Task[Routed]) -> None:
     """Cancel a decode request opened early; one that opened already is released (closing
-    its connection aborts the request in vLLM)."""
+    its connection aborts the request in vLLM), even when our own wait is cancelled."""
+    task.add_done_callback(_release_routed)
     task.cancel()
     await asyncio.wait([task])  # never raises the task's error; our own cancellation does
+
+
+def _release_routed(task: asyncio.Task[Routed]) -> None:
     if not task.cancelled() and task.exception() is None:
-        await task.result()[0].release()
+        task.result()[0].close()
 
 
 class ChatFlow:
@@ -293,7 +297,12 @@ class ChatFlow:
         if prepared.stream and self.section.routing.failover:  # token ids: a break can resume
             body, raw = upstream_body(body), upstream_body(raw)
         up = await self._decode(body, rid, key, info, trace)
-        if n_meta and await up.failed_before_answer(prepared.stream):
+        try:
+            failed = n_meta > 0 and await up.failed_before_answer(prepared.stream)
+        except BaseException:  # the client left meanwhile: nobody else will release it
+            await up.release()
+            raise
+        if failed:
             # e.g. an embedding evicted or lost on its way: the decode instance has no
             # media to encode it from; the raw media let it (nothing lost)
             await up.release()

@@ -9,7 +9,9 @@ instance (when there is one); a plain 500 from the only eligible instance is ask
 on it (vLLM answers 500 when its API server's and EngineCore's processor caches drift, and
 heals them before answering; encoder calls do the same, encoder_clients.py). After that the
 response belongs to the caller, who must `release()` it (closes the upstream connection
-unless the body was read to the end: an unfinished request is aborted upstream).
+unless the body was read to the end: an unfinished request is aborted upstream), on every
+path, a cancelled one included: until then the request counts in flight on its instance
+(`routing.Hold`, taken off exactly once), which load-aware routing reads.
 `failed_before_answer()` tells an answer that failed before its first token (a 5xx, or a
 stream whose first event is an error: vLLM streams a role chunk before the engine has run)
 from one that has begun.
@@ -31,7 +33,7 @@ import aiohttp
 from encoder_service.gateway.config import PoolSection
 from encoder_service.gateway.telemetry import tracing
 from encoder_service.gateway.telemetry.metrics import DECODE, GatewayMetrics
-from encoder_service.gateway.upstreams.routing import Chooser, Members, rendezvous
+from encoder_service.gateway.upstreams.routing import Chooser, Hold, Members, rendezvous
 from encoder_service.gateway.wire import DecodeError, GatewayError, json_decode
 
 
@@ -45,8 +47,9 @@ class Upstream:
     url: str
     retries: int
     sent_at: float
-    pool: DecodePool
+    hold: Hold  # counted in flight on its instance until `release()`
     _done: bool = False
+    _released: bool = False
     _held: list[bytes] = field(default_factory=list)  # read by failed_before_answer()
 
     @property
@@ -101,11 +104,19 @@ class Upstream:
         self._done = True
 
     async def release(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the connection back (or close it: an unfinished request is aborted upstream)
+        and stop counting it in flight; a second call changes nothing."""
+        if self._released:
+            return
+        self._released = True
         if self._done:
             self.response.release()  # keep-alive connection back to the pool
         else:
             self.response.close()  # drop the connection: the upstream request is aborted
-        self.pool.inflight[self.url] -= 1
+        self.hold.done()
 
 
 def _first_event_verdict(event: bytes) -> bool | None:
@@ -182,9 +193,9 @@ class DecodePool(Members):
         with contextlib.suppress(ValueError):
             self.urls.remove(url)
 
-    def _failed(self, url: str) -> None:
-        self.inflight[url] -= 1
-        self.cool_down(url)
+    def _failed(self, hold: Hold) -> None:
+        hold.done()
+        self.cool_down(hold.name)
 
     def _again(self, key: str | None, tried: set[str], url: str, status: int) -> bool:
         """Whether a first attempt's 5xx from `url` is tried once more: on another instance
@@ -226,18 +237,18 @@ class DecodePool(Members):
             if content is not None:
                 headers["content-type"] = "application/json"
             tracing.inject(headers)  # traced: the instance's vLLM spans join the trace
-            self.inflight[url] += 1
+            hold = self.hold(url)  # taken off exactly once: here on failure, or at release()
             sent = time.perf_counter()
             try:
                 resp = await self.session.request(method, url + path, data=content,
                                                   headers=headers)
             except asyncio.TimeoutError:
-                self._failed(url)
+                self._failed(hold)
                 last_error = f"{url}: no response within the deadline"
                 answered += 1
                 continue
             except aiohttp.ClientConnectorError as exc:
-                self._failed(url)
+                self._failed(hold)
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
                 continue
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -245,20 +256,20 @@ class DecodePool(Members):
                 if url not in dropped:  # the instance closed the connection as we sent on
                     dropped.add(url)    # it (a kept-alive one it had just timed out): once
                     tried.discard(url)  # more on a new connection, at no cost
-                    self.inflight[url] -= 1
+                    hold.done()
                     continue
-                self._failed(url)
+                self._failed(hold)
                 answered += 1
                 continue
             except aiohttp.ClientError as exc:
-                self._failed(url)
+                self._failed(hold)
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
                 answered += 1
                 continue
             except BaseException:
-                self.inflight[url] -= 1
+                hold.done()
                 raise
-            up = Upstream(resp, url, attempt, sent, self)
+            up = Upstream(resp, url, attempt, sent, hold)
             if resp.status == 401:  # not the client's fault: never relayed as its own 401
                 last_error = (f"{url}: refused the gateway's API key (401); give the gateway "
                               "and the servers the same deployment secret")

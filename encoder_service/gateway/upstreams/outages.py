@@ -45,9 +45,6 @@ class Outages:
         self._cancel(url)
         self._rejoins[url] = asyncio.ensure_future(self._rejoin(url))
 
-    def is_down(self, url: str) -> bool:
-        return any(url in p.down for p in self._owners(url))
-
     async def _rejoin(self, url: str) -> None:
         tries = 0
         while True:

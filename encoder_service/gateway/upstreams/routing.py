@@ -10,7 +10,8 @@ or removing an instance moves only the items whose first choice it was.
 
 Policies: `affinity` (the above), `least_loaded` (fewest in flight, ties rotating),
 `round_robin` (strict rotation), for comparison (benchmarks/routing_bench.py). `Members`: the
-per-instance state both upstream pools keep (in flight, cool-down, draining, down, counts).
+per-instance state both upstream pools keep (in flight, cool-down, draining, down, counts);
+`Hold`: one call counted in flight, taken off exactly once.
 """
 
 from __future__ import annotations
@@ -70,6 +71,24 @@ class Chooser:
         return [first, *(n for n in order if n != first)]
 
 
+class Hold:
+    """One call counted in flight on one instance of one pool, from `Members.hold` until
+    `done()`: the pool and name it was counted on are kept here, and `done()` takes it off
+    there exactly once (later calls change nothing), so a count is the calls really open."""
+
+    __slots__ = ("_members", "name", "_open")
+
+    def __init__(self, members: Members, name: str) -> None:
+        self._members, self.name, self._open = members, name, True
+        members.inflight[name] = members.inflight.get(name, 0) + 1
+
+    def done(self) -> None:
+        if self._open:
+            self._open = False
+            left = self._members.inflight.get(self.name, 0) - 1
+            self._members.inflight[self.name] = max(0, left)
+
+
 class Members:
     """What a pool of upstream instances (encoders, decode instances) keeps per instance:
     calls in flight, when a failed one may be tried first again, which are draining, which
@@ -101,6 +120,10 @@ class Members:
         self.counts.setdefault(name, dict(self._zero_counts))
         self.draining.discard(name)
         self.down.discard(name)
+
+    def hold(self, name: str) -> Hold:
+        """Count one call in flight on `name` until the returned hold's `done()`."""
+        return Hold(self, name)
 
     def usable(self, name: str) -> bool:
         """Neither draining nor down: it may get new work."""

@@ -62,6 +62,14 @@ async def _stream(ids: bool, break_at_end: bool = False) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+async def _stalled(stall_s: float, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """vLLM's role chunk at once, then `stall_s` before the answer (an engine still busy)."""
+    yield 'data: {"choices": [{"delta": {"role": "assistant", "content": ""}}]}\n\n'
+    await asyncio.sleep(stall_s)
+    async for event in rest:
+        yield event
+
+
 class Stub:
     """A recording stand-in for a vLLM server: answers chat completions (streamed or not),
     returns producer-style ec_transfer_params, can be told to fail."""
@@ -76,6 +84,7 @@ class Stub:
         self.refusal: tuple[int, dict] | None = None  # decoder: answer this (status, body)
         self.delay = 0.0  # seconds before answering
         self.break_at_end = False  # decoder: streams break off after the finishing chunk
+        self.stall_s = 0.0  # decoder: a stream's role chunk, then this long before the rest
         self.netloc = f"127.0.0.1:{port}"  # an encoder names itself as its items' location
         self.url = f"http://{self.netloc}"
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -121,9 +130,10 @@ class Stub:
                                     status_code=500)
             return StreamingResponse(_failed_stream(), media_type="text/event-stream")
         if body.get("stream"):
-            return StreamingResponse(_stream(body.get("return_token_ids") is True,
-                                             self.break_at_end),
-                                     media_type="text/event-stream")
+            events = _stream(body.get("return_token_ids") is True, self.break_at_end)
+            if self.stall_s:
+                events = _stalled(self.stall_s, events)
+            return StreamingResponse(events, media_type="text/event-stream")
         return JSONResponse({"choices": [{"message": {"content": "ok"}}],
                              "seen": _uuids(body)})
 

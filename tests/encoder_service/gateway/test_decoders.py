@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from aiohttp import web
 
@@ -21,9 +28,9 @@ from encoder_service.gateway.telemetry.metrics import GatewayMetrics
 from encoder_service.gateway.upstreams.decoders import DecodePool
 from encoder_service.gateway.upstreams.routing import rendezvous
 from encoder_service.gateway.wire import GatewayError
-from encoder_service.local.requests import chat_body, sample_image_png
-from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
-from tests.helpers import port_block
+from encoder_service.local.requests import chat_body, image_part, sample_image_png
+from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, parts_request, post
+from tests.helpers import ROOT, port_block, wait_for
 
 LAB = Lab(port_block(__name__))
 gateway = LAB.gateway
@@ -222,3 +229,160 @@ def test_decoder_failure_before_first_byte_retries_on_another(stubs):
         assert r.json()["error"]["code"] == "decode_unavailable"
     finally:
         g.stop()
+
+
+# -- in flight per instance: what routing by load reads -------------------------------------
+def test_an_upstream_released_twice_counts_once_and_a_count_never_goes_below_zero():
+    async def run() -> None:
+        inst = Scripted()
+        async with pool_of(inst) as pool:
+            up = await pool.request("POST", "/v1/chat/completions", b"{}", "r")
+            assert pool.inflight[inst.url] == 1
+            await up.read()
+            await up.release()
+            await up.release()  # a second release (a failover's, the relay's) changes nothing
+            assert pool.inflight[inst.url] == 0
+
+    asyncio.run(run())
+
+
+def test_a_client_gone_during_the_metadata_only_check_leaves_no_request_counted():
+    """A metadata-only answer is read up to its first token before it is relayed (it may fail
+    there and go again with the raw media). A client that disconnects meanwhile cancels the
+    handler: the decode request is closed (vLLM aborts it) and no longer counted in flight
+    (it once stayed counted for good, and kept its connection open)."""
+    enc, dec = LAB.stub("encoder"), LAB.stub("decoder")
+    enc.metadata, dec.stall_s = {"image_grid_thw": [1, 8, 8]}, 30.0
+    g = gateway([enc.url], [dec.url])
+    try:
+        body = {**parts_request(image_part(sample_image_png(41))), "stream": True}
+        with pytest.raises(httpx.ReadTimeout):  # gone before any answer byte
+            httpx.post(g.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(
+                10, read=1.5))
+        assert dec.calls and "image_embeds" in json.dumps(dec.calls[-1])  # metadata-only
+        pool = g.gateway.decoders
+        assert wait_for(lambda: pool.inflight[dec.url] == 0, timeout=5), pool.inflight
+    finally:
+        g.stop()
+        enc.stop()
+        dec.stop()
+
+
+TOKENS = 300  # 15 s a stream (slow_decoder.py: 50 ms a token)
+
+
+class SlowDecoders:
+    """Two slow_decoder.py processes (SIGKILLed and started again on the same port) behind a
+    real gateway, and client streams on threads: `open` is what is really open per instance
+    (the instance each stream's answer comes from now)."""
+
+    def __init__(self) -> None:
+        self.ports = [LAB.port(), LAB.port()]
+        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        self.procs = [self.start(i) for i in range(2)]
+        self.gw = gateway([], self.urls)  # text only: no encoder
+        self.pool = self.gw.gateway.decoders
+        self.threads: list[threading.Thread] = []
+        self.failures: list[str] = []
+
+    def start(self, i: int) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.encoder_service.gateway."
+                                 "slow_decoder", str(self.ports[i]), str(TOKENS)], cwd=ROOT)
+
+        def up() -> bool:
+            try:
+                return httpx.get(self.urls[i] + "/health", timeout=0.5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_for(up, timeout=20), "slow_decoder did not start"
+        return proc
+
+    def kill(self, i: int, restart: bool = True) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+        self.gw.call_soon(self.gw.gateway.outages.down, self.urls[i])
+        if restart:
+            self.procs[i] = self.start(i)
+            self.gw.call_soon(self.gw.gateway.outages.back, self.urls[i])
+
+    def stream(self, n: int, cut_after: int | None = None) -> None:
+        """`n` greedy streams on threads (each ends after `cut_after` events: a client that
+        hangs up), each checked: every token once, in order."""
+        def one() -> None:
+            body = {"model": MODEL, "stream": True, "temperature": 0.0, "max_tokens": TOKENS,
+                    "return_token_ids": True,
+                    "messages": [{"role": "user", "content": "hi"}]}
+            got: list[int] = []
+            try:
+                with httpx.stream("POST", self.gw.url + "/v1/chat/completions", json=body,
+                                  timeout=60) as r:
+                    for events, line in enumerate(r.iter_lines()):
+                        if cut_after is not None and events >= cut_after:
+                            return
+                        if line.startswith("data: {"):
+                            for ch in json.loads(line[6:]).get("choices") or ():
+                                got += ch.get("token_ids") or []
+                if got != [100 + i for i in range(TOKENS)]:
+                    self.failures.append(f"tokens {got[:5]}... ({len(got)})")
+            except httpx.HTTPError as exc:
+                self.failures.append(repr(exc))
+
+        for _ in range(n):
+            t = threading.Thread(target=one, daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def counted(self) -> int:
+        return sum(self.pool.inflight.get(u, 0) for u in self.urls)
+
+    def open(self) -> int:
+        return sum(t.is_alive() for t in self.threads)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=60)
+        self.threads.clear()
+
+    def stop(self) -> None:
+        self.gw.stop()
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_in_flight_counts_equal_the_requests_open_through_kills_restarts_failovers():
+    """Load-aware routing reads the in-flight count per decode instance. Through a SIGKILL
+    of an instance mid-stream (its streams continue on the other, exactly), its restart and
+    return, a kill of the other one, and clients hanging up, each instance's count is the
+    number of answers it is really streaming: never drifting, never below zero."""
+    lab = SlowDecoders()
+    try:
+        lab.stream(4)
+        assert wait_for(lambda: lab.counted() == 4, timeout=10), lab.pool.inflight
+        time.sleep(0.5)  # a few tokens each
+        lab.kill(0)  # mid-stream: its streams fail over to the other instance, then it is back
+        assert wait_for(lambda: lab.pool.inflight[lab.urls[1]] == 4, timeout=10), \
+            lab.pool.inflight
+        assert lab.pool.inflight[lab.urls[0]] == 0
+        assert wait_for(lambda: lab.urls[0] not in lab.pool.down, timeout=10)
+        lab.pool.cool_down(lab.urls[0], 0)  # its failure no longer held against it
+        lab.stream(2, cut_after=30)  # two clients that hang up after ~1.5 s
+        lab.stream(2)
+        assert wait_for(lambda: lab.open() == 8 and lab.counted() == 8, timeout=10), \
+            lab.pool.inflight
+        assert wait_for(lambda: lab.open() == 6, timeout=10), (lab.open(), lab.failures)
+        assert wait_for(lambda: lab.counted() == 6, timeout=5), lab.pool.inflight
+        # The other one killed for good: the streams it served from the start go on on the
+        # restarted one; the two it continued already end with an error event (one failover
+        # per answer), leaving 4 open.
+        lab.kill(1, restart=False)
+        assert wait_for(lambda: lab.pool.inflight[lab.urls[0]] == lab.open() == 4
+                        and lab.pool.inflight[lab.urls[1]] == 0, timeout=10), (
+            lab.open(), lab.pool.inflight)
+        lab.join()
+        assert len(lab.failures) == 2, lab.failures
+        assert wait_for(lambda: lab.pool.inflight == dict.fromkeys(lab.urls, 0), timeout=5), \
+            lab.pool.inflight  # (a client may see its end just before the gateway's release)
+    finally:
+        lab.stop()
