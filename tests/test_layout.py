@@ -153,7 +153,7 @@ def test_no_import_cycles():
 
 
 # Over the limit still, to be cut by concern (each is one class that a split would cut in two).
-LONG_EXCEPTIONS = {"ec_connectors.sched.scheduler": 480,
+LONG_EXCEPTIONS = {"ec_connectors.sched.scheduler": 470,
                    "encoder_service.encoder_pool.batching": 455}
 
 

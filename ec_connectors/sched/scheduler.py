@@ -41,6 +41,7 @@ from ec_connectors.sched.load_spans import LoadSpans
 from ec_connectors.sched.part_fit import PartFit
 from ec_connectors.sched.producer_saves import ProducerSaves
 from ec_connectors.sched.promises import Promises
+from ec_connectors.sched.roster import WorkerRoster
 from ec_connectors.sched.staging_budget import StagingBudget
 from ec_connectors.sched.unavailable import Unavailable
 from ec_connectors.stats import StatsRecorder
@@ -107,8 +108,7 @@ class EPDSchedulerSide:
         self.promises = Promises(self.index, transport, config.load_timeout_s, self.stats)
         self.saves = ProducerSaves(self.ids.vouched)  # producer: made, saving, saved
         self._deferred_step = False  # a request was deferred in this step
-        self._lock = threading.Lock()  # workers, endpoints (control thread)
-        self._workers: dict[int, bytes] = {}
+        self.workers = WorkerRoster()  # who joined over the control channel
         self.items = ItemTable(_FAILED_MEMORY_S, config.staged_ttl_s)  # consumer: its items
         self.budget = StagingBudget(self.items, config.max_staged_bytes, self.stats)
         self.spans = LoadSpans.make(self.items)  # in vLLM's traces, when it traces
@@ -127,7 +127,6 @@ class EPDSchedulerSide:
         self._unwanted: set[str] = set()  # staged items whose last waiter left (end of step)
         self.engine_cache = EncoderCacheView()  # consumer: items vLLM's encoder cache holds
         self.fit = PartFit(placeholders, self.hints, self.engine_cache) if placeholders else None
-        self._endpoints: dict[int, str] = {}  # worker rank -> where it serves items
         # requests to fail, local-encode fallbacks, reasons for the API server's answer
         self.unavailable = Unavailable(board_dir(config.control_dir, engine_id), self.stats)
         self._last_sweep = time.monotonic()
@@ -137,12 +136,7 @@ class EPDSchedulerSide:
     # -- control channel (runs on the channel thread) ---------------------------------------
     def _on_control(self, msg: ControlMessage, peer: bytes | None, _payload: list) -> None:
         if isinstance(msg, Hello):
-            with self._lock:
-                self._workers[msg.rank] = peer or b""
-                if msg.endpoint:
-                    self._endpoints[msg.rank] = msg.endpoint
-            logger.info("EPD: worker rank %d (pid %d) connected%s", msg.rank, msg.pid,
-                        f", serving items at {msg.endpoint}" if msg.endpoint else "")
+            self.workers.hello(msg, peer)
             return
         # vLLM's V1 model runner never collects worker-side connector stats, so workers ship
         # theirs here (alone, or with an outcome) and they leave with the scheduler's (one
@@ -163,8 +157,7 @@ class EPDSchedulerSide:
 
     def _on_staged(self, msg: Staged) -> None:
         self.spans.staged(msg)  # the worker's times, for the request's trace
-        with self._lock:
-            ranks = set(self._workers)
+        ranks = self.workers.ranks()
         now = time.monotonic()
         state = self.budget.staged(msg.item_id, msg.rank, msg.ok, msg.num_embeds, msg.error,
                                      ranks, now, msg.nbytes)
@@ -176,10 +169,7 @@ class EPDSchedulerSide:
             self._to_workers(Drop(item_id=msg.item_id))
 
     def _to_workers(self, msg: ControlMessage) -> None:
-        with self._lock:
-            peers = list(self._workers.values())
-        for peer in peers:
-            self.channel.send(msg, to=peer)
+        self.workers.broadcast(msg, lambda m, peer: self.channel.send(m, to=peer))
 
     def _load(self, item_id: str, source: Source, num_embeds: int, now: float) -> bool:
         """Start loading a known item (LOADING): a small one on the inline reader, waiting a
@@ -187,8 +177,7 @@ class EPDSchedulerSide:
         the staging budget has no room for it (nothing started)."""
         timeout = self.config.load_timeout_s + _SCHEDULER_GRACE_S
         inline = self.inline is not None and self.inline.takes(source.nbytes)
-        with self._lock:
-            have_workers = inline or bool(self._workers)
+        have_workers = inline or bool(len(self.workers))
         if self.budget.reserve(item_id, source.nbytes, num_embeds, now, timeout,
                                  have_workers) is None:
             return False
@@ -362,8 +351,7 @@ class EPDSchedulerSide:
             if item_id not in self._said_yes:  # vLLM encodes it this step; the save follows
                 deadline = (time.monotonic() + self.config.save_queue_timeout_s
                             + self.config.load_timeout_s)
-                with self._lock:
-                    ranks = set(self._workers)
+                ranks = self.workers.ranks()
                 self.saves.expect_save(item_id, ranks, deadline)
         if self.is_consumer:
             self.engine_cache.allocated(item_id, num_embeds)
@@ -457,7 +445,7 @@ class EPDSchedulerSide:
             return None
         metadata = (self.placeholders.describe(request.mm_features)
                     if self.placeholders is not None and request.mm_features else {})
-        endpoint = self._endpoints.get(min(self._endpoints), "") if self._endpoints else ""
+        endpoint = self.workers.endpoint()
         entries = self.saves.finish(request, metadata, with_location=bool(endpoint),
                                    stored=lambda item_id: self._stored(item_id) is True)
         if entries is None:
@@ -468,7 +456,7 @@ class EPDSchedulerSide:
 
     @property
     def num_workers(self) -> int:
-        return len(self._workers)
+        return len(self.workers)
 
     def close(self) -> None:
         if self.inline is not None:
