@@ -6,23 +6,35 @@ tests/benchmarks/test_rivals_report.py runs it on made-up rounds."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from benchmarks.rival_probe import Handoffs
-from benchmarks.rival_stacks import DEPLOYMENTS, RIVALS
+from benchmarks.rival_stacks import DEPLOYMENTS, EPD, RIVALS
 
 # the keys --json promises for every (workload case, deployment)
 KEYS = ("req_per_s", "ttft_p50_ms", "ttft_p99_ms", "decode_cpu_ms_per_req", "handoff_ms",
         "answers_equal")
 # what the table and chart also show (medians over rounds too)
-MORE = ("handoff_p99_ms", "bytes_moved_per_req", "errors")
+MORE = ("handoff_p99_ms", "bytes_moved_per_req", "errors", "encode_ms", "prefill_ms",
+        "kv_first_token_ms")
 OURS = tuple(d for d in DEPLOYMENTS if d.startswith("ours"))
+# ours / rival pairs of the ratio lines: our E+PD stacks against vLLM's EC connectors, our
+# E/P/D against vLLM's
+PAIRS = tuple((o, r) for o in OURS if o not in EPD for r in RIVALS) + (("ours_epd",
+                                                                         "vllm_epd"),)
+# E/P/D hops, the gateway's and rival_epd_front.py's per-request log fields -> row keys
+HOPS = {"encode_ms": "encode_ms", "prefill_ms": "prefill_ms",
+        "first_token_ms": "kv_first_token_ms"}
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\brequest rid=")
+_FIELD = re.compile(r"(?<![\w])(encode_ms|prefill_ms|first_token_ms)=([0-9.]+)")
 
 
 def say(msg: str) -> None:
@@ -54,6 +66,26 @@ def summarize(run: Any, handoff: Handoffs | None) -> dict[str, Any]:
         out["bytes_moved_per_req"] = handoff.bytes_placed / max(1, len(run.answers))
         out["handoffs"] = f"{len(handoff.seconds)} of {handoff.encodes} encodes"
     return out
+
+
+def hop_times(lines: Iterable[str], t0: float, t1: float) -> dict[str, float]:
+    """p50 of each E/P/D hop over the requests that ended within [t0, t1] (wall clock), from
+    per-request log lines (`<asctime> ... request rid=... encode_ms=X prefill_ms=Y ...
+    first_token_ms=Z ...`, local time, as the gateway and rival_epd_front.py write them):
+    {"encode_ms", "prefill_ms", "kv_first_token_ms"}, a key left out where no line had it.
+    prefill_ms: the prefill request sent -> its answer read; kv_first_token_ms: the decode
+    request (with the prefill's kv_transfer_params) sent -> the first chunk of its answer."""
+    vals: dict[str, list[float]] = {}
+    for line in lines:
+        m = _STAMP.match(line)
+        if not m:
+            continue
+        t = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if not t0 <= t <= t1 + 0.5:  # the line is written just after the request ends
+            continue
+        for key, value in _FIELD.findall(line):
+            vals.setdefault(HOPS[key], []).append(float(value))
+    return {k: float(np.percentile(v, 50)) for k, v in vals.items() if v}
 
 
 def answers_equal(answers: list[Any], reference: list[Any] | None) -> bool | None:
@@ -133,16 +165,19 @@ def _f(v: Any, nd: int = 1) -> str:
 def format_table(table: dict[str, dict[str, dict]], left_out: dict[str, dict[str, str]]
                  ) -> str:
     head = (f"{'':<15}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'decode CPU':>12}"
-            f"{'handoff p50':>13}{'p99':>9}{'MB moved':>10}{'errors':>8}  answers = aggregated")
+            f"{'handoff p50':>13}{'p99':>9}{'MB moved':>10}{'prefill':>9}{'kv 1st tok':>12}"
+            f"{'errors':>8}  answers = aggregated")
     lines = []
     for case in sorted(set(table) | set(left_out), key=_case_order):
-        lines += ["", f"{case}  (ms; decode CPU per request; MB moved per request)", head]
+        lines += ["", f"{case}  (ms; decode CPU per request; MB moved per request; E/P/D: "
+                  "prefill hop and the decode request's first token, p50)", head]
         for dep, row in table.get(case, {}).items():
             lines.append(
                 f"{dep:<15}{_f(row.get('req_per_s'), 2):>8}{_f(row.get('ttft_p50_ms')):>10}"
                 f"{_f(row.get('ttft_p99_ms')):>9}{_f(row.get('decode_cpu_ms_per_req'), 2):>12}"
                 f"{_f(row.get('handoff_ms'), 2):>13}{_f(row.get('handoff_p99_ms'), 2):>9}"
                 f"{_f((row.get('bytes_moved_per_req') or 0) / 1e6, 2):>10}"
+                f"{_f(row.get('prefill_ms')):>9}{_f(row.get('kv_first_token_ms')):>12}"
                 f"{_f(row.get('errors'), 0):>8}  {_f(row.get('answers_equal'))}")
         for dep, err in left_out.get(case, {}).items():
             lines.append(f"{dep:<15}left out: {err[:300]}")
@@ -155,22 +190,27 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def ratio_lines(per: dict[str, dict]) -> list[str]:
-    """Ours / each rival: req/s (>= 1.0 wanted), TTFT p99 and handoff (<= 1.0 wanted)."""
+    """Ours / each rival (PAIRS): req/s (>= 1.0 wanted), TTFT p99, handoff (and E/P/D's
+    hops) (<= 1.0 wanted)."""
     out = []
-    for ours in OURS:
-        for rival in RIVALS:
-            o, r = per.get(ours), per.get(rival)
-            if o is None or r is None:
-                continue
-            out.append(f"  {ours} / {rival}: req/s {_ratio(o['req_per_s'], r['req_per_s'])}, "
-                       f"TTFT p99 {_ratio(o['ttft_p99_ms'], r['ttft_p99_ms'])}, handoff "
-                       f"{_ratio(o['handoff_ms'], r['handoff_ms'])}, decode CPU "
-                       f"{_ratio(o['decode_cpu_ms_per_req'], r['decode_cpu_ms_per_req'])}")
+    for ours, rival in PAIRS:
+        o, r = per.get(ours), per.get(rival)
+        if o is None or r is None:
+            continue
+        hops = "".join(f", {k} {_ratio(o.get(k), r.get(k))}"
+                       for k in ("prefill_ms", "kv_first_token_ms") if k in o or k in r)
+        out.append(f"  {ours} / {rival}: req/s {_ratio(o['req_per_s'], r['req_per_s'])}, "
+                   f"TTFT p99 {_ratio(o['ttft_p99_ms'], r['ttft_p99_ms'])}, handoff "
+                   f"{_ratio(o.get('handoff_ms'), r.get('handoff_ms'))}, decode CPU "
+                   f"{_ratio(o.get('decode_cpu_ms_per_req'), r.get('decode_cpu_ms_per_req'))}"
+                   + hops)
     return out
 
 
 def _case_order(case: str) -> tuple:
     head, _, tail = case.partition("_")
+    if case.endswith("_text"):  # light_text after light
+        head, tail = case.removesuffix("_text"), "text"
     order = {"light": 0, "distinct": 1, "video": 2}.get(head, 3)
     if order == 2 and tail[:1].isdigit():
         n, _, k = tail.partition("x")

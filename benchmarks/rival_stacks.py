@@ -17,6 +17,18 @@ machine's two cores, behind one front end, every server through the handoff prob
   ours_fs        the same over safetensors files (not in the default run: the setup of
                  issue 41's `vllm bench serve` figures)
   ours_pool_shm  the same as ours_shm with our encoder pool (`epd encoder`) on core 0
+  vllm_epd       E/P/D as vLLM's disaggregated-encoder proxy example runs it: a vLLM encoder
+                 (ECExampleConnector ec_producer, core 0), a prefill instance
+                 (ECExampleConnector ec_consumer + NixlConnector kv_both, cpu buffers) and a
+                 decode instance (NixlConnector kv_both, cpu buffers), both on core 1;
+                 rival_epd_front.py in front (encode, prefill, decode, one after another)
+  ours_epd       `epd up --prefill 1 --decode 1` (shm transport): the encoder on core 0, the
+                 decode and the prefill instance on core 1, its gateway
+  vllm_pd_text   vLLM's plain P/D, no encoder and no EC connector: the prefill and the decode
+                 instance of vllm_epd (NixlConnector only), rival_epd_front.py in front; text
+                 prompts only (rival_workloads.TEXT_RUNNERS): what NixlConnector costs here
+                 at the least
+(the last three are not in the default run: `--deployments ...` or `--epd`)
 
 vLLM's own deployments run plain `vllm serve` (no `--middleware`: our server guard is part of
 our deployment, as the README runs it); ours run exactly what `epd up` starts. Fronts run as
@@ -33,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from benchmarks.rival_epd_front import EpdFrontProcess
 from benchmarks.rival_front import FrontProcess
 from benchmarks.rival_probe import PROBE_ENV, V1_NO_FORWARD_ENV
 from benchmarks.serve_processes import GatewayProcess
@@ -49,11 +62,14 @@ from encoder_service.local.up import Deployment
 from encoder_service.local.up_config import UpConfig, gateway_routing
 
 ROOT = Path(__file__).resolve().parent.parent
+EPD = ("vllm_epd", "ours_epd", "vllm_pd_text")  # prefill and decode instances apart
 DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te", "ours_fs",
-               "ours_pool_shm")
-DEFAULT_DEPLOYMENTS = tuple(d for d in DEPLOYMENTS if d != "ours_fs")
+               "ours_pool_shm", *EPD)
+DEFAULT_DEPLOYMENTS = tuple(d for d in DEPLOYMENTS if d != "ours_fs" and d not in EPD)
 RIVALS = ("ec_example", "ec_mooncake")  # vLLM's connectors; aggregated is the reference
-BASE_PORT = 20800  # front; servers +1, +2; ECMooncake control ports +60, +61
+TEXT_ONLY = ("vllm_pd_text",)  # no encoder: text prompts only
+BASE_PORT = 20800  # front; servers +1, +2, +3; ECMooncake control ports +60, +61
+NIXL_SIDE_CHANNEL_PORT = BASE_PORT + 40  # vllm_epd / vllm_pd_text: prefill; decode +1
 MOONCAKE_BASE_PORT = 15900  # our TE transport's side channels (announce +1000, data +2000)
 
 
@@ -138,6 +154,9 @@ class Stack:
     meter: dict[str, int]
     probe_dir: Path
     stop: Callable[[], None]
+    hop_log: Path | None = None  # E/P/D: the front's log, a line per request with its
+    # prefill_ms and first_token_ms (rival_report.hop_times)
+    text_only: bool = False  # no encoder: only text prompts (rival_workloads.TEXT_RUNNERS)
 
 
 def _pids(**procs: ManagedProcess | GatewayProcess) -> dict[str, int]:
@@ -161,10 +180,11 @@ def _stopper(*procs: ManagedProcess | GatewayProcess | None, after=None) -> Call
 
 
 def _vllm(name: str, g: Group, model: Path, port: int, work: Path, probe_dir: Path,
-          ec: dict | None, core: int | None, env: dict | None = None) -> ProbedServer:
+          ec: dict | None, core: int | None, env: dict | None = None,
+          args: list[str] | None = None) -> ProbedServer:
     return ProbedServer(name, model, port, work, ec, cpu_core=core, served_name=g.served,
-                        extra_args=g.server_args, env={**(env or {}), **probe_env(probe_dir)},
-                        guard=False)
+                        extra_args=[*g.server_args, *(args or [])],
+                        env={**(env or {}), **probe_env(probe_dir)}, guard=False)
 
 
 def start_aggregated(g: Group, model: Path, work: Path, probe_dir: Path, say) -> Stack:
@@ -253,32 +273,91 @@ def start_ours(name: str, g: Group, model: Path, work: Path, probe_dir: Path, sa
     sizes = {"memory_pool_bytes": g.buffer_bytes, "shm_arena_bytes": g.buffer_bytes,
              "shm_consumer_pool_bytes": g.buffer_bytes}
     transport = {"ours_te": "mooncake", "ours_fs": "safetensors"}.get(name, "shm")
+    epd = name == "ours_epd"  # `epd up --prefill 1 --decode 1`: P and D on core 1 both
     cfg = UpConfig(model=g.spec.name, transport=transport,
                    encoder_backend="pool" if "pool" in name else "vllm",
                    base_port=BASE_PORT, mooncake_base_port=MOONCAKE_BASE_PORT,
-                   cpu_cores=[0, 1], vllm_args=list(g.vllm_args),
+                   prefills=1 if epd else 0, decoders=1,
+                   cpu_cores=[0, 1, 1] if epd else [0, 1], vllm_args=list(g.vllm_args),
                    media_io_kwargs=g.media_io or {}, gateway=g.gateway,
                    connector_extra=sizes)
     dep = Deployment(cfg, work / name)
     dep.plan(model)
     dep.check_ports()
     enc, dec = (_probed(s, probe_dir) for s in (dep.encoders[0], dep.decoders[0]))
-    start_all([enc, dec], progress=say)
+    pre = [_probed(s, probe_dir) for s in dep.prefills]
+    start_all([enc, dec, *pre], progress=say)
     assert dep.gateway_cfg is not None
     gw = None
+    log = work / "logs" / f"rv-{name}-gateway.log"
     try:
         config = {**g.gateway, "encoder_backend": cfg.encoder_backend,
                   **{key: getattr(dep.gateway_cfg, key).model_dump(mode="json",
                                                                   exclude_none=True)
-                     for key in ("routing", "availability")}}  # as `epd up` made them
-        gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None,
-                            work / "logs" / f"rv-{name}-gateway.log", config=config,
+                     for key in ("routing", "availability")},  # as `epd up` made them
+                  **({"prefills": [p.url for p in pre]} if pre else {})}
+        gw = GatewayProcess(BASE_PORT, [enc.url], [dec.url], None, log, config=config,
                             model=g.served)
     except BaseException:
-        _stopper(enc, dec)()
+        _stopper(enc, dec, *pre)()
         raise
-    return Stack(name, g.served, gw.url, _pids(decode=dec, encoder=enc, front=gw), probe_dir,
-                 _stopper(gw, enc, dec))
+    pids = _pids(decode=dec, encoder=enc, front=gw,
+                 **({"prefill": pre[0]} if pre else {}))
+    return Stack(name, g.served, gw.url, pids, probe_dir, _stopper(gw, enc, dec, *pre),
+                 hop_log=log if pre else None)
+
+
+def nixl_args() -> list[str]:
+    """vLLM's P/D proxy's KV connector on this host: NixlConnector, kv_both, cpu buffers
+    (vLLM's defaults otherwise; no recompute policy, as vLLM's example runs it)."""
+    return ["--kv-transfer-config", _json({"kv_connector": "NixlConnector",
+                                           "kv_role": "kv_both", "kv_buffer_device": "cpu"})]
+
+
+def start_vllm_epd(name: str, g: Group, model: Path, work: Path, probe_dir: Path, say
+                   ) -> Stack:
+    """vllm_epd (encoder, prefill, decode) or vllm_pd_text (prefill, decode), each vLLM
+    server plain, rival_epd_front.py in front."""
+    text = name in TEXT_ONLY
+    storage = None if text else Path(tempfile.mkdtemp(prefix="epd-rivals-vepd-",
+                                                      dir="/dev/shm"))
+
+    def ec(role: str) -> dict | None:
+        if storage is None:
+            return None
+        return {"ec_connector": "ECExampleConnector", "ec_role": role,
+                "ec_buffer_device": "cpu",
+                "ec_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+    def rm() -> None:
+        if storage is not None:
+            shutil.rmtree(storage, ignore_errors=True)
+
+    enc = None if text else _vllm(f"rv-{name}-encoder", g, model, BASE_PORT + 1, work,
+                                  probe_dir, ec("ec_producer"), 0)
+    pre = _vllm(f"rv-{name}-prefill", g, model, BASE_PORT + 3, work, probe_dir,
+                ec("ec_consumer"), 1,
+                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT)}, nixl_args())
+    dec = _vllm(f"rv-{name}-decode", g, model, BASE_PORT + 2, work, probe_dir, None, 1,
+                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT + 1)},
+                nixl_args())
+    servers = [s for s in (enc, pre, dec) if s is not None]
+    try:
+        start_all(servers, progress=say)
+    except BaseException:
+        rm()
+        raise
+    front = EpdFrontProcess(f"rv-{name}-front", BASE_PORT, work,
+                            encoder=enc.url if enc else "", prefills=[pre.url],
+                            decodes=[dec.url])
+    try:
+        start_all([front], timeout_s=60, progress=say)
+    except BaseException:
+        _stopper(*servers, after=rm)()
+        raise
+    pids = _pids(decode=dec, prefill=pre, front=front, **({"encoder": enc} if enc else {}))
+    return Stack(name, g.served, front.url, pids, probe_dir,
+                 _stopper(front, *servers, after=rm), hop_log=front.log_path, text_only=text)
 
 
 class Unsupported(RuntimeError):
@@ -310,6 +389,8 @@ def start(name: str, group: str, work: Path, models: Path, probe_dir: Path, say)
         return start_example(g, model, work, probe_dir, say)
     if name == "ec_mooncake":
         return start_mooncake(g, model, work, probe_dir, say)
-    if name in ("ours_shm", "ours_te", "ours_fs", "ours_pool_shm"):
+    if name in ("ours_shm", "ours_te", "ours_fs", "ours_pool_shm", "ours_epd"):
         return start_ours(name, g, model, work, probe_dir, say)
+    if name in ("vllm_epd", "vllm_pd_text"):
+        return start_vllm_epd(name, g, model, work, probe_dir, say)
     raise ValueError(f"unknown deployment {name!r}")

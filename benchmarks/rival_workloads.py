@@ -16,6 +16,15 @@ deployment and every round (seeded), each run against a started deployment's fro
   video_with_images  a new 120-frame clip, then (`--lag-ms` later, while it encodes) 16 new
                      images at once; TTFT p50/p99 of the images, the video's TTFT beside
 
+A deployment without an encoder (rival_stacks.TEXT_ONLY: vllm_pd_text) runs the text of
+light and distinct instead (TEXT_RUNNERS), and so does aggregated, for the answers to compare
+with, when such a deployment runs:
+
+  light_text         light's requests without their image: `--requests` streamed requests of
+                     the prompt "describe this" alone, concurrency 8, 16 output tokens
+  distinct_text      distinct without its image: `vllm bench serve --dataset-name random`,
+                     32 random prompt tokens a request (seed 7), 16 tokens, `--ignore-eos`
+
 Each workload first warms the deployment with other media (a fresh server's first batches of
 each shape cost far more). A measured window: the processes' CPU (serve_bench's CpuMeter)
 and its wall-clock bounds (the handoff probe's events are read for that window).
@@ -38,7 +47,14 @@ import httpx
 from benchmarks.rival_stacks import Stack
 from benchmarks.serve_measure import CpuMeter, warm
 from benchmarks.video_serve_bench import clip
-from encoder_service.bench import BenchSpec, image_sequence, item_part, run_bench, stream_greedy
+from encoder_service.bench import (
+    Answer,
+    BenchSpec,
+    image_sequence,
+    item_part,
+    run_bench,
+    stream_greedy,
+)
 from encoder_service.local.processes import vllm_env
 from encoder_service.local.requests import image_part, sample_image_png
 
@@ -66,15 +82,42 @@ class Run:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-async def _load(url: str, model: str, parts: list[dict], prompt: str, concurrency: int,
+async def stream_text(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                      max_tokens: int) -> Answer:
+    """stream_greedy's request and checks with `prompt` alone (no media part)."""
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0,
+            "return_token_ids": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}]}
+    t0, ttft, tokens = time.perf_counter(), None, []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            ids = ((json.loads(line[6:]).get("choices") or [{}])[0].get("token_ids")) or []
+            if ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            tokens.extend(ids)
+    if ttft is None or len(tokens) != max_tokens:
+        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
+    return Answer(ttft, time.perf_counter() - t0, tokens, 0)
+
+
+async def _load(url: str, model: str, parts: list[dict | None], prompt: str, concurrency: int,
                 max_tokens: int) -> list[tuple[float | None, Any, str]]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=2 * concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def one(part: dict) -> tuple[float | None, Any, str]:
+        async def one(part: dict | None) -> tuple[float | None, Any, str]:
             async with sem:
                 try:
-                    ans = await stream_greedy(client, url, model, part, prompt, max_tokens)
+                    if part is None:  # text only: the prompt as the one content part
+                        ans = await stream_text(client, url, model, prompt, max_tokens)
+                    else:
+                        ans = await stream_greedy(client, url, model, part, prompt,
+                                                  max_tokens)
                 except (RuntimeError, httpx.HTTPError, ValueError) as exc:
                     return None, None, f"{type(exc).__name__}: {exc}"[:400]
                 return ans.ttft, ans.token_ids, ""
@@ -82,7 +125,7 @@ async def _load(url: str, model: str, parts: list[dict], prompt: str, concurrenc
         return await asyncio.gather(*(one(p) for p in parts))
 
 
-def measure(stack: Stack, parts: list[dict], concurrency: int, max_tokens: int,
+def measure(stack: Stack, parts: list[dict | None], concurrency: int, max_tokens: int,
             prompt: str = "describe this") -> Run:
     meter = CpuMeter(stack.meter)
     meter.start()
@@ -117,18 +160,20 @@ def _distinct_ours(stack: Stack, a: argparse.Namespace) -> Run:
     return measure(stack, parts, CONCURRENCY, 16)
 
 
-def vllm_bench_command(stack: Stack, a: argparse.Namespace, model_dir: Path, out: Path
-                       ) -> list[str]:
+def vllm_bench_command(stack: Stack, a: argparse.Namespace, model_dir: Path, out: Path,
+                       text: bool = False) -> list[str]:
+    """distinct's `vllm bench serve`; `text`: distinct_text's (its prompts, no image)."""
+    mm = [] if text else [
+        "--random-mm-base-items-per-request", "1", "--random-mm-num-mm-items-range-ratio",
+        "0", "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+        "--random-mm-bucket-config", DISTINCT_BUCKETS]
     return [sys.executable, "-m", "encoder_service.local.vllm_cli", "bench", "serve",
             "--backend", "openai-chat", "--base-url", stack.url,
             "--endpoint", "/v1/chat/completions", "--model", stack.model,
-            "--tokenizer", str(model_dir), "--dataset-name", "random-mm",
+            "--tokenizer", str(model_dir), "--dataset-name", "random" if text else "random-mm",
             "--num-prompts", str(a.requests), "--max-concurrency", str(CONCURRENCY),
             "--random-input-len", str(DISTINCT_PROMPT_TOKENS), "--random-output-len", "16",
-            "--random-range-ratio", "0", "--random-mm-base-items-per-request", "1",
-            "--random-mm-num-mm-items-range-ratio", "0",
-            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
-            "--random-mm-bucket-config", DISTINCT_BUCKETS, "--seed", "7", "--ignore-eos",
+            "--random-range-ratio", "0", *mm, "--seed", "7", "--ignore-eos",
             "--temperature", "0", "--ready-check-timeout-sec", "0", "--disable-tqdm",
             "--save-result", "--save-detailed", "--result-dir", str(out.parent),
             "--result-filename", out.name]
@@ -150,14 +195,19 @@ def distinct(stack: Stack, a: argparse.Namespace) -> dict[str, Run]:
     _warm_llava(stack)
     if a.distinct_client == "ours":
         return {"distinct": _distinct_ours(stack, a)}
-    out = a.work / "vllm-bench" / f"{stack.name}.json"
+    return {"distinct": _vllm_bench(stack, a, False)}
+
+
+def _vllm_bench(stack: Stack, a: argparse.Namespace, text: bool) -> Run:
+    tag = f"{stack.name}{'-text' if text else ''}"
+    out = a.work / "vllm-bench" / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.unlink(missing_ok=True)
-    cmd = vllm_bench_command(stack, a, a.models / stack.model, out)
+    cmd = vllm_bench_command(stack, a, a.models / stack.model, out, text)
     meter = CpuMeter(stack.meter)
     meter.start()
     t0 = time.time()
-    log = a.work / "logs" / f"vllm-bench-{stack.name}.log"
+    log = a.work / "logs" / f"vllm-bench-{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=1800,
@@ -168,7 +218,22 @@ def distinct(stack: Stack, a: argparse.Namespace) -> dict[str, Run]:
         raise RuntimeError(f"vllm bench serve exited {rc}: {' | '.join(tail)}")
     run = read_vllm_bench(json.loads(out.read_text()), t0, t1)
     run.cpu = meter.stop(a.requests)
-    return {"distinct": run}
+    return run
+
+
+def _warm_text(stack: Stack) -> None:
+    parts = [None] * (4 * CONCURRENCY)
+    asyncio.run(_load(stack.url, stack.model, parts, "warm up", CONCURRENCY, 16))
+
+
+def light_text(stack: Stack, a: argparse.Namespace) -> dict[str, Run]:
+    _warm_text(stack)
+    return {"light_text": measure(stack, [None] * a.requests, CONCURRENCY, 16)}
+
+
+def distinct_text(stack: Stack, a: argparse.Namespace) -> dict[str, Run]:
+    _warm_text(stack)  # `vllm bench serve` whatever --distinct-client says
+    return {"distinct_text": _vllm_bench(stack, a, True)}
 
 
 def _warm_video(stack: Stack, a: argparse.Namespace) -> None:
@@ -217,3 +282,6 @@ def video_with_images(stack: Stack, a: argparse.Namespace) -> dict[str, Run]:
 
 RUNNERS = {"light": light, "distinct": distinct, "video": video,
            "video_with_images": video_with_images}
+# a workload's text alone (deployments without an encoder; aggregated beside them)
+TEXT_RUNNERS = {"light": light_text, "distinct": distinct_text}
+TEXT_CASES = {"light": "light_text", "distinct": "distinct_text"}

@@ -205,3 +205,82 @@ def test_vllm_bench_serve_results_become_a_run():
     assert r.answers == ["a b", None, "c"] and r.ttft == [0.1, None, 0.3]
     assert r.errors == ["boom"] and r.duration_s == 4.0
     assert summarize(r, None)["req_per_s"] == 0.5
+
+
+def test_epd_hops_come_from_the_log_lines_of_requests_that_ended_in_the_window():
+    from datetime import datetime
+
+    from benchmarks.rival_report import hop_times
+
+    def stamp(t: float) -> str:
+        return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+
+    t0 = datetime(2026, 11, 28, 9, 0, 0).timestamp()
+    lines = [  # a warm-up request, then the gateway's and the E/P/D front's formats
+        f"{stamp(t0 - 5)} INFO epd.gateway request rid=w prefill_ms=900.0 first_token_ms=9.0",
+        f"{stamp(t0 + 1)} INFO epd.gateway request rid=a endpoint=chat status=200 "
+        "stream=True decoder=http://d dec_retries=0 encode_ms=20.0 prefill=http://p "
+        "prefill_ms=100.0 kv_handoff=ok first_token_ms=50.0 total_ms=180.0",
+        f"{stamp(t0 + 2)} INFO epd.rival_front request rid=b encode_ms=30.0 "
+        "prefill_ms=300.0 first_token_ms=70.0 total_ms=400.0",
+        f"{stamp(t0 + 3)} INFO epd.rival_front request rid=c prefill_ms=200.0 "
+        "first_token_ms=- total_ms=5.0",
+        "a torn line prefill_ms=1",
+    ]
+    got = hop_times(lines, t0, t0 + 10)
+    assert got == {"encode_ms": 25.0, "prefill_ms": 200.0, "kv_first_token_ms": 60.0}
+    assert hop_times(lines, t0 + 20, t0 + 30) == {}
+
+
+def test_the_epd_front_sends_vllms_proxy_requests():
+    from benchmarks.rival_epd_front import (
+        decode_body,
+        encoder_body,
+        has_mm_input,
+        prefill_body,
+    )
+
+    img = {"type": "image_url", "image_url": {"url": "data:x"}}
+    body = {"model": "m", "stream": True, "stream_options": {"include_usage": True},
+            "max_completion_tokens": 16, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [img, {"type": "text", "text": "hi"}]}]}
+    text = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert has_mm_input(body) and not has_mm_input(text)
+    enc = encoder_body(body)
+    assert enc["max_tokens"] == 1 and enc["max_completion_tokens"] == 1
+    assert not enc["stream"] and "stream_options" not in enc
+    assert enc["messages"] == body["messages"] and "kv_transfer_params" not in enc
+    pre = prefill_body(body)
+    assert pre["kv_transfer_params"]["do_remote_decode"] is True and pre["max_tokens"] == 1
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1]}
+    dec = decode_body(body, {"choices": [], "kv_transfer_params": params})
+    assert dec["kv_transfer_params"] == params and dec["stream"] is True
+    assert dec["max_completion_tokens"] == 16 and "kv_transfer_params" not in body
+    assert "kv_transfer_params" not in decode_body(body, {"choices": []})
+
+
+def test_text_only_deployments_run_the_text_cases_and_aggregated_both():
+    from benchmarks.rivals import parse_args, runners
+
+    a = parse_args(["--epd", "--workloads", "light", "distinct", "video"])
+    assert a.deployments == ["aggregated", "vllm_epd", "ours_epd", "vllm_pd_text"]
+    cases = {d: [c for wl in ("light", "video") for _, cs in runners(d, wl, a) for c in cs]
+             for d in a.deployments}
+    assert cases["vllm_pd_text"] == ["light_text"]
+    assert cases["aggregated"][:2] == ["light", "light_text"]
+    assert cases["vllm_epd"][0] == "light" and "light_text" not in cases["ours_epd"]
+    b = parse_args(["--deployments", "aggregated", "ours_epd"])
+    assert [cs for _, cs in runners("aggregated", "light", b)] == [["light"]]
+
+
+def test_ours_epd_is_set_beside_vllms_epd_with_its_hops():
+    from benchmarks.rival_report import OURS, ratio_lines
+
+    assert "ours_epd" in OURS
+    row = {"req_per_s": 10.0, "ttft_p99_ms": 100.0, "handoff_ms": None,
+           "decode_cpu_ms_per_req": 5.0, "prefill_ms": 50.0, "kv_first_token_ms": 20.0}
+    lines = ratio_lines({"ours_epd": row, "vllm_epd": {**row, "req_per_s": 5.0,
+                                                        "prefill_ms": 100.0}})
+    assert lines == ["  ours_epd / vllm_epd: req/s 2.00, TTFT p99 1.00, handoff -, decode "
+                     "CPU 1.00, prefill_ms 0.50, kv_first_token_ms 1.00"]
+    assert ratio_lines({"ours_epd": row, "ec_example": row}) == []
