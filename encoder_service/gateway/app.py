@@ -46,7 +46,7 @@ from encoder_service.gateway.upstreams.kv_handoff import KvHandoff
 from encoder_service.gateway.upstreams.outages import Outages
 from encoder_service.gateway.upstreams.probes import Prober
 from encoder_service.gateway.upstreams.routing import Chooser
-from encoder_service.gateway.wire import GatewayError, json_encode
+from encoder_service.gateway.wire import GatewayError, json_encode, served_body
 
 logger = logging.getLogger("epd.gateway")
 
@@ -151,13 +151,7 @@ class Gateway:
                            receive: Receive, send: Send) -> None:
         decoders = self.decoders
         try:
-            body = await self.admission.read_json(request)
-            if not isinstance(body, dict):
-                raise GatewayError(400, "request body must be a JSON object")
-            model = body.setdefault("model", self.model)
-            if model != self.model:
-                raise GatewayError(404, f"model {model!r} is not served here; this gateway "
-                                   f"serves {self.model!r}", "unknown_model")
+            body = served_body(await self.admission.read_json(request), self.model)
             body.pop("ec_transfer_params", None)  # the gateway's to give, never a client's
             body.pop("kv_transfer_params", None)
             payload = json_encode(body)

@@ -39,3 +39,14 @@ class GatewayError(Exception):
 def ms(seconds: float | None) -> str:
     """A duration as a log field (milliseconds; "-" for none)."""
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def served_body(body: Any, model: str) -> dict[str, Any]:
+    """`body` checked to be a JSON object for `model` (the model filled in when absent)."""
+    if not isinstance(body, dict):
+        raise GatewayError(400, "request body must be a JSON object")
+    asked = body.setdefault("model", model)
+    if asked != model:
+        raise GatewayError(404, f"model {asked!r} is not served here; this gateway serves "
+                           f"{model!r}", "unknown_model")
+    return body

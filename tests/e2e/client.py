@@ -7,6 +7,7 @@ server (its `url`) or a URL."""
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 
@@ -134,3 +135,26 @@ def ask_before_encoding(c, image, item_id, wait_s: float = 2.0) -> dict:
     t.join(timeout=60)
     assert not t.is_alive()
     return result
+
+
+def stream_killing(client: httpx.Client, url: str, body: dict, kill) -> tuple[list[int],
+                                                                            list[dict], bool]:
+    """Stream `body` from `url` + /v1/chat/completions, calling `kill()` once after the
+    first tokens: (the token ids received, the error events, whether it killed)."""
+    got: list[int] = []
+    errors: list[dict] = []
+    killed = False
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event)
+                continue
+            got += event["choices"][0].get("token_ids") or [] if event["choices"] else []
+            if got and not killed:
+                kill()  # mid-stream
+                killed = True
+    return got, errors, killed

@@ -32,7 +32,7 @@ import pytest
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.trace_sink import TraceSink
-from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at
+from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at, stream_killing
 from tests.helpers import WORK, descendants, epd_up, port_block, wait_for
 
 pytest.importorskip("nixl._api")
@@ -199,22 +199,8 @@ def test_a_decode_instance_killed_mid_stream_goes_on_on_the_prefill_instance(dep
     long = {"max_tokens": 200, "ignore_eos": True}
     ref = answer(c, aggregated.url, image, **long)
     body = {**chat_body(MODEL_NAME, image, PROMPT), **long, "stream": True}
-    got: list[int] = []
-    errors: list[dict] = []
-    killed = False
-    with c.stream("POST", gw + "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                errors.append(event)
-                continue
-            got += event["choices"][0].get("token_ids") or [] if event["choices"] else []
-            if got and not killed:
-                kill_server(d["up"].pid, BASE + 2)  # the decode instance, mid-stream
-                killed = True
+    got, errors, killed = stream_killing(c, gw, body,
+                                         lambda: kill_server(d["up"].pid, BASE + 2))
     assert killed and not errors and got == ref  # one uninterrupted, exact stream
     assert metric_at(c, gw, 'epd_prefill_answers_total{stage="resume"}') == 1
     other = sample_image_png(seed=75)  # the decode instance is down (restarting)

@@ -26,7 +26,7 @@ from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from epd_common import child_process
 from epd_common.child_process import session_members
-from tests.e2e.client import FIELDS, MODEL_NAME, PROMPT, answer, ask, metric_at
+from tests.e2e.client import FIELDS, MODEL_NAME, PROMPT, answer, ask, metric_at, stream_killing
 from tests.e2e.outage import (
     Traffic,
     engine_core,
@@ -537,23 +537,9 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
         long = {"max_tokens": 300, "ignore_eos": True}
         ref = answer(c, c["agg"], image, **long)
         body = {**chat_body(MODEL_NAME, image, PROMPT), **long, "stream": True}
-        got: list[int] = []
-        errors: list[dict] = []
-        killed = False
-        with httpx.Client(timeout=120) as client, client.stream(
-                "POST", gw2.url + "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    errors.append(event)
-                    continue
-                got += event["choices"][0].get("token_ids") or [] if event["choices"] else []
-                if got and not killed:
-                    os.killpg(dec2.proc.pid, signal.SIGKILL)  # mid-stream
-                    killed = True
+        with httpx.Client(timeout=120) as client:
+            got, errors, killed = stream_killing(
+                client, gw2.url, body, lambda: os.killpg(dec2.proc.pid, signal.SIGKILL))
         text = c["client"].get(gw2.url + "/metrics").text
         resumed = metric_value(text, 'epd_gateway_failovers_total{outcome="resumed"}')
         refused = metric_value(text, 'epd_gateway_failovers_total{outcome="refused"}')

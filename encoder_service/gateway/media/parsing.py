@@ -27,7 +27,7 @@ from ec_connectors.protocol.keys import content_item_id
 from ec_connectors.protocol.secret import IdSigner
 from encoder_service.gateway.config import MediaRules
 from encoder_service.gateway.media.checks import check_audio, check_frames, check_image, check_video
-from encoder_service.gateway.wire import GatewayError, json_encode
+from encoder_service.gateway.wire import GatewayError, json_encode, served_body
 from epd_common.lru import BoundedLRU
 
 Fetcher = Callable[[str], Awaitable[tuple[bytes, str | None]]]
@@ -265,12 +265,7 @@ def _media_kind(ptype: Any, rules: MediaRules) -> tuple[str, str] | None:
 async def prepare_chat(body: Any, rules: MediaRules, fetch: Fetcher,
                        signer: IdSigner | None = None) -> PreparedRequest:
     """Validate `body` (a parsed chat completion request) and tag its media; see module doc."""
-    if not isinstance(body, dict):
-        raise GatewayError(400, "request body must be a JSON object")
-    model = body.setdefault("model", rules.model)
-    if model != rules.model:
-        raise GatewayError(404, f"model {model!r} is not served here; this gateway serves "
-                           f"{rules.model!r}", "unknown_model")
+    body = served_body(body, rules.model)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise GatewayError(400, "messages must be a non-empty list")
