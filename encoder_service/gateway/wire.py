@@ -9,7 +9,10 @@ label the rejection metrics carry); docs/errors.md lists them.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import sys
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -34,6 +37,19 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message,
                           "type": error_type(self.status, UPSTREAM_ERROR), "code": self.reason}}
+
+
+_T = TypeVar("_T")
+
+if sys.version_info >= (3, 11):
+    async def within(aw: Awaitable[_T], seconds: float | None) -> _T:
+        """`await aw` within `seconds` (None: no limit), else asyncio.TimeoutError: as
+        `asyncio.wait_for`, without the task that it starts on Python 3.11 (one a request on
+        every hop)."""
+        async with asyncio.timeout(seconds):
+            return await aw
+else:
+    within = asyncio.wait_for
 
 
 def ms(seconds: float | None) -> str:

@@ -5,14 +5,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
-import uuid
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from encoder_service.gateway.config import LimitsConfig
-from encoder_service.gateway.wire import GatewayError, json_decode
+from encoder_service.gateway.wire import GatewayError, json_decode, within
 
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -20,7 +20,7 @@ _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 def request_id(request: Request) -> str:
     """The client's x-request-id when it is short and safe, else a fresh one."""
     rid = request.headers.get("x-request-id", "")
-    return rid if _RID.fullmatch(rid) else uuid.uuid4().hex
+    return rid if _RID.fullmatch(rid) else os.urandom(16).hex()
 
 
 class Admission:
@@ -52,19 +52,26 @@ class Admission:
             raise GatewayError(413, f"request body is larger than {limit} bytes",
                                "request_too_large")
         chunks: list[bytes] = []
+        receive = request.receive
 
         async def read() -> None:
             size = 0
-            async for chunk in request.stream():
+            while True:  # Request.stream(), without its async generator
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
                     raise GatewayError(413, f"request body is larger than {limit} bytes",
                                        "request_too_large")
                 chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return
 
         timeout = self.limits.body_read_timeout_s
         try:
-            await asyncio.wait_for(read(), timeout)
+            await within(read(), timeout)
         except asyncio.TimeoutError:
             raise GatewayError(408, f"the request body did not arrive within {timeout:g} s",
                                "body_timeout") from None

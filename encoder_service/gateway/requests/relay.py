@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
@@ -25,9 +26,12 @@ from encoder_service.gateway.telemetry.tracing import RequestTrace
 from encoder_service.gateway.upstreams.decoders import Upstream, UpstreamError
 from encoder_service.gateway.upstreams.failover import ResumeMismatch, StreamTracker
 from encoder_service.gateway.upstreams.resume import Resumed, ResumeFn
-from encoder_service.gateway.wire import GatewayError, json_encode, ms
+from encoder_service.gateway.wire import GatewayError, json_encode, ms, within
 
 logger = logging.getLogger("epd.gateway")
+
+
+_WATCH_AFTER_S = 0.05  # how long a request runs before its disconnect watch starts
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -46,8 +50,18 @@ class Watch:
         self.task = asyncio.current_task()
         self.gone = False
         self.active = True
-        self.watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        self.watcher.add_done_callback(self._fired)
+        self.receive = receive
+        self.watcher: asyncio.Future | None = None
+        # the watcher task starts once the answer takes a while: a quick request costs no
+        # task of its own; a disconnect before is seen when it starts (receive() says so)
+        self.timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            _WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self.timer = None
+        if self.active:
+            self.watcher = asyncio.ensure_future(_wait_disconnect(self.receive))
+            self.watcher.add_done_callback(self._fired)
 
     def _fired(self, fut: asyncio.Future) -> None:
         if not self.active or fut.cancelled() or fut.exception() is not None:
@@ -59,7 +73,11 @@ class Watch:
     def finish(self) -> None:
         """Call right before the last send: a disconnect after it is a normal close."""
         self.active = False
-        self.watcher.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.watcher is not None:
+            self.watcher.cancel()
 
 
 @dataclass
@@ -119,6 +137,9 @@ class Relay:
     def __init__(self, metrics: GatewayMetrics, decode_timeout_s: float) -> None:
         self.metrics = metrics
         self.decode_timeout_s = decode_timeout_s
+        # labelled children bound on first use: labels() takes a lock on every call
+        self._answered: dict[tuple[str, int], Any] = {}  # (endpoint, status) -> counter
+        self._first_token: dict[str, Any] = {}  # instance -> histogram
 
     def error(self, exc: GatewayError, endpoint: str, rid: str) -> JSONResponse:
         """The HTTP answer for `exc` (counted and logged)."""
@@ -192,7 +213,7 @@ class Relay:
 
     async def _read_once(self, up: Upstream) -> bytes:
         try:
-            return await asyncio.wait_for(up.read(), self.decode_timeout_s)
+            return await within(up.read(), self.decode_timeout_s)
         except asyncio.TimeoutError:
             raise GatewayError(504, "the prefill/decode instance did not answer in time",
                                "decode_timeout") from None
@@ -308,9 +329,17 @@ class Relay:
         total = time.perf_counter() - ex.t0
         if leg.first is not None:
             m.stage_first_token.observe(leg.first - leg.sent_at)
-            m.instance_first_token.labels(leg.sent_to).observe(leg.first - leg.sent_at)
+            hist = self._first_token.get(leg.sent_to)
+            if hist is None:
+                hist = self._first_token[leg.sent_to] = m.instance_first_token.labels(
+                    leg.sent_to)
+            hist.observe(leg.first - leg.sent_at)
         m.stage_total.observe(total)
-        m.requests.labels(ex.endpoint, str(status)).inc()
+        counter = self._answered.get((ex.endpoint, status))
+        if counter is None:
+            counter = self._answered[ex.endpoint, status] = m.requests.labels(ex.endpoint,
+                                                                              str(status))
+        counter.inc()
         if logger.isEnabledFor(logging.INFO):
             logger.info("request rid=%s endpoint=%s status=%d stream=%s decoder=%s "
                         "dec_retries=%d %s first_token_ms=%s total_ms=%s", ex.rid,
