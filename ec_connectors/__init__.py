@@ -1,4 +1,6 @@
-"""vLLM encoder-cache connectors (EPDConnector) and their transports, grouped by the process
+"""EPD connectors: vLLM encoder-cache connectors and their transports.
+
+vLLM encoder-cache connectors (EPDConnector) and their transports, grouped by the process
 each part runs in. Start at `connector.py`.
 
 All vLLM processes:

@@ -1,4 +1,6 @@
-"""A generic ZMQ message channel: one end, owned by one background thread, that any thread may
+"""A generic ZMQ message channel owned by one background thread.
+
+A generic ZMQ message channel: one end, owned by one background thread, that any thread may
 `send` to (queued, then a doorbell pipe wakes the loop); optional CURVE (the deployment secret),
 and a socket monitor that reports connects, lost connections and refused attempts.
 

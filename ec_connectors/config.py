@@ -75,14 +75,18 @@ class CommonSettings(_Settings):
 
     @property
     def scope(self) -> str:
-        """What an item's identity is checked against: the namespace and the model's
+        """The scope an item's identity is checked against: namespace and model.
+
+        What an item's identity is checked against: the namespace and the model's
         fingerprint (peer pulls, store objects, sealed files)."""
         ns = self.namespace or "default"
         return f"{ns}#{self.model_fingerprint}" if self.model_fingerprint else ns
 
     @property
     def ids(self) -> IdSigner:
-        """Which item ids may be shared (signed by a gateway holding the secret; all without
+        """The signer that decides which item ids may be shared.
+
+        Which item ids may be shared (signed by a gateway holding the secret; all without
         one)."""
         return IdSigner(read_secret(self.secret_file))
 
@@ -120,7 +124,9 @@ class SafetensorsSettings(_Settings):
 
 
 class MooncakeSettings(_Settings):
-    """The `mooncake` transport: the Mooncake Transfer Engine; consumers pull items P2P from
+    """Settings of the `mooncake` transport (Mooncake Transfer Engine, P2P pulls).
+
+    The `mooncake` transport: the Mooncake Transfer Engine; consumers pull items P2P from
     the producer's registered pool into their own."""
 
     protocol: Literal["tcp", "rdma"] = "tcp"
@@ -184,7 +190,9 @@ class MooncakeSettings(_Settings):
 
 
 class StoreSettings(_Settings):
-    """The `mooncake_store` transport: the Mooncake Store, a master plus the memory segments
+    """Settings of the `mooncake_store` transport (the Mooncake Store).
+
+    The `mooncake_store` transport: the Mooncake Store, a master plus the memory segments
     its clients contribute."""
 
     store_master: Endpoint = f"127.0.0.1:{ports.MASTER_RPC_PORT}"  # the master's RPC address
@@ -214,9 +222,11 @@ def default_shm_path() -> str:
 
 
 class ShmSettings(_Settings):
-    """The `shm` transport (transports/shm/): one host. Each producer process writes items
-    into its own pre-faulted shared-memory arena (a tmpfs file), consumers map it read-only
-    and copy each item once into warm memory, verifying it while they copy."""
+    """The `shm` transport (transports/shm/): one host.
+
+    Each producer process writes items into its own pre-faulted shared-memory arena (a tmpfs
+    file), consumers map it read-only and copy each item once into warm memory, verifying it
+    while they copy."""
 
     shm_path: str = Field(default_factory=default_shm_path)  # a tmpfs directory, made 0700
     # Producer: the arena, its byte budget (transports/leases.py: unleased, unread items, then
@@ -255,7 +265,9 @@ class ProducerSettings(_Settings):
 
 
 class ConsumerSettings(_Settings):
-    """ec_consumer instances (prefill/decode): loads, staged items, and what happens to a
+    """Settings of consumer instances: loads, staging and unavailable items.
+
+    ec_consumer instances (prefill/decode): loads, staged items, and what happens to a
     request whose item cannot be loaded."""
 
     load_timeout_s: float = Field(default=10.0, gt=0)
@@ -266,7 +278,9 @@ class ConsumerSettings(_Settings):
 
 
 class GuardSettings(_Settings):
-    """Every role: what the API server's guard (`server_guard.py`, vLLM's `--middleware`)
+    """Settings of the API server's guard: what a request may hold.
+
+    Every role: what the API server's guard (`server_guard.py`, vLLM's `--middleware`)
     lets a request hold before vLLM parses it; beyond, 413 or 400 with a reason."""
 
     guard_max_body_bytes: int = Field(default=512 * MiB, gt=0)
@@ -276,7 +290,9 @@ class GuardSettings(_Settings):
 
 class EPDConfig(GuardSettings, ConsumerSettings, ProducerSettings, ShmSettings,
                 StoreSettings, MooncakeSettings, SafetensorsSettings, CommonSettings):
-    """Settings of EPDConnector: the keys of every group, flat, and the connector's own
+    """All settings of EPDConnector, flat, in one pydantic model.
+
+    Settings of EPDConnector: the keys of every group, flat, and the connector's own
     wiring. (pydantic orders fields from the last base to the first: CommonSettings' keys
     come first, then each group in turn, then this class's own.)"""
 

@@ -115,7 +115,9 @@ class EPDConnector(ECConnectorBase):
         return self._worker.get_finished() if self._worker else (None, None)
 
     def get_ec_connector_stats(self) -> EPDStats | None:
-        """SCHEDULER: this interval's counters and latencies, workers' included (they ship
+        """This interval's connector stats, from the scheduler only.
+
+        SCHEDULER: this interval's counters and latencies, workers' included (they ship
         theirs over the control channel). WORKER: None, so nothing is counted twice."""
         return self._sched.stats.take() if self._sched else None
 
@@ -160,7 +162,9 @@ class EPDConnector(ECConnectorBase):
             self._sched.update_connector_output(connector_output.finished_sending)
 
     def has_pending_push_work(self) -> bool:
-        """SCHEDULER, whenever the engine looks for work: True while workers still owe
+        """Whether the engine should step once more so workers' reports land.
+
+        SCHEDULER, whenever the engine looks for work: True while workers still owe
         reports (saves of items already encoded, stats that missed the last step), so the
         engine steps once more and they reach the metrics now, not at the next request."""
         return self._sched.has_pending_push_work() if self._sched else False

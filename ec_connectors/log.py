@@ -1,4 +1,6 @@
-"""Loggers under vLLM's `vllm` logger, so connector messages appear in vLLM's log stream
+"""Loggers under vLLM's `vllm` logger.
+
+Loggers under vLLM's `vllm` logger, so connector messages appear in vLLM's log stream
 with its format and level (VLLM_LOGGING_LEVEL)."""
 
 import logging

@@ -1,4 +1,6 @@
-"""What an item's placeholder needs besides its embedding, per model (vLLM's
+"""The placeholder metadata an item needs besides its embedding, per model.
+
+What an item's placeholder needs besides its embedding, per model (vLLM's
 `embedding_fields`: `image_grid_thw`, `video_grid_thw`, `audio_num_tokens`, ...).
 
 A producer publishes it beside each item in `ec_transfer_params`, so a consumer can take a
@@ -40,7 +42,9 @@ class Placeholders:
         self._resolver = PlaceholderMetadataResolver(model_config)
 
     def describe(self, features: list[MultiModalFeatureSpec]) -> dict[str, dict[str, Any]]:
-        """Producer: item id -> its placeholder metadata, for items whose metadata is
+        """Producer: the placeholder metadata of each item that has it complete.
+
+        Producer: item id -> its placeholder metadata, for items whose metadata is
         complete (an item without it, e.g. a model with no `embedding_fields`, is left out:
         the consumer then gets its raw media)."""
         out: dict[str, dict[str, Any]] = {}
@@ -55,10 +59,11 @@ class Placeholders:
 
     def metadata_only(self, feature: MultiModalFeatureSpec) -> bool:
         """Consumer: the request carried only this item's metadata (no media to encode).
+
         Fields the processor adds to every item of a modality (Qwen2.5-Omni's
-        `use_audio_in_video` on each video) are no media: without this, a metadata-only
-        video whose embedding could not be used was sent to vLLM's encoder, which, with no
-        frames, killed the engine."""
+        `use_audio_in_video` on each video) are no media: without this, a metadata-only video
+        whose embedding could not be used was sent to vLLM's encoder, which, with no frames,
+        killed the engine."""
         data = feature.data
         if data is None:  # processor-cache hit: the engine filled it before scheduling
             return False
@@ -66,14 +71,18 @@ class Placeholders:
         return bool(wanted) and set(data.keys()) - _DROPPED_BY_METADATA_ONLY.keys() <= wanted
 
     def asked(self, feature: MultiModalFeatureSpec) -> dict[str, Any]:
-        """Consumer: the placeholder metadata the request's part gives the item, as its
+        """Consumer: the placeholder metadata a request's part gives an item.
+
+        Consumer: the placeholder metadata the request's part gives the item, as its
         producer would publish it (`describe`), to compare with what was published."""
         entry = collect_ec_item_metadata([feature], self._resolver).get(feature.identifier)
         return dict(entry.get("metadata") or {}) if entry else {}
 
 
 def _loses_fields(datas) -> bool:
-    """True when any item data carries a `_DROPPED_BY_METADATA_ONLY` field at a value other
+    """Whether any item data would lose a field on the metadata-only path.
+
+    True when any item data carries a `_DROPPED_BY_METADATA_ONLY` field at a value other
     than the one a metadata-only consumer would assume."""
     for data in datas:
         if not data:

@@ -88,7 +88,9 @@ LATENCIES = {
 
 @dataclass
 class EPDStats(ECConnectorStats):
-    """`data` = {"counters": {name: number}, "latency": {name: [seconds, ...]},
+    """The connector's stats for one interval: counters, latencies and gauges.
+
+    `data` = {"counters": {name: number}, "latency": {name: [seconds, ...]},
     "gauges": {name: {label value: number}}} (gauges: the newest values)."""
 
     def __post_init__(self) -> None:
@@ -126,8 +128,9 @@ class EPDStats(ECConnectorStats):
 
 class StatsRecorder:
     """Thread-safe accumulator; `take()` hands the interval's stats to vLLM and resets.
-    Gauges kept elsewhere are published by their `on_take` flushers, called (outside this
-    lock) before `take()` and `pending` look: once per look, only what changed."""
+
+    Gauges kept elsewhere are published by their `on_take` flushers, called (outside this lock)
+    before `take()` and `pending` look: once per look, only what changed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -181,7 +184,9 @@ class StatsRecorder:
 
 
 class EPDPromMetrics(ECConnectorPromMetrics):
-    """Counters `vllm:epd_<name>_total`, histograms `vllm:epd_<name>_seconds` and gauges
+    """The connector's Prometheus metrics, per engine.
+
+    Counters `vllm:epd_<name>_total`, histograms `vllm:epd_<name>_seconds` and gauges
     `vllm:epd_<name>{<label>=...}` per engine."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):

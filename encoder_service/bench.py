@@ -1,4 +1,6 @@
-"""`epd bench serve`: concurrent multimodal load against any OpenAI-compatible endpoint
+"""`epd bench serve`: multimodal load against an OpenAI-compatible endpoint.
+
+`epd bench serve`: concurrent multimodal load against any OpenAI-compatible endpoint
 (this gateway, or a plain vLLM server).
 
 Workload: `num_requests` streamed chat requests, each with one media item (a data: URL) and
@@ -112,7 +114,9 @@ class BenchResult:
 
 
 def image_sequence(spec: BenchSpec) -> list[int]:
-    """Image index per request: `reuse` of them repeat an earlier image, or (zipf > 0) each
+    """Choose which image each request of a run sends.
+
+    Image index per request: `reuse` of them repeat an earlier image, or (zipf > 0) each
     drawn from a Zipf popularity over `distinct` images (seeded)."""
     n = spec.num_requests
     distinct = spec.distinct_images or max(1, round(n * (1 - spec.reuse)))
@@ -152,7 +156,9 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 def item_part(spec: BenchSpec, i: int) -> tuple[str, dict[str, Any]]:
-    """The modality and content part of distinct item `i` (seeded: every run, every
+    """Build the content part of distinct item `i`, the same on every run.
+
+    The modality and content part of distinct item `i` (seeded: every run, every
     deployment gets the same items)."""
     rng = random.Random(spec.seed * 1_000_003 + i)
     names = list(spec.mix)
@@ -199,7 +205,9 @@ class Answer:
 
 async def stream_greedy(client: httpx.AsyncClient, url: str, model: str, part: dict[str, Any],
                         prompt: str, max_tokens: int) -> Answer:
-    """`part` and `prompt` streamed greedily to `url` (exactly `max_tokens` tokens, their
+    """Stream one greedy chat completion and return its token ids.
+
+    `part` and `prompt` streamed greedily to `url` (exactly `max_tokens` tokens, their
     ids returned: runs compare them). Raises RuntimeError on an error or a short answer."""
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0,
@@ -305,6 +313,7 @@ def format_table(results: dict[str, dict[str, Any]]) -> str:
 
 def plot(results: dict[str, BenchResult], path: Path) -> bool:
     """CDFs of TTFT and end-to-end latency, one line per run, and throughput per run.
+
     Returns False (with a note on stderr, nothing written) when matplotlib is missing."""
     try:
         import matplotlib
@@ -346,7 +355,9 @@ def write_json(results: dict[str, BenchResult], path: Path, extra: dict | None =
 
 
 def default_output_dir() -> Path:
-    """Where a run's JSON and PNG go unless --json/--png say otherwise: the work directory
+    """The default directory for a run's JSON and PNG.
+
+    Where a run's JSON and PNG go unless --json/--png say otherwise: the work directory
     (ignored by git), as `epd up` and the test models use it."""
     return default_work_dir() / "bench"
 

@@ -48,7 +48,9 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def _load_prctl() -> Callable[..., int] | None:
-    """libc's prctl, looked up once in the parent (a child between fork and exec must not
+    """Find libc's prctl, once, in the parent.
+
+    libc's prctl, looked up once in the parent (a child between fork and exec must not
     load libraries)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -75,7 +77,9 @@ def supported() -> bool:
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A `preexec_fn` for `subprocess`: the child gets `sig` when this thread ends (see the
+    """Make a child process get `sig` when the thread that started it ends.
+
+    A `preexec_fn` for `subprocess`: the child gets `sig` when this thread ends (see the
     module docstring). Call it in the parent: `Popen(cmd, preexec_fn=die_with_parent())`.
     Should the parent die between the fork and the prctl, the child signals itself."""
     parent = os.getpid()
@@ -93,7 +97,9 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
 
 def popen(cmd: list[str], *, death_signal: int = signal.SIGTERM,
           preexec_fn: Callable[[], None] | None = None, **kwargs: Any) -> subprocess.Popen:
-    """`subprocess.Popen(cmd, **kwargs)` whose child dies with this thread (`die_with_parent`);
+    """Start a child process that dies with this thread.
+
+    `subprocess.Popen(cmd, **kwargs)` whose child dies with this thread (`die_with_parent`);
     a caller's own `preexec_fn` runs after it."""
     die = die_with_parent(death_signal)
 
@@ -107,7 +113,9 @@ def popen(cmd: list[str], *, death_signal: int = signal.SIGTERM,
 
 def guard_process_group(parent_pid: int, grace_s: float = 5.0, kill_after_s: float = 3.0,
                         interval_s: float = 0.25) -> threading.Thread | None:
-    """In a child that leads its own process group and has children of its own: a daemon
+    """Watch for the parent's death and stop this process group after it.
+
+    In a child that leads its own process group and has children of its own: a daemon
     thread that waits for `parent_pid` to stop being this process's parent, then gives the
     process `grace_s` to exit by itself (its parent-death signal has reached it), then sends
     SIGTERM to the rest of the group and SIGKILL to the whole group once the rest is gone or
@@ -135,7 +143,9 @@ def guard_process_group(parent_pid: int, grace_s: float = 5.0, kill_after_s: flo
 
 
 def _members(field: int, value: int) -> set[int]:
-    """Live (not zombie) processes whose /proc stat field `field` (counted after the
+    """List the live processes whose /proc stat field has a given value.
+
+    Live (not zombie) processes whose /proc stat field `field` (counted after the
     command name: 2 = process group, 3 = session) is `value`."""
     out = set()
     for entry in os.scandir("/proc"):
@@ -157,7 +167,9 @@ def _group_members(pgid: int) -> set[int]:
 
 
 def session_members(sid: int) -> set[int]:
-    """Live (not zombie) processes of session `sid` (a child started with
+    """List the live processes of a session.
+
+    Live (not zombie) processes of session `sid` (a child started with
     `start_new_session=True` leads the session numbered by its pid), from /proc. Empty off
     Linux. The session outlives its leader: an API server SIGKILLed leaves its engine there."""
     if not sys.platform.startswith("linux"):
@@ -166,7 +178,9 @@ def session_members(sid: int) -> set[int]:
 
 
 def signal_session(sid: int, sig: int) -> None:
-    """`sig` to session `sid`'s process group and to every other process of the session,
+    """Send a signal to every process of a session.
+
+    `sig` to session `sid`'s process group and to every other process of the session,
     whether or not its leader still runs."""
     with contextlib.suppress(OSError):
         os.killpg(sid, sig)
@@ -177,7 +191,9 @@ def signal_session(sid: int, sig: int) -> None:
 
 def stop_session(proc: subprocess.Popen, timeout_s: float = 20.0,
                  kill_after_s: float = 10.0) -> None:
-    """Stop `proc` (started with `start_new_session=True`) and everything in its session:
+    """Stop a process and everything in its session, then reap it.
+
+    Stop `proc` (started with `start_new_session=True`) and everything in its session:
     SIGTERM, then SIGKILL to what remains after `timeout_s`; returns once none remains (or
     `kill_after_s` after the SIGKILL) with `proc` reaped. Also when `proc` is already gone
     and its children are not (they lost the signal their parent would have sent)."""
@@ -201,7 +217,9 @@ def stop_session(proc: subprocess.Popen, timeout_s: float = 20.0,
 
 def die_with_parent_process(sig: int = signal.SIGKILL,
                             names: tuple[str, ...] = ()) -> bool:
-    """In a `multiprocessing` child (`names`: only in one whose process name starts with one
+    """Ask, in a multiprocessing child, for a signal when its parent dies.
+
+    In a `multiprocessing` child (`names`: only in one whose process name starts with one
     of them): ask for `sig` when the parent dies, for a child that the parent would have
     stopped, as vLLM's API server stops its EngineCore and EngineCore its workers, but that
     outlives a parent killed by SIGKILL. Set in the child itself, after the fact: should the
@@ -222,7 +240,9 @@ def die_with_parent_process(sig: int = signal.SIGKILL,
 
 
 def guard_process_group_from_env(grace_s: float = 5.0) -> threading.Thread | None:
-    """`guard_process_group($EPD_PARENT_PID)` when the variable is set (it is removed, so
+    """Guard this process group against the death of the parent named in the environment.
+
+    `guard_process_group($EPD_PARENT_PID)` when the variable is set (it is removed, so
     this process's own children do not watch a grandparent)."""
     value = os.environ.pop(PARENT_PID_ENV, "")
     if not value.isdigit():

@@ -1,4 +1,6 @@
-"""Config files and config errors, one home for every EPD configuration: the connector's
+"""Read config files and report config errors, for every EPD configuration.
+
+Config files and config errors, one home for every EPD configuration: the connector's
 `ec_connector_extra_config` (EPDConfig), `epd gateway` (GatewayConfig), `epd encoder`
 (PoolConfig) and `epd up` (UpConfig). Torch-free.
 
@@ -33,14 +35,18 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class InvalidConfig(ValueError):
-    """A configuration that cannot be used: its file cannot be read or parsed, or its values
+    """The error for a config file that cannot be read, parsed or validated.
+
+    A configuration that cannot be used: its file cannot be read or parsed, or its values
     fail validation. The message names the file, or every offending key."""
 
 
 def read_config_file(path: str | os.PathLike[str],
                      error: type[Exception] = InvalidConfig) -> dict[str, Any]:
-    """The JSON or TOML (suffix `.toml`) file at `path` as a dict. Raises `error` (default
-    InvalidConfig; each config passes its own class) with a message naming the file."""
+    """The JSON or TOML (suffix `.toml`) file at `path` as a dict.
+
+    Raises `error` (default InvalidConfig; each config passes its own class) with a message
+    naming the file."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -60,7 +66,9 @@ def read_config_file(path: str | os.PathLike[str],
 
 
 def explain(exc: ValidationError, what: str, known_keys: Iterable[str] = ()) -> str:
-    """One line for every error of `exc`: `<what>: key.path: message; ...`, then
+    """Describe a validation error's every problem on one line.
+
+    One line for every error of `exc`: `<what>: key.path: message; ...`, then
     `. Known keys: ...` (sorted) when `known_keys` is not empty."""
     problems = "; ".join(
         f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
@@ -71,7 +79,9 @@ def explain(exc: ValidationError, what: str, known_keys: Iterable[str] = ()) -> 
 
 
 def validate(model: type[M], data: Any, what: str, error: type[Exception]) -> M:
-    """`model.model_validate(data)`; a ValidationError becomes `error` with `explain`'s
+    """Validate config data against a model, raising the caller's error class.
+
+    `model.model_validate(data)`; a ValidationError becomes `error` with `explain`'s
     message (every bad key, then the keys `model` knows)."""
     try:
         return model.model_validate(data)

@@ -1,4 +1,6 @@
-"""A bounded map that forgets its least recently written entry: the one shape behind every
+"""A bounded map that forgets its least recently written entry.
+
+A bounded map that forgets its least recently written entry: the one shape behind every
 "remember the last N" table (saved infos, probe answers, holders, claims, recent evictions).
 Not thread-safe: callers hold their own lock, as they already do for the state around it."""
 
@@ -12,7 +14,9 @@ V = TypeVar("V")
 
 
 class BoundedLRU(OrderedDict[K, V], Generic[K, V]):
-    """An OrderedDict of at most `limit` entries; setting a key makes it the newest, and the
+    """An ordered dict that keeps at most `limit` entries, dropping the oldest.
+
+    An OrderedDict of at most `limit` entries; setting a key makes it the newest, and the
     oldest entries go once the limit is passed. Reads do not reorder (`touch` does)."""
 
     def __init__(self, limit: int) -> None:

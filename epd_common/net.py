@@ -1,4 +1,6 @@
-"""Addresses for the peer-to-peer transports: this node's host, `host:port` endpoints (parsed
+"""Host addresses, endpoints and port checks for the peer-to-peer transports.
+
+Addresses for the peer-to-peer transports: this node's host, `host:port` endpoints (parsed
 and validated), whether something listens at one and which process (`port_holder`, for a
 bind failure's message). The port plan lives in `ec_connectors.protocol.ports`."""
 
@@ -17,7 +19,9 @@ _HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 
 
 def resolve_host(host: str) -> str:
-    """`auto`: the address of the interface that routes outward (a UDP connect sends nothing),
+    """Resolve a configured host (`auto` or an address) to the address to use.
+
+    `auto`: the address of the interface that routes outward (a UDP connect sends nothing),
     then the hostname's address, then 127.0.0.1. Anything else is returned as given."""
     if host != "auto":
         return host
@@ -64,7 +68,9 @@ _LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
 
 
 def port_holder(port: int) -> str:
-    """Who listens on TCP `port` on this host (this network namespace), for a bind failure's
+    """Name the process that listens on a TCP port of this host, for error messages.
+
+    Who listens on TCP `port` on this host (this network namespace), for a bind failure's
     message: "pid N (its command line)", found from /proc/net/tcp{,6} and /proc/*/fd (Linux);
     "a process of another user" when only the socket shows; "" when nothing listens there
     or /proc cannot tell."""
@@ -87,7 +93,9 @@ def port_holder(port: int) -> str:
 
 
 def holders(ports: list[int]) -> str:
-    """"port P is held by ..." for each of `ports` a process listens on (`port_holder`), "; "
+    """Name the processes that hold any of `ports`, for error messages.
+
+    "port P is held by ..." for each of `ports` a process listens on (`port_holder`), "; "
     between them; "" when none can be found."""
     return "; ".join(f"port {p} is held by {h}" for p in ports if (h := port_holder(p)))
 

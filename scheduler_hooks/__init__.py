@@ -1,4 +1,6 @@
-"""The scheduler-side policy of EPDConnector as pure logic over plain values (no threads
+"""Scheduler hooks: the consumer's scheduling policy as pure logic.
+
+The scheduler-side policy of EPDConnector as pure logic over plain values (no threads
 started, no I/O): the consumer's items, one table and one state machine per item
 (`item_table.py`:
 LOADING -> STAGED -> MERGED -> PREFILLED -> DISCARDED, FAILED; deadlines, bytes per state,

@@ -1,4 +1,6 @@
-"""Readiness and failure decisions of a consumer's scheduler, as pure functions of plain
+"""Pure readiness and failure decisions of a consumer's scheduler.
+
+Readiness and failure decisions of a consumer's scheduler, as pure functions of plain
 values: the plan for one item of a request this step (`plan_item`: skip, use, wait, load,
 encode locally or fail), is an item needed at all, where may it be pulled from, is a staged
 item usable this step (`decide`, over the item table `items.py`), and what happens to a
@@ -26,7 +28,9 @@ def covered(offset: int, length: int, num_computed_tokens: int) -> bool:
 
 
 def pull_location(hinted: str, allowed: list[str]) -> str:
-    """The location a request names for an item, or "" when a list of producers is
+    """Check the location a request names against the configured producers.
+
+    The location a request names for an item, or "" when a list of producers is
     configured and it is not on it (params are client-controlled: never pull from there)."""
     return "" if hinted and allowed and hinted not in allowed else hinted
 
@@ -38,7 +42,9 @@ class Decision(NamedTuple):
 
 
 def decide(table: ItemTable, item_id: str, expected_embeds: int, now: float) -> Decision:
-    """Where an item's load stands this step: applies its deadline, and fails a STAGED item
+    """Decide where an item's load stands this step.
+
+    Where an item's load stands this step: applies its deadline, and fails a STAGED item
     whose token count differs from what the request expects."""
     st = table.get(item_id)
     if st is None or st.state not in (ItemState.LOADING, ItemState.STAGED, ItemState.FAILED):
@@ -58,7 +64,9 @@ def decide(table: ItemTable, item_id: str, expected_embeds: int, now: float) -> 
 
 def unavailable_action(promised: bool,
                        policy: Literal["local_encode", "fail"]) -> Literal["local_encode", "fail"]:
-    """An item that cannot arrive: the request fails only when its params promised the item
+    """Choose what happens to a request whose item cannot arrive.
+
+    An item that cannot arrive: the request fails only when its params promised the item
     and the policy says so; otherwise vLLM encodes it locally (slower, never lost)."""
     return "fail" if promised and policy == "fail" else "local_encode"
 
@@ -138,11 +146,12 @@ class ItemPlan(NamedTuple):
 
 
 def plan_item(f: ItemFacts) -> ItemPlan:
-    """What to do about one item this step. Order: what vLLM has needs nothing; a staging
-    in progress decides; a promise is waited for until it lands or expires; a known item is
-    loaded (when the staging budget has room: else it waits, at most load_timeout_s, then is
-    encoded by vLLM), an unknown one encoded by vLLM (or, with no media to encode, the
-    request fails).
+    """What to do about one item this step.
+
+    Order: what vLLM has needs nothing; a staging in progress decides; a promise is waited for
+    until it lands or expires; a known item is loaded (when the staging budget has room: else it
+    waits, at most load_timeout_s, then is encoded by vLLM), an unknown one encoded by vLLM (or,
+    with no media to encode, the request fails).
 
     A metadata-only item in vLLM's encoder cache is still staged: our view of that cache
     can be one step stale (vLLM evicts a free entry to make room for another request earlier
@@ -177,7 +186,9 @@ def plan_item(f: ItemFacts) -> ItemPlan:
 
 
 def _over_budget(f: ItemFacts) -> ItemPlan:
-    """Backpressure: the item waits for room like an item still loading, never fails for the
+    """Plan an item that does not fit the staging budget: it waits for room.
+
+    Backpressure: the item waits for room like an item still loading, never fails for the
     budget alone: past the wait vLLM encodes it (a metadata-only one, with no media, fails)."""
     if not f.budget_expired:
         return ItemPlan(ItemAction.WAIT, BUDGET_FULL, defer=True, promise=f.promise)
@@ -195,9 +206,11 @@ def _settle(f: ItemFacts, d: Decision) -> ItemPlan:
 
 
 def _unavailable(f: ItemFacts, promised: bool, why: str) -> ItemPlan:
-    """An item that cannot arrive. A metadata-only one always fails the request (there is no
-    media to encode) and is never scheduled without its embedding, unless vLLM's encoder
-    cache holds it (and fits: a token count that does not fit fails it there too)."""
+    """An item that cannot arrive.
+
+    A metadata-only one always fails the request (there is no media to encode) and is never
+    scheduled without its embedding, unless vLLM's encoder cache holds it (and fits: a token
+    count that does not fit fails it there too)."""
     if f.in_engine_cache and not (f.metadata_only and is_mismatch(why)):
         return ItemPlan(ItemAction.SKIP, why)
     policy = "fail" if f.metadata_only else f.policy

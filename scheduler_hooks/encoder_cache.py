@@ -1,4 +1,6 @@
-"""Which items vLLM's own encoder cache holds, so a request that needs one of them is
+"""Track which items vLLM's own encoder cache holds.
+
+Which items vLLM's own encoder cache holds, so a request that needs one of them is
 neither deferred nor sent a load: vLLM serves it from its cache without asking the connector.
 
 An item enters the cache when vLLM allocates it for a request (`update_state_after_alloc`,

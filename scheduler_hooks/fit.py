@@ -34,7 +34,9 @@ _SHOWN = 160  # characters of metadata a reason shows
 
 @dataclass(frozen=True, slots=True)
 class Asked:
-    """What a request's part asks of the item: its modality, the rows its placeholders take
+    """What a request's part asks of the stored item.
+
+    What a request's part asks of the item: its modality, the rows its placeholders take
     and its placeholder metadata (vLLM's `embedding_fields` of the modality, as lists)."""
 
     modality: str
@@ -44,7 +46,9 @@ class Asked:
 
 @dataclass(frozen=True, slots=True)
 class Known:
-    """What is known of the stored item: its rows (0: not known), where that was read, and
+    """What is known of the stored item.
+
+    What is known of the stored item: its rows (0: not known), where that was read, and
     the placeholder metadata its producer published (None: not known)."""
 
     rows: int = 0
@@ -70,7 +74,9 @@ def misfit(asked: Asked, known: Known) -> str:
 
 
 def same_metadata(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Same fields, same values (a number and a one-element list of it are alike; floats
+    """Compare two sets of placeholder metadata, tolerating JSON and float32 round trips.
+
+    Same fields, same values (a number and a one-element list of it are alike; floats
     within a relative 1e-6: they crossed JSON and float32 tensors)."""
     if set(a) != set(b):
         return False

@@ -69,17 +69,21 @@ class IllegalTransition(RuntimeError):
 
 
 def fits(held: int, nbytes: int, budget: int) -> bool:
-    """Whether a new load of `nbytes` fits the budget. With nothing held, any item fits (one
-    larger than the budget loads alone): a wait for room always ends. The one rule of the
-    staging budget: the scheduler's reservations (`ItemTable.begin`) and the worker's staging
-    area (`ec_connectors/workers/worker.py`) both ask it."""
+    """Whether a new load of `nbytes` fits the budget.
+
+    With nothing held, any item fits (one larger than the budget loads alone): a wait for room
+    always ends. The one rule of the staging budget: the scheduler's reservations
+    (`ItemTable.begin`) and the worker's staging area (`ec_connectors/workers/worker.py`) both
+    ask it."""
     return held == 0 or held + nbytes <= budget
 
 
 @dataclass(slots=True, eq=False)
 class Item:
-    """One item's life. `deadline`: while LOADING, when to give up; once FAILED, when it
-    failed (the start of its memory)."""
+    """One item's life.
+
+    `deadline`: while LOADING, when to give up; once FAILED, when it failed (the start of its
+    memory)."""
 
     item_id: str
     state: ItemState
@@ -133,7 +137,9 @@ class ItemTable:
         return {s.value: self._bytes[s] for s in LIFECYCLE}
 
     def current(self, item_id: str, now: float) -> Item | None:
-        """The item's load (LOADING, STAGED, or FAILED within its memory), or None: none,
+        """Look up an item's current load, if it has one.
+
+        The item's load (LOADING, STAGED, or FAILED within its memory), or None: none,
         placed already (MERGED, PREFILLED), or a failure old enough to forget (then the caller
         may start a new attempt)."""
         e = self._items.get(item_id)
@@ -149,7 +155,9 @@ class ItemTable:
     # -- moves -------------------------------------------------------------------------------
     def begin(self, item_id: str, now: float, timeout_s: float, nbytes: int = 0,
               have_workers: bool = True, budget: int | None = None) -> Item | None:
-        """A new load at LOADING with `nbytes` reserved (FAILED at once without workers to
+        """Start a new load of an item, reserving its bytes in the staging budget.
+
+        A new load at LOADING with `nbytes` reserved (FAILED at once without workers to
         load it); an earlier life of the id ends first. None: `budget` has no room for it
         (nothing started)."""
         with self.lock:
@@ -167,9 +175,11 @@ class ItemTable:
 
     def staged(self, item_id: str, rank: int, ok: bool, num_embeds: int, error: str,
                ranks: set[int], now: float, nbytes: int = 0) -> ItemState | None:
-        """A worker's report. Returns the new state when it changed (STAGED once every rank
-        in `ranks` staged it, at `nbytes` when known; FAILED at the first failure), else
-        None (a report about an item in another state: late, or not ours)."""
+        """A worker's report.
+
+        Returns the new state when it changed (STAGED once every rank in `ranks` staged it, at
+        `nbytes` when known; FAILED at the first failure), else None (a report about an item in
+        another state: late, or not ours)."""
         with self.lock:
             e = self._items.get(item_id)
             if e is None or e.state is not S.LOADING:
@@ -207,7 +217,9 @@ class ItemTable:
             return e if self._signal(e, S.MERGED, now, owner=req_id) is S.MERGED else None
 
     def prefilled(self, item_id: str, now: float = 0.0) -> None:
-        """vLLM freed the entry after the prefill: a MERGED item is PREFILLED (DISCARDED at
+        """Record that vLLM freed an item's entry after the prefill.
+
+        vLLM freed the entry after the prefill: a MERGED item is PREFILLED (DISCARDED at
         `end_step`). Entries vLLM encoded itself are not ours: nothing changes."""
         with self.lock:
             e = self._items.get(item_id)
@@ -233,7 +245,9 @@ class ItemTable:
                     self._signal(e, S.DISCARDED, now)
 
     def end_step(self, now: float = 0.0) -> None:
-        """The end of a step: the items PREFILLED since the last one are DISCARDED (vLLM's
+        """End a step: discard the items prefilled since the last one.
+
+        The end of a step: the items PREFILLED since the last one are DISCARDED (vLLM's
         cache owns their entries from then on)."""
         if not self._prefilled:
             return
@@ -252,7 +266,9 @@ class ItemTable:
 
     def move(self, item_id: str, to: ItemState, now: float = 0.0, *,
              nbytes: int | None = None, why: str = "", owner: str = "") -> None:
-        """One move of `TRANSITIONS` for a tracked item (DISCARDED -> LOADING is `begin`);
+        """Move a tracked item to another state, if the transition table allows it.
+
+        One move of `TRANSITIONS` for a tracked item (DISCARDED -> LOADING is `begin`);
         any other raises IllegalTransition and changes nothing."""
         with self.lock:
             e = self._items.get(item_id)
@@ -269,8 +285,10 @@ class ItemTable:
                 e.waiters.add(req_id)
 
     def release(self, item_id: str, req_id: str) -> bool:
-        """`req_id` no longer needs the item. True when that leaves a live load (LOADING or
-        STAGED) nobody waits for: the caller passes it to `unwanted` at the end of the step."""
+        """`req_id` no longer needs the item.
+
+        True when that leaves a live load (LOADING or STAGED) nobody waits for: the caller
+        passes it to `unwanted` at the end of the step."""
         with self.lock:
             e = self._items.get(item_id)
             if e is None or req_id not in e.waiters:
@@ -279,7 +297,9 @@ class ItemTable:
             return not e.waiters and e.state in HELD
 
     def unwanted(self, candidates: set[str], placed: Collection[str]) -> list[str]:
-        """Drop the STAGED candidates nobody waits for and that were not placed this step
+        """Drop the staged candidates that nobody waits for and nothing placed.
+
+        Drop the STAGED candidates nobody waits for and that were not placed this step
         (returned: their staged copies must be dropped on the workers). Candidates still
         LOADING stay in `candidates` until they land or fail; the rest leave it."""
         dropped: list[str] = []
@@ -296,7 +316,9 @@ class ItemTable:
         return dropped
 
     def sweep(self, now: float) -> list[str]:
-        """Drop STAGED items nobody placed within `ready_ttl_s` of their start (returned:
+        """Drop expired staged items and forget old failures.
+
+        Drop STAGED items nobody placed within `ready_ttl_s` of their start (returned:
         their staged memory must be dropped on the workers) and forget FAILED ones past
         their memory. Pops only what is due (and what left that state since)."""
         stale: list[str] = []
@@ -362,9 +384,10 @@ class ItemTable:
         self.peak_held = max(self.peak_held, self.held)
 
     def _due_at(self, when: float, e: Item) -> None:
-        """`sweep` looks at `e` again at `when`, if it is still in its state then. Entries
-        of items that moved on are skipped when due; past twice the live items, the heap is
-        rebuilt without them (amortized O(1) per entry)."""
+        """`sweep` looks at `e` again at `when`, if it is still in its state then.
+
+        Entries of items that moved on are skipped when due; past twice the live items, the heap
+        is rebuilt without them (amortized O(1) per entry)."""
         if len(self._due) > 2 * len(self._items) + 64:
             self._due = [d for d in self._due
                          if self._items.get(d[2].item_id) is d[2] and d[2].state is d[3]]

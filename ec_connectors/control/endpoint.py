@@ -28,7 +28,9 @@ def control_address(control_dir: str, engine_id: str, dp_rank: int) -> str:
 
 
 class ControlEndpoint(Channel):
-    """One end of the scheduler<->worker control channel: a Channel on the control wire
+    """One end of the scheduler<->worker control channel.
+
+    One end of the scheduler<->worker control channel: a Channel on the control wire
     (messages.ControlMessage). The scheduler binds (ROUTER), each worker connects (DEALER)."""
 
     def __init__(self, address: str, bind: bool,

@@ -28,6 +28,7 @@ class Hello(msgspec.Struct, tag=True):
 
 class Prefetch(msgspec.Struct, tag=True):
     """scheduler -> workers: stage this item in memory, then report `Staged`.
+
     `location`/`nbytes`: where the item lives and its size, when known (request params or a
     producer's announcement); transports that pull from a peer use them."""
 
@@ -38,7 +39,9 @@ class Prefetch(msgspec.Struct, tag=True):
 
 
 class Renew(msgspec.Struct, tag=True):
-    """scheduler -> workers (producer): vLLM skipped encoding this item because it is stored;
+    """Ask the producer's workers to keep an item a consumer is promised again.
+
+    scheduler -> workers (producer): vLLM skipped encoding this item because it is stored;
     a consumer is being promised it again, so keep it (renew its lease / LRU recency)."""
 
     item_id: str
@@ -79,7 +82,9 @@ class Saved(msgspec.Struct, tag=True):
 
 
 class WorkerStats(msgspec.Struct, tag=True):
-    """worker -> scheduler: counters and latencies since the last report (EPDStats.data),
+    """A worker's counters and latencies since its last report.
+
+    worker -> scheduler: counters and latencies since the last report (EPDStats.data),
     when no Staged or Saved carries them."""
 
     rank: int
@@ -102,7 +107,9 @@ InlineItem = tuple[bytes, str, tuple[int, ...]]
 
 @dataclass
 class EPDConnectorMetadata(ECConnectorMetadata):
-    """scheduler -> worker, every step: the items to put into the encoder cache this step
+    """The scheduler's per-step metadata for workers: the items to place.
+
+    scheduler -> worker, every step: the items to put into the encoder cache this step
     (item id -> number of embeddings); those the scheduler read itself travel here too
     (`inline`, a subset of `place`); the others wait in the workers' staging. Plain and
     picklable."""

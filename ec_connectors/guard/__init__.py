@@ -1,4 +1,6 @@
-"""The guard in front of a vLLM server's HTTP API, in vLLM's API-server process
+"""The guard: checks in front of a vLLM server's HTTP API.
+
+The guard in front of a vLLM server's HTTP API, in vLLM's API-server process
 (`--middleware ec_connectors.server_guard.ServerGuard`). Torch-free.
 
 - `server_guard.py`: `ServerGuard`, the ASGI middleware: the deployment key on every route,

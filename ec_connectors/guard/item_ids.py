@@ -1,4 +1,6 @@
-"""An item's name in vLLM is the EPD item id it was sent with (the part's `uuid`), also on a
+"""Make vLLM name each item by the EPD item id it was sent with.
+
+An item's name in vLLM is the EPD item id it was sent with (the part's `uuid`), also on a
 server with media or processor settings.
 
 vLLM names a multimodal item (`MultiModalFeatureSpec.identifier`: the key of its encoder
@@ -39,7 +41,9 @@ _WRAPPED = "_epd_keeps_item_ids"
 def named_by_uuid(hashes: Mapping[str, Sequence[str]],
                   uuids: Mapping[str, Sequence[str | None]] | None,
                   keep: Callable[[str], bool]) -> dict[str, list[str]]:
-    """vLLM's item names (`hashes`, per modality, in item order) with each item whose
+    """vLLM's item names, with kept uuids in place of its hashes.
+
+    vLLM's item names (`hashes`, per modality, in item order) with each item whose
     `uuids` entry is given and kept by `keep` named by that uuid instead."""
     out = {modality: list(names) for modality, names in hashes.items()}
     for modality, given in (uuids or {}).items():
@@ -53,7 +57,9 @@ def named_by_uuid(hashes: Mapping[str, Sequence[str]],
 
 
 def keep_item_ids(processor: Any, signer: IdSigner) -> bool:
-    """Make `processor` (a vLLM `BaseMultiModalProcessor`) name items by their uuid as the
+    """Make a vLLM processor name items by their uuid; False when it cannot.
+
+    Make `processor` (a vLLM `BaseMultiModalProcessor`) name items by their uuid as the
     module doc says. Idempotent; False when the processor has no `_get_mm_hashes` (another
     vLLM version: items keep vLLM's names, and this is logged once)."""
     if processor is None:

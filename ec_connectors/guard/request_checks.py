@@ -55,7 +55,9 @@ def _bad(message: str, code: str = "invalid_request", status: int = 400) -> Refu
 
 @dataclass(frozen=True)
 class ModelBounds:
-    """What a served model admits: its context, modalities, embedding fields per modality
+    """The limits a served model and its server put on requests.
+
+    What a served model admits: its context, modalities, embedding fields per modality
     (vLLM's `embedding_fields`: field -> "metadata" | "values"), embedding width and spatial
     merge size; and the server's limits on items and transfer params."""
 
@@ -70,7 +72,9 @@ class ModelBounds:
 
     @property
     def max_item_bytes(self) -> int:
-        """The largest embedding an item may be: every token of the context, float32, with
+        """The largest embedding an item may be, in bytes.
+
+        The largest embedding an item may be: every token of the context, float32, with
         room for multi-level features (deepstack)."""
         return self.max_model_len * (self.hidden_size or 8192) * 4 * 4
 
@@ -78,7 +82,9 @@ class ModelBounds:
     def from_vllm(cls, model_config: Any, info: Any = None, *, max_items: int = 64,
                   max_params_bytes: int = 256 * KiB, producers: tuple[str, ...] = ()
                   ) -> ModelBounds:
-        """From vLLM's ModelConfig and the model's processing info (the renderer's
+        """Build the bounds from vLLM's model config and processing info.
+
+        From vLLM's ModelConfig and the model's processing info (the renderer's
         `mm_processor.info`; made here when not given)."""
         if info is None and model_config.is_multimodal_model:
             from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -100,7 +106,9 @@ class ModelBounds:
 
 @dataclass
 class Checked:
-    """What the guard learned of an accepted request: the item ids it names (for the reason
+    """What the guard learned of an accepted request.
+
+    What the guard learned of an accepted request: the item ids it names (for the reason
     of an engine-side failure) and whether any item is metadata-only."""
 
     item_ids: list[str] = field(default_factory=list)
@@ -296,7 +304,9 @@ def _embeds_shape(shape: tuple[int, ...], tokens: int | None, kind: str,
 
 
 def _tensor_shape(data: str, what: str, bounds: ModelBounds) -> tuple[int, ...]:
-    """Shape of a base64 tensor (numpy .npy or torch.save), checked to be a dense float
+    """Read and check the shape of a base64 tensor without loading it.
+
+    Shape of a base64 tensor (numpy .npy or torch.save), checked to be a dense float
     tensor no larger than an item may be, without loading anything else."""
     limit = bounds.max_item_bytes + 64 * KiB
     if len(data) > limit * 4 // 3 + 8:

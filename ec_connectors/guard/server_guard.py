@@ -1,4 +1,6 @@
-"""The guard in front of a vLLM server's API: `vllm serve ... --middleware
+"""The ASGI guard in front of a vLLM server's API.
+
+The guard in front of a vLLM server's API: `vllm serve ... --middleware
 ec_connectors.server_guard.ServerGuard` (every server `epd up`, compose and k8s start).
 
 vLLM adds it as an ASGI middleware (`app.add_middleware(ServerGuard)`, the outermost of its
@@ -76,8 +78,10 @@ def _key_check(keys: list[str]) -> KeyCheck | None:
 
 
 class ServerGuard:
-    """Pure ASGI middleware; see the module doc. `bounds`, `api_keys` and `settings` are
-    for tests; in vLLM they come from the app's state on the first request."""
+    """Pure ASGI middleware; see the module doc.
+
+    `bounds`, `api_keys` and `settings` are for tests; in vLLM they come from the app's state on
+    the first request."""
 
     def __init__(self, app: ASGIApp, bounds: ModelBounds | None = None,
                  api_keys: list[str] | None = None, settings: GuardSettings | None = None,
@@ -165,7 +169,9 @@ class ServerGuard:
         await self.app(scope, receive, _Answers(send, self, checked, started))
 
     async def _read_body(self, receive: Receive) -> tuple[bytes, Receive]:
-        """The whole body (refused beyond `guard_max_body_bytes`), and a `receive` that
+        """Read a request's whole body, within its size limit, and replay it to vLLM.
+
+        The whole body (refused beyond `guard_max_body_bytes`), and a `receive` that
         hands it to vLLM again."""
         assert self._settings is not None
         limit = self._settings.guard_max_body_bytes
@@ -217,7 +223,9 @@ class ServerGuard:
 
 
 def _without_media(body: bytes) -> bytes | None:
-    """`body` with the base64 payload of each `"url": "data:<type>;base64,<payload>"` value
+    """Strip the base64 media payloads from a request body, keeping it valid JSON.
+
+    `body` with the base64 payload of each `"url": "data:<type>;base64,<payload>"` value
     left out (an empty data URL stays), or None when it has none worth leaving out. Only a
     payload that is whole, valid base64 or a comma-joined list of it (a video's frames,
     protocol/http_api.py: nothing in either can end, escape or break the string)
@@ -255,7 +263,9 @@ def _base64(data: memoryview) -> bool:
 
 
 def _check_reduced(reduced: bytes, bounds: ModelBounds) -> Checked | None:
-    """The checks on a body without its media payloads; None where the whole body must be
+    """Check a request body without its media payloads, when that gives the same answer.
+
+    The checks on a body without its media payloads; None where the whole body must be
     checked instead (so every answer is the one it would get): one msgspec refuses, a
     refusal (its message is the whole body's), `ec_transfer_params` holding a data URL
     (their size counts every byte)."""
@@ -311,7 +321,9 @@ async def _answer(send: Send, status: int, code: str, message: str,
 
 
 def _code_for(status: int, message: str) -> str:
-    """A machine-readable code for one of vLLM's own error answers (its `code` is the
+    """A machine-readable code for one of vLLM's error answers.
+
+    A machine-readable code for one of vLLM's own error answers (its `code` is the
     HTTP status)."""
     text = message.lower()
     if status == 400:
@@ -326,7 +338,9 @@ def _code_for(status: int, message: str) -> str:
 
 
 class _Answers:
-    """`send` for vLLM's answer: error answers get a reason (module doc, 3.); an engine
+    """Rewrite vLLM's answers: reasons on errors, a 503 for a lost embedding.
+
+    `send` for vLLM's answer: error answers get a reason (module doc, 3.); an engine
     failure of a request whose embedding the connector lost becomes a 503."""
 
     def __init__(self, send: Send, guard: ServerGuard, checked: Checked | None,

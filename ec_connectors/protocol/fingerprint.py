@@ -1,4 +1,6 @@
-"""A model's fingerprint: which weights and config made an embedding, so two models that
+"""A model's fingerprint, so models sharing a served name never mix items.
+
+A model's fingerprint: which weights and config made an embedding, so two models that
 share a served name (and a storage directory, store or producer) never mix their items.
 
 Cheap by design (it runs at every server start): the config files whole, and for each weight
@@ -35,8 +37,10 @@ def _sample(path: Path, h: hashlib._Hash) -> None:
 
 
 def model_fingerprint(model: str | os.PathLike, extra: str = "") -> str:
-    """16 hex digits naming the weights and config at `model` (a directory). Anything else (a
-    hub id vLLM resolved elsewhere) is named by `model` and `extra` (e.g. its config JSON)."""
+    """16 hex digits naming the weights and config at `model` (a directory).
+
+    Anything else (a hub id vLLM resolved elsewhere) is named by `model` and `extra` (e.g. its
+    config JSON)."""
     h = hashlib.sha256()
     path = Path(model)
     if path.is_dir():

@@ -1,4 +1,6 @@
-"""What every EPD HTTP server shares with OpenAI's and vLLM's APIs: the error `type` a status
+"""What every EPD HTTP server shares with OpenAI's and vLLM's APIs.
+
+What every EPD HTTP server shares with OpenAI's and vLLM's APIs: the error `type` a status
 answers with, and bearer API keys checked in constant time. The gateway, the encoder pool and
 the server guard in front of every vLLM server all answer through this one module.
 
@@ -32,7 +34,9 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_
 
 
 def error_type(status: int, failed: str = SERVER_ERROR) -> str:
-    """OpenAI's error `type` for an HTTP status; `failed` is the type of a 5xx other than 503
+    """OpenAI's error `type` for an HTTP status.
+
+    OpenAI's error `type` for an HTTP status; `failed` is the type of a 5xx other than 503
     (`SERVER_ERROR` or `UPSTREAM_ERROR`, above)."""
     return _TYPES.get(status, "invalid_request_error" if status < 500 else failed)
 
@@ -56,7 +60,9 @@ class KeyCheck:
 
 
 class RequireKey:
-    """ASGI middleware: HTTP requests whose path starts with one of `prefixes` need a key
+    """ASGI middleware that requires an API key on some path prefixes.
+
+    ASGI middleware: HTTP requests whose path starts with one of `prefixes` need a key
     (401 otherwise, OpenAI's error shape); other paths, OPTIONS and lifespan pass.
     `on_refused()` is called for each refusal (a metric)."""
 
@@ -94,7 +100,9 @@ def require_key(app: ASGIApp, keys: Iterable[str], **kw) -> ASGIApp:
 
 
 def comma_pieces(buf: bytes, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
-    """The comma-separated pieces of `buf[start:end]`, as views of it (a 120-frame clip is
+    """Split a byte range on commas into zero-copy views.
+
+    The comma-separated pieces of `buf[start:end]`, as views of it (a 120-frame clip is
     25 MB: no piece is copied)."""
     end = len(buf) if end is None else end
     view = memoryview(buf)

@@ -51,7 +51,9 @@ def namespace_key(name: str) -> str:
 
 
 def content_item_id(data: bytes | Sequence[bytes], namespace: str) -> str:
-    """Item id derived from the media bytes, namespaced by model: the same image always maps
+    """Derive an item id from the media bytes, namespaced by model.
+
+    Item id derived from the media bytes, namespaced by model: the same image always maps
     to the same id, so any instance can reuse its embedding. `data` may come in chunks (the
     id of their concatenation, which is never made: a clip's frames are 19 MB)."""
     h = hashlib.sha256(namespace.encode() + b"\0")

@@ -1,4 +1,6 @@
-"""`ec_transfer_params`: the one wire object that crosses every process (producer -> gateway
+"""The typed `ec_transfer_params`, the wire object every process passes on.
+
+`ec_transfer_params`: the one wire object that crosses every process (producer -> gateway
 -> consumer), typed. Every writer builds it with these types and every reader parses it with
 `TransferParams.parse`, so the producer, the encoder pool, the gateway and the consumer agree
 through one definition instead of hand-written dict edits.
@@ -70,7 +72,9 @@ class BadParams(ValueError):
 
 
 class Source(NamedTuple):
-    """Where a request says an item lives ("" = ask the transport), its size (0 = unknown),
+    """Where a request says an item lives, its size, and whether it is pending.
+
+    Where a request says an item lives ("" = ask the transport), its size (0 = unknown),
     and whether it is still being made (`pending`: a gateway sent the request while the item
     is encoded; the consumer waits for it to land, up to its load deadline)."""
 
@@ -81,6 +85,7 @@ class Source(NamedTuple):
 
 class ItemEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     """One item of `TransferParams.items`: what a consumer needs to find and check it.
+
     A producer fills what it knows (`describe`); a gateway's promise is `pending` alone, an
     availability hint `location` and `nbytes`; `metadata` is the item's placeholder metadata
     (`image_grid_thw`, ...: a metadata-only request needs it, a consumer never reads it)."""
@@ -98,7 +103,9 @@ class ItemEntry(msgspec.Struct, frozen=True, omit_defaults=True):
     @classmethod
     def describe(cls, item_id: str, num_embeds: int, info: ItemInfo | None,
                  with_location: bool = False) -> ItemEntry:
-        """A producer's entry: the item's key, and what its save reported (`info`; None for
+        """Build a producer's entry for one item.
+
+        A producer's entry: the item's key, and what its save reported (`info`; None for
         an item stored before, whose save this producer did not see)."""
         if info is None:
             return cls(num_embeds=num_embeds, key=item_key(item_id))
@@ -114,7 +121,9 @@ class ItemEntry(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The `{"epd": {...}}` object of `ec_transfer_params`: who made the items (`transport`,
+    """The `{"epd": {...}}` object of `ec_transfer_params`.
+
+    The `{"epd": {...}}` object of `ec_transfer_params`: who made the items (`transport`,
     `namespace`, `producer`: informational, no reader acts on them), where a peer transport
     serves them (`endpoint`: the default of every entry's `location`), and the items (always
     written, `{}` included, as the dict writers did)."""
@@ -147,7 +156,9 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @classmethod
     def parse(cls, params: Any, *, bad_items: list[str] | None = None) -> TransferParams:
-        """Untrusted `ec_transfer_params` (a dict, or None) -> TransferParams; absent or
+        """Parse untrusted `ec_transfer_params` into a TransferParams.
+
+        Untrusted `ec_transfer_params` (a dict, or None) -> TransferParams; absent or
         another connector's params -> no items. Raises BadParams on anything malformed;
         with `bad_items` (a peer's answer, where one bad entry fails that item alone), a
         malformed entry is left out and its id appended there instead."""
@@ -191,7 +202,9 @@ class TransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 def valid_metadata(meta: Any) -> dict[str, Any] | None:
-    """Placeholder metadata when it is well-formed: a non-empty object of at most
+    """Return placeholder metadata if it is well-formed, else None.
+
+    Placeholder metadata when it is well-formed: a non-empty object of at most
     MAX_METADATA_BYTES (as JSON) mapping names to numbers or non-empty flat lists of
     numbers; else None."""
     if not isinstance(meta, dict) or not meta:

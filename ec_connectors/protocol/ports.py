@@ -1,4 +1,6 @@
-"""The port plan of an EPD deployment, in one place (torch-free): the gateway's default port,
+"""The port plan of an EPD deployment, in one place.
+
+The port plan of an EPD deployment, in one place (torch-free): the gateway's default port,
 the Mooncake Transfer Engine side channels (purposes, ranks, the per-encoder stride `epd up`
 uses), the Mooncake Store master's ports, and the range the Mooncake engines' own listeners
 take their random ports from (`engine_ports`: clear of every fixed port). Every default
@@ -42,7 +44,9 @@ UP_MAX_SERVERS = 32  # `epd up`: at most 16 encoders + 16 decoders after its gat
 
 def port_for(base_port: int, purpose: int, stage_offset: int, dp_rank: int, world_size: int,
              rank: int) -> int:
-    """`base + purpose_offset + stage_offset + dp_index * tp_size + tp_rank` (world_size =
+    """The port of one rank for one purpose, unique across DP replicas and TP ranks.
+
+    `base + purpose_offset + stage_offset + dp_index * tp_size + tp_rank` (world_size =
     workers of one engine, tp * pp), so DP replicas and TP ranks on one node never collide."""
     local = stage_offset + dp_rank * world_size + rank
     if local >= MAX_RANKS_PER_NODE:
@@ -92,7 +96,9 @@ def store_metadata_url(store_master: str) -> str:
 
 
 def purpose_block(base_port: int, ranks: int = MOONCAKE_ENCODER_STRIDE) -> list[int]:
-    """The ports of a producer's first `ranks` ranks serving from `base_port` (side channel,
+    """The ports a producer's first ranks serve on from a base port.
+
+    The ports of a producer's first `ranks` ranks serving from `base_port` (side channel,
     announcements, data connections each): what `epd up` leaves each encoder."""
     return [port + local for port in producer_ports(base_port) for local in range(ranks)]
 
@@ -109,7 +115,9 @@ def master_ports(rpc_port: int) -> list[int]:
 
 def up_fixed_ports(base_port: int, servers: int, mooncake_base_port: int | None,
                    encoders: int, master_port: int | None) -> dict[int, str]:
-    """Every fixed port of an `epd up` deployment -> what holds it: the gateway, `servers`
+    """Map every fixed port of an `epd up` deployment to what holds it.
+
+    Every fixed port of an `epd up` deployment -> what holds it: the gateway, `servers`
     vLLM servers / encoder pools after it, each encoder's side-channel ports (a stride of
     ranks per purpose) and the store master's three."""
     fixed = {base_port: "the gateway"}
@@ -124,7 +132,9 @@ def up_fixed_ports(base_port: int, servers: int, mooncake_base_port: int | None,
 
 
 def engine_ports(fixed: Iterable[int]) -> tuple[int, int]:
-    """The engine port range (first, last) that holds none of the `fixed` ports nor a
+    """Choose the Mooncake engines' port range clear of every fixed port.
+
+    The engine port range (first, last) that holds none of the `fixed` ports nor a
     default deployment's (DEFAULT_FIXED: a producer started by hand with the defaults may
     share the host): ENGINE_PORTS when it is clear, else the lowest ENGINE_SPAN ports clear
     of them in [ENGINE_FLOOR, ENGINE_CEILING]. ValueError when no such range exists."""
@@ -146,7 +156,9 @@ def _inside(ports: Iterable[int], first: int, last: int) -> list[int]:
 
 def engine_env(fixed: Mapping[int, str] | Iterable[int],
                environ: Mapping[str, str]) -> dict[str, str]:
-    """MC_MIN_RPC_PORT / MC_MAX_RPC_PORT for a process whose host holds the `fixed` ports
+    """The Mooncake engine port range variables for a process, checked.
+
+    MC_MIN_RPC_PORT / MC_MAX_RPC_PORT for a process whose host holds the `fixed` ports
     (a mapping names what holds each): the range `environ` sets, checked, else the plan's
     (`engine_ports`). Raises ValueError naming the colliding ports when the set range holds
     a fixed port, and when it is not a valid range (Mooncake would fall back to 15000-17000

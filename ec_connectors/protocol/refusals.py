@@ -1,4 +1,6 @@
-"""Why a vLLM server refused or failed a request, in OpenAI's error shape, and how the reason
+"""Why a vLLM server refused or failed a request, in OpenAI's error shape.
+
+Why a vLLM server refused or failed a request, in OpenAI's error shape, and how the reason
 of an engine-side failure reaches the HTTP answer.
 
 vLLM fails a request whose embedding the connector cannot deliver (a metadata-only item in no
@@ -64,13 +66,17 @@ def classify(why: str) -> str:
 
 
 def failure_status(code: str) -> int:
-    """The HTTP status of an engine-side failure: 400 when the request named an item that
+    """The HTTP status of an engine-side failure.
+
+    The HTTP status of an engine-side failure: 400 when the request named an item that
     does not fit its part (retrying it as is fails again), else 503."""
     return 400 if code == EMBEDDING_MISMATCH else 503
 
 
 def board_dir(control_dir: str | None, engine_id: str) -> Path:
-    """Where one engine's reasons live (`control_dir` of EPDConfig; both processes of a
+    """The directory where one engine's failure reasons live.
+
+    Where one engine's reasons live (`control_dir` of EPDConfig; both processes of a
     server know it and the engine id)."""
     base = control_dir or os.path.join(tempfile.gettempdir(), "epd-ctl")
     tag = hashlib.blake2b(engine_id.encode(), digest_size=10).hexdigest()
@@ -82,7 +88,9 @@ def _name(item_id: str) -> str:
 
 
 class ReasonBoard:
-    """Reasons per item id: `post` (EngineCore, on a failure), `read` (API server, on a
+    """Failure reasons per item id, shared by EngineCore and the API server.
+
+    Reasons per item id: `post` (EngineCore, on a failure), `read` (API server, on a
     failed answer), `sweep` (EngineCore, drops what is older than a minute)."""
 
     def __init__(self, directory: Path) -> None:
@@ -101,7 +109,9 @@ class ReasonBoard:
             pass  # the client then gets vLLM's own answer; the request fails either way
 
     def read(self, item_ids: list[str], since: float) -> tuple[str, str] | None:
-        """(code, message) of the first of `item_ids` that failed at or after `since`
+        """The reason of the first of `item_ids` that failed since `since`.
+
+        (code, message) of the first of `item_ids` that failed at or after `since`
         (time.time()), else None."""
         for item_id in item_ids:
             try:

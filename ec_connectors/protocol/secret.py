@@ -1,4 +1,6 @@
-"""The deployment secret: what every EPD process of one deployment shares, and what keeps
+"""The deployment secret, which keeps anyone else off the data plane.
+
+The deployment secret: what every EPD process of one deployment shares, and what keeps
 anyone else off the data plane.
 
 It is read from a file (`secret_file` in a config, else the file named by `$EPD_SECRET_FILE`),
@@ -37,7 +39,9 @@ class SecretError(ValueError):
 
 
 def read_secret(path: str | os.PathLike | None = None) -> bytes | None:
-    """The deployment secret from `path`, else from `$EPD_SECRET_FILE`; None when neither is
+    """Read the deployment secret from a file, if one is configured.
+
+    The deployment secret from `path`, else from `$EPD_SECRET_FILE`; None when neither is
     set. Raises SecretError with a clear message on a bad file."""
     path = path or os.environ.get(SECRET_ENV) or None
     if path is None:
@@ -60,7 +64,9 @@ def read_secret(path: str | os.PathLike | None = None) -> bytes | None:
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """The deployment's CURVE key pairs (z85): one for servers (ROUTER, PUB), one for
+    """The deployment's CURVE key pairs for servers and clients.
+
+    The deployment's CURVE key pairs (z85): one for servers (ROUTER, PUB), one for
     clients (DEALER, SUB)."""
 
     server_public: bytes
@@ -111,14 +117,18 @@ def is_loopback(host: str) -> bool:
 
 
 def data_plane_host(host_setting: str, has_secret: bool) -> str:
-    """The address a process serves the data plane on: `host_setting` resolved (net.py), or
+    """The address a process serves the data plane on.
+
+    The address a process serves the data plane on: `host_setting` resolved (net.py), or
     loopback when there is no deployment secret (nothing unauthenticated leaves the host)."""
     host = resolve_host(host_setting)
     return host if has_secret or is_loopback(host) else "127.0.0.1"
 
 
 class Seal:
-    """Authenticates stored objects (Mooncake Store objects, safetensors files) with the
+    """Seal and check stored objects with the deployment secret.
+
+    Authenticates stored objects (Mooncake Store objects, safetensors files) with the
     deployment secret: HMAC-SHA256 over the object's identity (namespace, item, dtype, shape,
     size) and its payload. Without a secret it is inactive (objects are still checked against
     their xxh3). With one, a reader accepts only objects sealed with the same secret: a
@@ -141,7 +151,9 @@ class Seal:
         return h.hexdigest()
 
     def check(self, identity: str, payload: bytes | memoryview, mac: str) -> bool:
-        """Whether a stored object may be used: always when inactive; else only with a valid
+        """Whether a stored object may be used.
+
+        Whether a stored object may be used: always when inactive; else only with a valid
         seal."""
         if self._key is None:
             return True
@@ -158,7 +170,9 @@ _ID_SEP = "~"
 
 
 class IdSigner:
-    """Item ids the deployment vouches for: the gateway derives an id from the media and
+    """Sign and check item ids, so only vouched-for ids are shared.
+
+    Item ids the deployment vouches for: the gateway derives an id from the media and
     signs it (`<content id>~<tag>`, HMAC-SHA256 with the secret); a producer holding the
     secret shares (saves, publishes) only items whose id carries a valid tag. Any other id a
     client chose (a `uuid` sent straight to a vLLM producer, or to the pool) is encoded for
@@ -188,7 +202,9 @@ class IdSigner:
 
 
 def admin_token(secret: bytes) -> str:
-    """The bearer token of a gateway's admin endpoints (join/leave at run time): derived from
+    """The bearer token of a gateway's admin endpoints.
+
+    The bearer token of a gateway's admin endpoints (join/leave at run time): derived from
     the deployment secret, so the secret itself never travels (`epd admin-token` prints it)."""
     return hmac.new(_derive(secret, "admin"), b"epd-admin", hashlib.sha256).hexdigest()
 
@@ -198,7 +214,9 @@ API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable (its --api-key without the c
 
 
 def api_key(secret: bytes) -> str:
-    """The key every vLLM server and encoder pool of the deployment requires on its API
+    """The API key of the deployment's servers, derived from the secret.
+
+    The key every vLLM server and encoder pool of the deployment requires on its API
     (`Authorization: Bearer <key>`), and the gateway presents: derived from the deployment
     secret ("epd api key v1"), so one secret gives one key and the secret never travels.
     `epd api-key` prints it."""
@@ -206,7 +224,9 @@ def api_key(secret: bytes) -> str:
 
 
 def server_api_key(secret_file: str | os.PathLike | None = None) -> str | None:
-    """The key an EPD server requires: `$VLLM_API_KEY` when set, else the key derived from
+    """The API key an EPD server requires, if any.
+
+    The key an EPD server requires: `$VLLM_API_KEY` when set, else the key derived from
     the deployment secret (`secret_file`, else `$EPD_SECRET_FILE`), else None (no secret:
     loopback only, unkeyed)."""
     given = os.environ.get(API_KEY_ENV)
@@ -217,7 +237,9 @@ def server_api_key(secret_file: str | os.PathLike | None = None) -> str | None:
 
 
 def export_api_key(environ: dict[str, str] | None = None) -> bool:
-    """Put the deployment's key in `$VLLM_API_KEY` (of `environ`, default this process) when
+    """Put the deployment's API key in `$VLLM_API_KEY` when it is unset.
+
+    Put the deployment's key in `$VLLM_API_KEY` (of `environ`, default this process) when
     a secret is there and the variable is not set: how a vLLM server started by hand,
     compose or Kubernetes (`epd vllm serve`, the image's `vllm`) requires it without a
     command-line flag `ps` would show. Returns whether the variable is set now."""

@@ -1,4 +1,6 @@
-"""Where a consumer's items come from: each request's `ec_transfer_params`, parsed once per
+"""Where a consumer's items come from, per request's transfer params.
+
+Where a consumer's items come from: each request's `ec_transfer_params`, parsed once per
 request (malformed params are ignored: its media is encoded locally), and the location to
 pull an item from (the params' own, only from configured producers: params are
 client-controlled; else the producers' announcements, `Transport.locate`), and what the

@@ -82,6 +82,7 @@ class AvailabilityIndex:
 
     def _follow(self, watch: KeyWatch) -> None:
         """Apply the change feed; list again when it lost track and every _FULL_SCAN_S.
+
         Returns (to scanning) only if the feed breaks."""
         last_scan = time.monotonic()
         while not self._stop.is_set():

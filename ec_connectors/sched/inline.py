@@ -1,4 +1,6 @@
-"""The consumer scheduler's inline reader: a small item (at most `inline_max_bytes`, where the
+"""The consumer scheduler's inline reader for small items.
+
+The consumer scheduler's inline reader: a small item (at most `inline_max_bytes`, where the
 transport reads in the scheduler process) is read and verified here, on one thread, and is
 STAGED the step it is asked for, usually: no Prefetch round trip to the workers, no deferral.
 Its bytes are held until the step that places it hands them to the workers in the step's

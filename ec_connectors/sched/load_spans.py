@@ -1,7 +1,8 @@
-"""The consumer's loads in vLLM's traces (EngineCore process). When vLLM traces (`vllm serve
---otlp-traces-endpoint`: it sets up a tracer provider in this process and hands the
-endpoint to it in $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) and a request came with trace
-headers (a gateway's `traceparent`: EngineCore's Request keeps them), a request the
+"""The consumer's loads in vLLM's traces (EngineCore process).
+
+When vLLM traces (`vllm serve --otlp-traces-endpoint`: it sets up a tracer provider in this
+process and hands the endpoint to it in $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) and a request came
+with trace headers (a gateway's `traceparent`: EngineCore's Request keeps them), a request the
 connector deferred adds, once it is ready, to that trace:
 
   epd.connector.wait          first deferral -> ready (a child of the caller's span, beside
@@ -47,8 +48,9 @@ class NoSpans:
 
 
 class LoadSpans(NoSpans):
-    """Spans of deferred requests' loads (see the module doc). `staged` runs on the control
-    channel's thread, `waited` on the scheduler's."""
+    """Spans of deferred requests' loads (see the module doc).
+
+    `staged` runs on the control channel's thread, `waited` on the scheduler's."""
 
     def __init__(self, items: ItemTable) -> None:
         from opentelemetry import trace

@@ -1,7 +1,8 @@
-"""Consumer: does the stored item a metadata-only part names fit that part? Gathers what is
-known of the item (its producer's entry in the request's `ec_transfer_params`, a copy loaded
-here, vLLM's encoder cache entry) and what the part asks (its modality, rows and placeholder
-metadata), and asks `scheduler_hooks/fit.py`. A misfit fails the request before vLLM
+"""Consumer: does the stored item a metadata-only part names fit that part?
+
+Gathers what is known of the item (its producer's entry in the request's `ec_transfer_params`, a
+copy loaded here, vLLM's encoder cache entry) and what the part asks (its modality, rows and
+placeholder metadata), and asks `scheduler_hooks/fit.py`. A misfit fails the request before vLLM
 schedules it (`plan_item`), with the reason on the board (`embedding_mismatch`, a 400).
 
 A misfit is the request's, not the item's: the item stays usable by requests it fits. The
@@ -29,7 +30,9 @@ class PartFit:
         self.placeholders, self.hints, self.engine_cache = placeholders, hints, engine_cache
 
     def check(self, request: Any, i: int, load: Item | None) -> str:
-        """"" when the item the request's `i`-th (metadata-only) part names fits it as far
+        """Check that a metadata-only part's item fits it; the reason when not.
+
+        "" when the item the request's `i`-th (metadata-only) part names fits it as far
         as is known, else the reason. `load`: the item's current load (`ItemTable.current`)."""
         feature = request.mm_features[i]
         known = self._known(request.request_id, feature.identifier, load)
@@ -43,7 +46,9 @@ class PartFit:
 
     @staticmethod
     def refits(load: Item | None) -> bool:
-        """A load failed for a token count: a metadata-only request is checked again (and
+        """Whether a load that failed on its token count is checked again.
+
+        A load failed for a token count: a metadata-only request is checked again (and
         loads the item again when it fits) instead of failing on that memory."""
         return (load is not None and load.state is ItemState.FAILED
                 and is_mismatch(load.error))

@@ -1,4 +1,6 @@
-"""A producer's bookkeeping in its scheduler process: which items each request made (and
+"""A producer's bookkeeping of its items and saves, in its scheduler process.
+
+A producer's bookkeeping in its scheduler process: which items each request made (and
 their token counts), which saves the workers have yet to report, what each save reported
 (shape, dtype, checksum, where it is served), and from these the `ec_transfer_params` a
 finished request returns. The control channel's thread reports saves; the scheduler's thread
@@ -39,7 +41,9 @@ class ProducerSaves:
         self._made.setdefault(req_id, {})[item_id] = num_embeds
 
     def expect_save(self, item_id: str, ranks: set[int], deadline: float) -> None:
-        """vLLM encodes the item this step: every rank in `ranks` will report its save (a
+        """Expect every rank's save report for an item vLLM encodes this step.
+
+        vLLM encodes the item this step: every rank in `ranks` will report its save (a
         report lost for good stops counting at `deadline`). No rank: nothing to await."""
         with self._lock:
             if not ranks:
@@ -80,7 +84,9 @@ class ProducerSaves:
     def finish(self, request: Request, metadata: dict[str, dict[str, Any]],
                with_location: bool, stored: Callable[[str], bool] = lambda _: False,
                ) -> dict[str, ItemEntry] | None:
-        """The entries a finished request returns (and the request is forgotten): the items
+        """The transfer-params entries a finished request returns.
+
+        The entries a finished request returns (and the request is forgotten): the items
         it made, those `stored` says are stored (vLLM asks the connector nothing about an
         item its own encoder cache still holds, e.g. the same image seconds later: offered
         all the same), and the others it has placeholder `metadata` for (stored before:

@@ -1,4 +1,6 @@
-"""A consumer's view of the gateway's `pending` promises: an item the request names as still
+"""A consumer's view of the gateway's `pending` promises.
+
+A consumer's view of the gateway's `pending` promises: an item the request names as still
 being encoded (the gateway sent the request beside the encode) is waited for until its save
 reaches this process, for at most `load_timeout_s` from the first look at it. `state` says
 where a promise stands (`scheduler_hooks.decisions.Promise`); `went_by` starts its clock or,
@@ -46,9 +48,10 @@ class Promises:
             self._first.setdefault(item_id, now)
 
     def _landed(self, key: str) -> bool:
-        """Whether a producer's save of `key` has reached this process. Where nothing here
-        follows saves (a store that cannot list, a shared directory only scanned), True: the
-        workers' load waits for the item instead."""
+        """Whether a producer's save of `key` has reached this process.
+
+        Where nothing here follows saves (a store that cannot list, a shared directory only
+        scanned), True: the workers' load waits for the item instead."""
         if key in self.index:
             return True
         if self.transport.announces:

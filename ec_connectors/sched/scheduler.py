@@ -172,7 +172,9 @@ class EPDSchedulerSide:
         self.workers.broadcast(msg, lambda m, peer: self.channel.send(m, to=peer))
 
     def _load(self, item_id: str, source: Source, num_embeds: int, now: float) -> bool:
-        """Start loading a known item (LOADING): a small one on the inline reader, waiting a
+        """Start loading a known item, inline when small, else through the workers.
+
+        Start loading a known item (LOADING): a small one on the inline reader, waiting a
         moment for it (STAGED now, in the usual case); any other through the workers. False:
         the staging budget has no room for it (nothing started)."""
         timeout = self.config.load_timeout_s + _SCHEDULER_GRACE_S
@@ -239,7 +241,9 @@ class EPDSchedulerSide:
         return ready
 
     def _producer_ready(self, request: Request) -> bool:
-        """Producer: wait (bounded by store_probe_timeout_s) for a store's answer, so
+        """Producer: wait briefly for the store's answers about a request's items.
+
+        Producer: wait (bounded by store_probe_timeout_s) for a store's answer, so
         has_cache_item can say "already stored" for what another instance encoded. Every
         item is asked (a list, not a short-circuiting generator): one step starts the store
         probes of all of them."""
@@ -253,7 +257,9 @@ class EPDSchedulerSide:
     # -- consumer: one item, one step (the policy is scheduler_hooks.decisions.plan_item) ----
     def _plan(self, request: Request, i: int, hints: dict[str, Source],
               num_computed_tokens: int, now: float) -> tuple[ItemFacts, ItemPlan]:
-        """Gather the item's facts, ask `plan_item`, take the steps it asks for (probe the
+        """Plan one item of a request and take the steps the plan asks for.
+
+        Gather the item's facts, ask `plan_item`, take the steps it asks for (probe the
         transport, start the load, join the staging) and ask again, up to its answer."""
         req_id, item_id = request.request_id, request.mm_features[i].identifier
         facts = self._facts(request, i, hints, num_computed_tokens, now)
@@ -335,7 +341,9 @@ class EPDSchedulerSide:
             self.unavailable.local_encode(req_id, item_id, plan.why)
 
     def _release(self, item_id: str, req_id: str) -> None:
-        """The request no longer waits for the item; a staged copy nobody waits for any
+        """Stop a request waiting for an item.
+
+        The request no longer waits for the item; a staged copy nobody waits for any
         more is dropped at the end of the step (build_connector_meta)."""
         if self.items.release(item_id, req_id):
             self._unwanted.add(item_id)
@@ -374,8 +382,9 @@ class EPDSchedulerSide:
     def build_connector_meta(self, evicted: Collection[str] = (),
                              idle: bool = False) -> EPDConnectorMetadata:
         """This step's placements (`evicted`: what vLLM's encoder cache evicted this step).
-        `idle`: the step scheduled nothing; if that is because requests wait on us, wait
-        for news (at most _IDLE_WAIT_S) instead of letting the engine spin."""
+
+        `idle`: the step scheduled nothing; if that is because requests wait on us, wait for
+        news (at most _IDLE_WAIT_S) instead of letting the engine spin."""
         if idle and self._deferred_step:
             self._news.wait(_IDLE_WAIT_S)
         self._news.clear()  # before the next step looks: no news between is lost
@@ -401,7 +410,9 @@ class EPDSchedulerSide:
                 self._to_workers(Drop(item_id=item_id))
 
     def _sweep(self) -> None:
-        """Once a second: drop STAGED items nobody scheduled (request aborted) so memory
+        """Once a second: drop unplaced staged items and forget old failures.
+
+        Once a second: drop STAGED items nobody scheduled (request aborted) so memory
         staged on workers is released, and forget FAILED ones past their memory (due ones
         only: `ItemTable.sweep` pops a heap, it scans nothing)."""
         now = time.monotonic()
@@ -413,7 +424,9 @@ class EPDSchedulerSide:
         self.promises.sweep(now)
 
     def has_pending_push_work(self) -> bool:
-        """Whether the engine should step once more although no request needs it. vLLM
+        """Whether the engine should step once more although no request needs it.
+
+        Whether the engine should step once more although no request needs it. vLLM
         publishes connector stats only with a step's output and an idle engine takes no
         steps, so without this the last stats of a burst would wait for the next request:
         - stats that arrived after this step took its own (a worker's report raced it);

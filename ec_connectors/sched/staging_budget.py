@@ -36,7 +36,9 @@ class StagingBudget:
 
     def reserve(self, item_id: str, nbytes: int, num_embeds: int, now: float,
                 timeout_s: float, have_workers: bool = True) -> Item | None:
-        """Start a load of the item (LOADING, `timeout_s` to land), reserving its bytes
+        """Start a load of an item if the staging budget has room for it.
+
+        Start a load of the item (LOADING, `timeout_s` to land), reserving its bytes
         (`nbytes`, else estimated from its embeddings); None when the budget has no room."""
         need = nbytes or num_embeds * self._per_embed
         return self.items.begin(item_id, now, timeout_s, need, have_workers, self.budget)

@@ -1,4 +1,6 @@
-"""What becomes of a consumer's requests whose items cannot arrive: a request that must fail
+"""What becomes of a consumer's requests whose items cannot arrive.
+
+What becomes of a consumer's requests whose items cannot arrive: a request that must fail
 is failed once (vLLM takes it out through `take`) with its reason posted for the API
 server's answer (refusals.py); an item vLLM encodes locally instead is logged and counted
 once per request and item (a deferred request is looked at again every step). Each call

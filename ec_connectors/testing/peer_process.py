@@ -154,7 +154,9 @@ def _tamper(transport: Transport, item_id: str) -> bool:
 
 
 class PeerClient:
-    """Drives a peer process: `call({"op": ...}, timeout_s)` -> its answer (raises on error
+    """Drive a transport peer process over its stdin.
+
+    Drives a peer process: `call({"op": ...}, timeout_s)` -> its answer (raises on error
     or when no answer comes in time). `prefix` runs it elsewhere, e.g. ["ip", "netns",
     "exec", "ns1"]."""
 

@@ -1,4 +1,6 @@
-"""Transports: one small interface (base.Transport), several small backends, and tiers
+"""Transports: how item bytes move between producers and consumers.
+
+Transports: one small interface (base.Transport), several small backends, and tiers
 (tiered.TieredTransport) that put several of them behind one. `make_transport` builds the one
 a config names.
 
@@ -56,7 +58,9 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
 
 
 def make_transport(config: EPDConfig, placement: Placement | None = None) -> Transport:
-    """The transport `config` names, for a process at `placement` (default: a worker that
+    """Build the transport (or tiers) a config names, for one process.
+
+    The transport `config` names, for a process at `placement` (default: a worker that
     both produces and consumes, e.g. a standalone encoder or a test). With several tiers,
     a tier that cannot start (e.g. no store master) is left out with an error in the log;
     the deployment runs on the others. A single transport that cannot start raises."""

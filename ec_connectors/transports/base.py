@@ -1,6 +1,7 @@
-"""The transport interface. Transports own only transport mechanics: where bytes go and how
-they come back. Readiness, deadlines, retries and lifecycle live above them (worker.py,
-scheduler_hooks/)."""
+"""The transport interface.
+
+Transports own only transport mechanics: where bytes go and how they come back. Readiness,
+deadlines, retries and lifecycle live above them (worker.py, scheduler_hooks/)."""
 
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def host_copy(tensor: torch.Tensor, pinned: bool = True) -> torch.Tensor:
-    """A host copy of a device tensor (a CPU tensor is returned as it is). `pinned`: into
-    page-locked memory from torch's caching host allocator, so the device copies by DMA at
-    full link speed with no fresh allocation per item; a pageable destination makes the
-    driver stage every byte through its own bounce buffer (docs/transports.md, GPU)."""
+    """A host copy of a device tensor (a CPU tensor is returned as it is).
+
+    `pinned`: into page-locked memory from torch's caching host allocator, so the device copies
+    by DMA at full link speed with no fresh allocation per item; a pageable destination makes
+    the driver stage every byte through its own bounce buffer (docs/transports.md, GPU)."""
     import torch
 
     tensor = tensor.detach()
@@ -88,7 +90,9 @@ class Want(NamedTuple):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a transport instance lives: vLLM's scheduler process or a worker, which roles
+    """Where a transport instance lives: process, roles and worker.
+
+    Where a transport instance lives: vLLM's scheduler process or a worker, which roles
     the connector plays, and which worker it is (peer-to-peer transports derive ports)."""
 
     role: str = "worker"  # "scheduler" | "worker"
@@ -101,7 +105,9 @@ class Placement:
 
 @dataclass
 class TransportEvents:
-    """Counters a transport bumps; the worker folds them into connector stats (the field
+    """Counters a transport bumps for the connector's stats.
+
+    Counters a transport bumps; the worker folds them into connector stats (the field
     names that are also connector counters, see stats.COUNTERS)."""
 
     evictions: int = 0
@@ -161,18 +167,22 @@ class Transport(ABC):
     def get(self, item_id: str, deadline: float, location: str = "",
             nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
         """The verified item, waiting for it until `deadline` (time.monotonic()); None = miss.
+
         `location`/`nbytes`: where it lives and its size, when known (peer transports).
-        `wait=False`: an item not stored right now is a miss at once (tiered lookups ask
-        every tier before waiting on any); a transfer under way still has until `deadline`."""
+        `wait=False`: an item not stored right now is a miss at once (tiered lookups ask every
+        tier before waiting on any); a transfer under way still has until `deadline`."""
 
     def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True
                  ) -> list[torch.Tensor | None]:
         """Several items at once (one request's), in order; None = that item missed.
+
         Transports with a batch call override this; the default asks one by one."""
         return [self.get(w.item_id, deadline, w.location, w.nbytes, wait=wait) for w in wants]
 
     def get_small(self, item_id: str, max_bytes: int) -> torch.Tensor | None:
-        """The verified item, if it is stored now and holds at most `max_bytes`, without
+        """Read a small stored item now, without waiting; None otherwise.
+
+        The verified item, if it is stored now and holds at most `max_bytes`, without
         waiting; None otherwise (missing, larger, damaged: the caller then loads it through
         the workers, which wait, count and report). Only where `reads_in_scheduler`."""
         return None
@@ -194,7 +204,9 @@ class Transport(ABC):
         return None
 
     def probe(self, item_id: str) -> bool | None:
-        """Scheduler hot path, never blocks: is the item stored where `list_keys` cannot see
+        """Check, without blocking, whether an unlisted item is stored.
+
+        Scheduler hot path, never blocks: is the item stored where `list_keys` cannot see
         (a store without listing)? True/False, or None while an asynchronous check is under
         way (the caller defers and asks again next step). Default: False."""
         return False
@@ -205,7 +217,9 @@ class Transport(ABC):
         return True
 
     def locate(self, key: str) -> tuple[str, int] | None:
-        """Scheduler process: (location, nbytes) of a stored item, from memory; None if
+        """Where a stored item lives and its size, from memory.
+
+        Scheduler process: (location, nbytes) of a stored item, from memory; None if
         unknown or if the transport needs no location."""
         return None
 
@@ -219,13 +233,17 @@ class Transport(ABC):
         return None
 
     def expect(self, item_id: str) -> None:
-        """Producer: the item's save is queued (a `put` or a `save_failed` follows), so a
+        """Producer: note that an item's save is queued.
+
+        Producer: the item's save is queued (a `put` or a `save_failed` follows), so a
         peer asking for it now is told to wait rather than that it is unknown. No-op by
         default (transports whose readers wait for an item to appear)."""
         return None
 
     def save_failed(self, item_id: str, reason: str) -> None:
-        """The producer could not store `item_id`: tell consumers waiting for it, where the
+        """Tell waiting consumers that the producer could not store an item.
+
+        The producer could not store `item_id`: tell consumers waiting for it, where the
         transport can, so they stop waiting (local encode) instead of running out their
         deadline. No-op by default."""
         return None

@@ -1,4 +1,6 @@
-"""A directory's keys as they change, from inotify (`base.KeyWatch`): what the file-backed
+"""Follow a directory's keys as they change, from inotify.
+
+A directory's keys as they change, from inotify (`base.KeyWatch`): what the file-backed
 transports (safetensors_fs, shm) hand the scheduler's availability index. Linux only; making
 one raises ImportError or OSError elsewhere, and the caller then lets the index scan."""
 
@@ -9,10 +11,12 @@ from collections.abc import Callable
 
 
 class DirWatch:
-    """inotify on one directory. An entry whose name `key_of` maps to a key is added when it
-    is renamed into place (with `close_write`, also when a file written there is closed) and
-    removed when it is deleted or renamed away; an overflowed queue or the directory's own
-    removal reads as "lost track" (the index rescans)."""
+    """inotify on one directory.
+
+    An entry whose name `key_of` maps to a key is added when it is renamed into place (with
+    `close_write`, also when a file written there is closed) and removed when it is deleted or
+    renamed away; an overflowed queue or the directory's own removal reads as "lost track" (the
+    index rescans)."""
 
     def __init__(self, path: str, key_of: Callable[[str], str | None], *,
                  close_write: bool = False) -> None:

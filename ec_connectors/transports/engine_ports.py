@@ -1,4 +1,6 @@
-"""The port plan (ec_connectors/protocol/ports.py) in a process that starts a Mooncake engine
+"""The port plan in a process that starts a Mooncake engine.
+
+The port plan (ec_connectors/protocol/ports.py) in a process that starts a Mooncake engine
 (a Transfer Engine, a Store client): before mooncake is first imported, MC_MIN_RPC_PORT /
 MC_MAX_RPC_PORT are set to a range clear of the fixed ports this process knows on its host
 (its producer ports, local producers it pulls from, a local store master), or a range set
@@ -54,7 +56,9 @@ def local_fixed_ports(config: EPDConfig) -> dict[int, str]:
 
 def plan_engine_ports(config: EPDConfig, module: str,
                       environ: MutableMapping[str, str] = os.environ) -> tuple[int, int]:
-    """Put this process's engine range in `environ` (kept when set there and clear of the
+    """Set this process's Mooncake engine port range before mooncake is imported.
+
+    Put this process's engine range in `environ` (kept when set there and clear of the
     fixed ports; refused with EngineRangeError naming the collisions when not) before
     `module` (mooncake.engine, mooncake.store) is imported: Mooncake reads it only then."""
     try:

@@ -1,4 +1,6 @@
-"""The lease book: how a producer's store keeps the items it promised consumers, and which one
+"""The lease book: which items a producer's store keeps, and which it drops.
+
+The lease book: how a producer's store keeps the items it promised consumers, and which one
 makes room when it is full. One book for every store that holds items for consumers (the shm
 arena's blocks, the Mooncake TE producer pool's items); the store keeps its memory and its pins,
 the book the policy (torch-free, no I/O).
@@ -66,8 +68,9 @@ class _Entry(Generic[V]):
 
 
 class LeaseBook(Generic[K, V]):
-    """Holdings by the store's own key (a block offset, an item key), in promise order. Not
-    thread-safe: the store calls it under its own lock."""
+    """Holdings by the store's own key (a block offset, an item key), in promise order.
+
+    Not thread-safe: the store calls it under its own lock."""
 
     def __init__(self, names: StoreNames, lease_ttl_s: float,
                  lease_min_s: float | None = None) -> None:
@@ -133,10 +136,11 @@ class LeaseBook(Generic[K, V]):
 
     # -- making room ---------------------------------------------------------------------------
     def victim(self, take: Callable[[V], bool]) -> V | None:
-        """The next holding to give up its memory, already out of the book, or None. `take` is
-        the store's pin test: it returns False for a holding in use (pinned: skipped) and True
-        once the store has let go of it (the arena frees the block under its write lock there;
-        the pool store only checks its pin counter and releases the buffer after)."""
+        """The next holding to give up its memory, already out of the book, or None.
+
+        `take` is the store's pin test: it returns False for a holding in use (pinned: skipped)
+        and True once the store has let go of it (the arena frees the block under its write lock
+        there; the pool store only checks its pin counter and releases the buffer after)."""
         now = time.monotonic()
         cutoff = now - self.lease_min_s
         self._pinned_seen = False
@@ -161,7 +165,9 @@ class LeaseBook(Generic[K, V]):
                     entry.value.key, now - entry.promised_at, self.names.size_knob)
 
     def wait_s(self, deadline: float, poll_s: float, pinned_poll_s: float) -> float | None:
-        """After a victim search found none: how long to wait before the next try, or None once
+        """How long to wait before the next victim search, or None past the deadline.
+
+        After a victim search found none: how long to wait before the next try, or None once
         `deadline` has passed. Until a holding can yield or its lease lapses; at most `poll_s`,
         or `pinned_poll_s` when pinned holdings stood in the way (a store told when a pin
         drops can wait as long as for anything else; one that is not must poll)."""

@@ -1,4 +1,6 @@
-"""A registered memory pool: one buffer per process, registered with the transfer engine once,
+"""A registered memory pool that transfers read from and write into.
+
+A registered memory pool: one buffer per process, registered with the transfer engine once,
 carved up by an allocator. Transfers read from and write into pool memory directly.
 
 - `Allocator`: offsets only (no memory). Aligned first-fit over a free list kept sorted by
@@ -152,7 +154,9 @@ class PoolBuffer:
 
     def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
                   offset: int = 0) -> torch.Tensor:
-        """The block's bytes from `offset` as a tensor of `dtype` and `shape` (no copy; valid
+        """View the block's bytes as a tensor, without a copy.
+
+        The block's bytes from `offset` as a tensor of `dtype` and `shape` (no copy; valid
         until release)."""
         shape = tuple(int(d) for d in shape)
         need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -169,7 +173,9 @@ class PoolBuffer:
         return memoryview(raw.numpy()).cast("B")
 
     def write(self, tensor: torch.Tensor, offset: int = 0) -> None:
-        """Copy `tensor`'s bytes into the block from `offset` (one copy; device to host
+        """Copy a tensor's bytes into the block.
+
+        Copy `tensor`'s bytes into the block from `offset` (one copy; device to host
         handled by torch)."""
         src = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         if offset < 0 or offset + src.numel() > self.nbytes:
@@ -179,7 +185,9 @@ class PoolBuffer:
 
     def hand_over(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
                   offset: int = 0) -> torch.Tensor:
-        """A tensor that owns this block (CPU pools): no copy; the block goes back to the pool
+        """Hand the block over to a tensor that frees it when gone.
+
+        A tensor that owns this block (CPU pools): no copy; the block goes back to the pool
         when the tensor and every view of it are gone. Do not release() it yourself after."""
         view = self.as_tensor(dtype, shape, offset)
         if view.device.type != "cpu":

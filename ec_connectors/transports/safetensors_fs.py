@@ -81,7 +81,9 @@ _NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lus
 
 
 def network_filesystem(path: Path) -> bool:
-    """Whether `path` lies on a network or FUSE filesystem (from /proc/mounts; False when
+    """Whether a path lies on a network or FUSE filesystem.
+
+    Whether `path` lies on a network or FUSE filesystem (from /proc/mounts; False when
     that cannot be read)."""
     try:
         mounts = Path("/proc/mounts").read_text().splitlines()
@@ -226,7 +228,9 @@ class SafetensorsTransport(Transport):
             return None  # the workers' load waits for it, or counts and reports the miss
 
     def _read(self, path: Path, item_id: str, max_bytes: int | None = None) -> torch.Tensor:
-        """The verified item; `max_bytes`: refuse a larger one (_TooLarge), and read it into
+        """Read and verify one item's file.
+
+        The verified item; `max_bytes`: refuse a larger one (_TooLarge), and read it into
         private memory (a small read beats a mapping)."""
         with open(path, "rb") as f:
             h = self._header(f, item_id)
@@ -258,7 +262,9 @@ class SafetensorsTransport(Transport):
         return flat.view(h.dtype).reshape(h.shape)
 
     def _header(self, f, item_id: str) -> _Header:
-        """The open file's header, checked against the item asked for and the file's size
+        """Read an item file's header and check it against the item and the file.
+
+        The open file's header, checked against the item asked for and the file's size
         (CorruptItem says what does not fit)."""
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
@@ -296,7 +302,9 @@ class SafetensorsTransport(Transport):
         return _Header(hlen, dtype, shape, nbytes, digest, mac)
 
     def _payload_problem(self, view: memoryview, item_id: str, h: _Header) -> str:
-        """With the secret the seal is checked (it covers integrity: one pass over the
+        """Check an item's payload by its seal or checksum; "" when it is good.
+
+        With the secret the seal is checked (it covers integrity: one pass over the
         bytes), else the xxh3 checksum when `verify_checksum`; "" when the bytes are good."""
         if self.seal.active:
             ok = self.seal.check(identity(self._scope, item_key(item_id), dtype_name(h.dtype),
@@ -308,7 +316,9 @@ class SafetensorsTransport(Transport):
         return self.dir / (key + FAILED_SUFFIX)
 
     def save_failed(self, item_id: str, reason: str) -> None:
-        """Leave a tombstone: consumers waiting for the file stop at once (a later successful
+        """Leave a tombstone for an item whose save failed.
+
+        Leave a tombstone: consumers waiting for the file stop at once (a later successful
         save removes it; eviction clears old ones)."""
         key = item_key(item_id)
         if not (self.dir / (key + SUFFIX)).exists():
@@ -324,7 +334,9 @@ class SafetensorsTransport(Transport):
         return self.path_for(item_id).is_file()
 
     def watch_keys(self) -> DirWatch | None:
-        """inotify on the directory: a file renamed into place (a finished put) is added, a
+        """Watch the item directory with inotify, where that works.
+
+        inotify on the directory: a file renamed into place (a finished put) is added, a
         deleted one removed. None off Linux, and on network filesystems (inotify does not
         see other hosts' writes there: the index scans)."""
         if self.copy_reads:

@@ -1,4 +1,6 @@
-"""Tiers: several transports behind one, e.g. `"transport": ["mooncake", "mooncake_store",
+"""Tiers: several transports behind one, tried in order.
+
+Tiers: several transports behind one, e.g. `"transport": ["mooncake", "mooncake_store",
 "safetensors"]`: the producer's pool (TE pull) first, the store (items any instance made)
 next, the shared directory last; when every tier misses, vLLM encodes locally.
 
@@ -101,7 +103,9 @@ class TieredTransport(Transport):
         return self.get_many([Want(item_id, location, nbytes)], deadline, wait=wait)[0]
 
     def get_small(self, item_id: str, max_bytes: int) -> torch.Tensor | None:
-        """From the tiers that read in the scheduler, in order, up to the first available
+        """Read a small item from the tiers that read in the scheduler.
+
+        From the tiers that read in the scheduler, in order, up to the first available
         tier that does not: that one is preferred, and only the workers read it."""
         skipped: list[Transport] = []
         for tier in self.tiers:

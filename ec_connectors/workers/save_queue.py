@@ -1,4 +1,6 @@
-"""A producer worker's encoder outputs on the host, between vLLM handing them over (`save`) and
+"""A producer worker's encoder outputs on the host, waiting to be stored.
+
+A producer worker's encoder outputs on the host, between vLLM handing them over (`save`) and
 the transport taking them (`put` returned or failed): the producer's ENCODED_CPU state.
 
     (vLLM encodes) --save--> ENCODED_CPU --written / failed--> DISCARDED (the transport

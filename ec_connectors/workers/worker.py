@@ -86,9 +86,11 @@ class EPDWorker:
 
     # -- producer --------------------------------------------------------------------------
     def save(self, item_id: str, tensor: torch.Tensor) -> None:
-        """Queue one encoder output for writing. Blocks only while the save queue is full
-        (`max_pending_saves` items or `max_pending_save_bytes`: backpressure), at most
-        `save_queue_timeout_s`; then the save fails (consumers encode the item)."""
+        """Queue one encoder output for writing.
+
+        Blocks only while the save queue is full (`max_pending_saves` items or
+        `max_pending_save_bytes`: backpressure), at most `save_queue_timeout_s`; then the save
+        fails (consumers encode the item)."""
         if not self._ids.vouched(item_id):
             # A client chose this id (not signed by a gateway holding the deployment secret):
             # encoded for its own request only, never shared under a name it picked.
@@ -123,7 +125,9 @@ class EPDWorker:
             self._saves.leave(nbytes)
 
     def _publish_held(self) -> None:
-        """The ENCODED_CPU bytes as a gauge, when they changed since the last time: run when
+        """Publish the bytes held in ENCODED_CPU as a gauge, when they changed.
+
+        The ENCODED_CPU bytes as a gauge, when they changed since the last time: run when
         the stats are taken (once per report), never on every move of the save queue."""
         with self._held_lock:
             held = self._saves.bytes
@@ -150,7 +154,9 @@ class EPDWorker:
         self._reply(Saved(item_id=item_id, rank=self.rank, ok=True, info=info))
 
     def _failed(self, item_id: str, reason: str) -> None:
-        """A save failed: counted, reported, and announced through the transport so waiting
+        """Count, report and announce a failed save.
+
+        A save failed: counted, reported, and announced through the transport so waiting
         consumers stop at once."""
         self.stats.inc("save_failures")
         try:
@@ -258,8 +264,9 @@ class EPDWorker:
         return entry[0]
 
     def _reap(self) -> None:
-        """Drop staged items nobody placed within `staged_ttl_s` (aborted requests). The
-        scheduler forgets them first (its clock starts earlier, at the prefetch) and drops
+        """Drop staged items nobody placed within `staged_ttl_s` (aborted requests).
+
+        The scheduler forgets them first (its clock starts earlier, at the prefetch) and drops
         them; the margin keeps this safety net from taking a copy it is about to place."""
         self.transport.reap()
         cutoff = time.monotonic() - self.config.staged_ttl_s - _REAP_MARGIN_S
@@ -275,7 +282,9 @@ class EPDWorker:
 
     def place(self, encoder_cache: dict[str, torch.Tensor], items: dict[str, int],
               inline: dict[str, InlineItem] | None = None) -> None:
-        """Move this step's items into vLLM's encoder cache (start_load_caches): staged ones,
+        """Move this step's items into vLLM's encoder cache.
+
+        Move this step's items into vLLM's encoder cache (start_load_caches): staged ones,
         and those that came `inline` in the metadata."""
         for item_id, num_embeds in items.items():
             carried = inline.get(item_id) if inline else None

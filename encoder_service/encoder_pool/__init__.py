@@ -1,4 +1,6 @@
-"""The batching encoder pool (`epd encoder`): an alternative to a vLLM encoder instance that
+"""Encoder pool: the batching encoder server (`epd encoder`).
+
+The batching encoder pool (`epd encoder`): an alternative to a vLLM encoder instance that
 batches encoder work across requests and publishes embeddings a vLLM EPDConnector consumer
 loads as its own.
 

@@ -1,4 +1,6 @@
-"""The async encoder pool: per-modality bounded queues, dynamic batching, least-loaded
+"""The async encoder pool: queues, dynamic batching and dispatch over workers.
+
+The async encoder pool: per-modality bounded queues, dynamic batching, least-loaded
 dispatch over workers, per-item deadlines and failure isolation.
 
 `EncoderPool`'s contract (submit, batch forming, deadlines, out of memory, chunked video) is
@@ -133,8 +135,10 @@ class Worker:
 
 
 class _Forming:
-    """A batch being formed, under its item and token limits. `carry`: the job that did not
-    fit the token budget (it opens the next batch); the first job always fits."""
+    """A batch being formed, under its item and token limits.
+
+    `carry`: the job that did not fit the token budget (it opens the next batch); the first job
+    always fits."""
 
     def __init__(self, first: _Job, max_items: int, max_tokens: int) -> None:
         self.jobs = [first]
@@ -333,7 +337,9 @@ class EncoderPool:
                                                "pool stopped"))
 
     async def _acquire_worker(self, modality: str, rest: int) -> Worker:
-        """The least loaded eligible worker, for formed batches shortest remaining work first
+        """Wait for the worker to run a formed batch, favouring the shortest remaining work.
+
+        The least loaded eligible worker, for formed batches shortest remaining work first
         (`rest`: rows still to encode of the largest item in the batch, a chunked video's
         whole remainder): the 16 images sent while a video encodes go between its chunks,
         not after them. A batch passed over for `AGING_S` goes first, in the order such

@@ -35,7 +35,9 @@ _GRID, _PIXELS = "video_grid_thw", "pixel_values_videos"
 
 @dataclass(frozen=True)
 class Chunk:
-    """One chunk of a video: its index, the rows [start, stop) of the item's embedding it
+    """One chunk of a video and the embedding rows it fills.
+
+    One chunk of a video: its index, the rows [start, stop) of the item's embedding it
     fills, and the item holding only its temporal groups (`item_id`: the video's + `#k`)."""
 
     index: int
@@ -44,7 +46,9 @@ class Chunk:
 
 
 def _groups_per_chunk(item: MediaItem, max_rows: int) -> int:
-    """Whole temporal groups per chunk of `item` (at most `max_rows` rows, at least one
+    """How many whole temporal groups go in each chunk of a video; 0 when unsplit.
+
+    Whole temporal groups per chunk of `item` (at most `max_rows` rows, at least one
     group); 0 when it is not split (not a prepared video with a temporal grid in the layout
     this split knows, or it fits one chunk)."""
     kwargs = item.prepared
@@ -70,7 +74,9 @@ def chunk_count(item: MediaItem, max_rows: int) -> int:
 
 
 def split_video(item: MediaItem, max_rows: int) -> list[Chunk]:
-    """The video's chunks, each of whole temporal groups and at most `max_rows` embedding
+    """Split a video into chunks of whole temporal groups.
+
+    The video's chunks, each of whole temporal groups and at most `max_rows` embedding
     rows (at least one group); [] when the item is not split (`_groups_per_chunk`)."""
     from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem
 
@@ -99,7 +105,9 @@ def split_video(item: MediaItem, max_rows: int) -> list[Chunk]:
 
 
 class Assembly:
-    """The item's embedding filled in place, chunk by chunk, in any order; `complete` once
+    """An item's embedding, assembled in place from its chunks.
+
+    The item's embedding filled in place, chunk by chunk, in any order; `complete` once
     every chunk of the position map has been placed (each exactly once, each the size its
     rows say). Thread-safe."""
 

@@ -89,7 +89,9 @@ class PoolConfig(BaseModel):
 
     @property
     def embedding_dtype(self) -> str:
-        """The dtype of published embeddings (the encoder's: "auto" = the model config's, as
+        """The dtype of the embeddings this pool publishes.
+
+        The dtype of published embeddings (the encoder's: "auto" = the model config's, as
         in models._dtype). Mooncake Store keys carry it, as vLLM consumers' keys carry
         their model dtype: a pool labelling its items "any" would never be found there."""
         if self.dtype != "auto":

@@ -66,7 +66,9 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 class FeatureStore:
-    """Features by item id, their states and the bytes they hold (`used`, at most `budget`;
+    """The pool's features by item id, with their states and byte budget.
+
+    Features by item id, their states and the bytes they hold (`used`, at most `budget`;
     `peak`: the most ever held)."""
 
     def __init__(self, budget: int, retain: str = "discard") -> None:
@@ -191,7 +193,9 @@ class FeatureStore:
         return f.keep or self.retain == "keep"
 
     def release(self, item_id: str, keep: bool | None = None) -> PoolItemState:
-        """A consumer outside this process (vLLM) is done with an ENCODED_CPU feature:
+        """Release a feature a consumer is done with, unless kept for reuse.
+
+        A consumer outside this process (vLLM) is done with an ENCODED_CPU feature:
         discard it unless kept for reuse. Unknown ids are a no-op (already discarded)."""
         with self._lock:
             f = self._features.get(item_id)

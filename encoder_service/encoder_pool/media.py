@@ -31,10 +31,12 @@ class BadMedia(ValueError):
 
 @dataclass(frozen=True)
 class MediaItem:
-    """A decoded media item. `media` is what vLLM's media IO returns: an RGB PIL image; a
-    video (`MediaWithBytes` of (frames [T, H, W, 3] uint8, metadata)); audio (samples,
-    rate). `prepared` (vLLM's processed tensors), `num_embeds` and `metadata` (placeholder
-    metadata) are set by the encoder's `prepare`."""
+    """A decoded media item.
+
+    `media` is what vLLM's media IO returns: an RGB PIL image; a video (`MediaWithBytes` of
+    (frames [T, H, W, 3] uint8, metadata)); audio (samples, rate). `prepared` (vLLM's processed
+    tensors), `num_embeds` and `metadata` (placeholder metadata) are set by the encoder's
+    `prepare`."""
 
     item_id: str
     modality: str
@@ -55,7 +57,9 @@ class MediaItem:
 
 
 def decode_audio(item_id: str, raw: bytes, max_seconds: float = 1800.0) -> MediaItem:
-    """Audio as vLLM decodes it (`AudioMediaIO`: wav, flac, mp3, ogg...; mono float32 at the
+    """Decode audio as vLLM decodes it.
+
+    Audio as vLLM decodes it (`AudioMediaIO`: wav, flac, mp3, ogg...; mono float32 at the
     file's own rate)."""
     from vllm.multimodal.media.audio import AudioMediaIO
 
@@ -92,7 +96,9 @@ def payload_bytes(item_id: str, data: str, max_bytes: int) -> bytes:
 def decode_video(item_id: str, data: str, max_bytes: int, max_pixels: int,
                  video_processor: str | None = None,
                  media_io_kwargs: dict[str, dict[str, Any]] | None = None) -> MediaItem:
-    """A video data URL as vLLM decodes it (`MediaConnector.fetch_video`): a JPEG frame list
+    """Decode a video data URL as vLLM decodes it.
+
+    A video data URL as vLLM decodes it (`MediaConnector.fetch_video`): a JPEG frame list
     (`data:video/jpeg;base64,<f1>,<f2>,...`, the frames vLLM keeps, each checked for its
     pixel count before decoding) or a container (mp4, webm...: vLLM's loader samples the
     frames); `video_processor`: the model's (it picks vLLM's loader); `media_io_kwargs`:
@@ -140,7 +146,9 @@ def _probe_pixels(item_id: str, raw: bytes, max_pixels: int) -> None:
 
 
 def decode_image(item_id: str, raw: bytes, max_pixels: int) -> MediaItem:
-    """An RGB image decoded exactly as vLLM decodes it (its `ImageMediaIO`: the same format
+    """Decode an image exactly as vLLM does, refusing bad or oversized ones.
+
+    An RGB image decoded exactly as vLLM decodes it (its `ImageMediaIO`: the same format
     allowlist, EXIF orientation applied, transparency onto white), so the pool's embedding is
     the one vLLM would compute; or BadMedia (corrupt, truncated, too many pixels). The pixel
     count is read from the header first: a decompression bomb never allocates."""

@@ -1,4 +1,6 @@
-"""Prometheus metrics of the encoder pool, read from the pool and its FeatureStore at scrape
+"""Prometheus metrics of the encoder pool, read at scrape time.
+
+Prometheus metrics of the encoder pool, read from the pool and its FeatureStore at scrape
 time (so gauges can never drift from the real state)."""
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class PoolCollector(Collector):
 
 
 def make_registry(pool: EncoderPool, publisher=None) -> tuple[CollectorRegistry, Histogram]:
-    """A registry of its own (several pools may live in one process, e.g. tests) with the
+    """Make a pool's own metrics registry and its batch-size histogram.
+
+    A registry of its own (several pools may live in one process, e.g. tests) with the
     pool collector and a batch-size histogram the pool feeds through `on_batch`."""
     registry = CollectorRegistry()
     registry.register(PoolCollector(pool, publisher))

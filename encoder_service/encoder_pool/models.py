@@ -61,7 +61,9 @@ class MediaEncoder(Protocol):
         ...
 
     def placeholder_metadata(self, item: MediaItem) -> dict[str, list[int]]:
-        """What a consumer needs besides the embedding to take the item as a metadata-only
+        """The placeholder metadata a consumer needs to take the item metadata-only.
+
+        What a consumer needs besides the embedding to take the item as a metadata-only
         part (vLLM's `embedding_fields`); {} when the model takes raw media only."""
         ...
 
@@ -76,7 +78,9 @@ _FORWARD_LOCK = threading.Lock()  # vLLM's current config / forward context are 
 
 
 def _engine_config(model_dir: Path, dtype: str):
-    """The VllmConfig a `vllm serve <model_dir> --mm-encoder-only` would run with. vLLM's
+    """Build the VllmConfig an encoder-only vLLM server would run with.
+
+    The VllmConfig a `vllm serve <model_dir> --mm-encoder-only` would run with. vLLM's
     platform hooks export settings for the processes it would start (LD_PRELOAD, thread
     counts...); the pool starts none, and its own children must not inherit them."""
     from vllm.engine.arg_utils import EngineArgs
@@ -91,7 +95,9 @@ def _engine_config(model_dir: Path, dtype: str):
 
 
 def _init_runtime(vllm_config) -> None:
-    """vLLM's distributed state (world size 1) for this process, once, as its worker sets
+    """Set up vLLM's single-process runtime state, once.
+
+    vLLM's distributed state (world size 1) for this process, once, as its worker sets
     it up; on the CPU platform also the CPU model runner's no-op accelerator hooks."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import (
@@ -162,7 +168,9 @@ class VllmEncoder:
         return contextlib.nullcontext()
 
     def prepare(self, item: MediaItem) -> MediaItem:
-        """vLLM's multimodal processor on the decoded item (`item.media`, as vLLM's media
+        """Run vLLM's multimodal processor on a decoded item.
+
+        vLLM's multimodal processor on the decoded item (`item.media`, as vLLM's media
         IO returns it): the processed tensors, the placeholder length, the metadata."""
         from vllm.multimodal.inputs import MultiModalFeatureSpec
         from vllm.utils.torch_utils import set_default_torch_num_threads
@@ -223,8 +231,9 @@ _LOADED: dict[tuple, MediaEncoder] = {}
 
 
 def load_encoder(model_dir: Path | str, device: str = "cpu", dtype: str = "auto") -> MediaEncoder:
-    """The encoder for the model's architecture; a clear error for unsupported ones. Pools of
-    one process (tests, two pools behind one gateway) share a loaded model: it holds no
+    """The encoder for the model's architecture; a clear error for unsupported ones.
+
+    Pools of one process (tests, two pools behind one gateway) share a loaded model: it holds no
     per-pool state, and one forward runs at a time anyway."""
     model_dir = Path(model_dir).resolve()
     raw = json.loads((model_dir / "config.json").read_text())

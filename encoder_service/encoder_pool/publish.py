@@ -1,4 +1,6 @@
-"""Publishing finished embeddings through the project's transport (EPDConnector's), under
+"""Publish finished embeddings through the project's transport.
+
+Publishing finished embeddings through the project's transport (EPDConnector's), under
 the item id a vLLM consumer will look up, and the `ec_transfer_params` a gateway forwards."""
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ MAX_REMEMBERED = 65536
 
 
 class Publisher:
-    """`put`s embeddings off the event loop (blocking I/O on its own threads); an item already
+    """Store embeddings through the transport, off the event loop.
+
+    `put`s embeddings off the event loop (blocking I/O on its own threads); an item already
     published and still stored is not written twice."""
 
     def __init__(self, config: EPDConfig, engine_id: str, threads: int = 2) -> None:
@@ -42,7 +46,9 @@ class Publisher:
         return info
 
     def stored(self, item_id: str) -> ItemInfo | None:
-        """What this pool published under `item_id`, if the transport still holds it
+        """What this pool published under an item id, if still stored.
+
+        What this pool published under `item_id`, if the transport still holds it
         (blocking: may touch the medium)."""
         info = self._known.get(item_id)
         return info if info is not None and self.transport.exists(item_id) else None
@@ -52,7 +58,9 @@ class Publisher:
             self._executor, self._put, item_id, tensor)
 
     def params(self, infos: dict[str, ItemInfo]) -> TransferParams:
-        """`ec_transfer_params` for a request whose items are `infos` (what a vLLM producer
+        """Build the `ec_transfer_params` for a request's published items.
+
+        `ec_transfer_params` for a request whose items are `infos` (what a vLLM producer
         with EPDConnector returns)."""
         endpoint = self.transport.endpoint  # peer transports: consumers pull from here
         items = {item_id: ItemEntry.describe(item_id, info.shape[0], info,

@@ -108,7 +108,9 @@ async def _invalid(_request: Any, exc: RequestValidationError) -> JSONResponse:
 
 
 def build_pool(config: PoolConfig, encoders: list[MediaEncoder] | None = None) -> EncoderPool:
-    """Workers over `config.devices` (one encoder per device, shared by that device's
+    """Build the encoder pool's workers over the configured devices.
+
+    Workers over `config.devices` (one encoder per device, shared by that device's
     workers), or over the given encoders (tests)."""
     if encoders is None:
         encoders = [load_encoder(config.model, device=d, dtype=config.dtype)
@@ -132,7 +134,9 @@ class _Refused(Exception):
 
 
 class EncodeHandler:
-    """POST /v1/encode in steps: `door` (limits, ids, signatures, media decoded and prepared
+    """The handler of POST /v1/encode, one method per step.
+
+    POST /v1/encode in steps: `door` (limits, ids, signatures, media decoded and prepared
     by vLLM's processor), `admit` (queue room, all or nothing), `submit` (to the batcher),
     `publish` (each item once encoded, through the transport) and `answer` (per-item status,
     `ec_transfer_params`, the failure policy). A step that refuses the whole request raises
@@ -167,7 +171,9 @@ class EncodeHandler:
     # -- the steps ---------------------------------------------------------------------------
     async def door(self, req: EncodeRequest, policy: str, skip: dict | None = None
                    ) -> tuple[list[MediaItem], dict[str, BadMedia]]:
-        """The request's items decoded and prepared (but those in `skip`), and the media
+        """Decode and prepare a request's items, refusing bad media item by item.
+
+        The request's items decoded and prepared (but those in `skip`), and the media
         refused item by item (under on_failure=fail, any of those refuses the request)."""
         items, bad = await asyncio.to_thread(self._decode, req, skip or {})
         if bad and policy == "fail":
@@ -195,7 +201,9 @@ class EncodeHandler:
 
     def _decode(self, req: EncodeRequest, skip: dict
                 ) -> tuple[list[MediaItem], dict[str, BadMedia]]:
-        """Runs in a thread: decoding and vLLM's preprocessing take milliseconds per item
+        """Decode and preprocess a request's items (runs in a thread).
+
+        Runs in a thread: decoding and vLLM's preprocessing take milliseconds per item
         (a long video: hundreds)."""
         config, modalities = self.config, self.pool.modalities
         items, bad = [], {}
@@ -220,7 +228,9 @@ class EncodeHandler:
         return items, bad
 
     def _answered_before(self, req: EncodeRequest) -> dict[str, MediaItem]:
-        """The request's items this pool published and answered before (event loop: the
+        """The request's items this pool already published and answered.
+
+        The request's items this pool published and answered before (event loop: the
         table is the loop's)."""
         out = {}
         for it in req.items:
@@ -230,7 +240,9 @@ class EncodeHandler:
         return out
 
     def _stored(self, known: dict[str, MediaItem]) -> dict[str, tuple[MediaItem, ItemInfo]]:
-        """Of `known`, those the transport still holds: answered again without decoding or
+        """Pick the already answered items the transport still holds.
+
+        Of `known`, those the transport still holds: answered again without decoding or
         encoding (a transport the gateway cannot see into, shm or the store, sends every
         repeat here; ids are the gateway's signed content ids, so the same id is the same
         media and settings). Runs in a thread (may touch the medium)."""
@@ -268,7 +280,9 @@ class EncodeHandler:
 
     async def publish(self, futures: dict[str, asyncio.Future], timeout: float,
                       failures: dict[str, tuple[str, str]]) -> dict[str, ItemInfo]:
-        """Each item through the transport once encoded (pinned meanwhile, so the store
+        """Publish each item through the transport once encoded.
+
+        Each item through the transport once encoded (pinned meanwhile, so the store
         cannot drop it); what fails lands in `failures` as (code, reason)."""
         results = await asyncio.gather(*(self._publish_one(k, f, timeout)
                                          for k, f in futures.items()), return_exceptions=True)
@@ -297,7 +311,9 @@ class EncodeHandler:
 
     def answer(self, ids: list[str], items: list[MediaItem], infos: dict[str, ItemInfo],
                failures: dict[str, tuple[str, str]], policy: str) -> JSONResponse:
-        """200 with every item's status and the `ec_transfer_params` of those published;
+        """Build the encode response: every item's status and transfer params.
+
+        200 with every item's status and the `ec_transfer_params` of those published;
         under on_failure=fail, any failure makes it a 500 (a 504 when all timed out)."""
         params = self.publisher.params(infos)
         describe = self.encoder.placeholder_metadata
@@ -346,7 +362,9 @@ def _stats(pool: EncoderPool) -> dict[str, Any]:
 
 def create_app(config: PoolConfig, pool: EncoderPool | None = None,
                transport: EPDConfig | None = None) -> FastAPI:
-    """`transport`: `config.transport_config()` when the caller made it already (it reads
+    """Create the encoder pool's ASGI app.
+
+    `transport`: `config.transport_config()` when the caller made it already (it reads
     the model's weights for their fingerprint)."""
     pool = pool or build_pool(config)
     transport = transport or config.transport_config()
@@ -396,7 +414,9 @@ def create_app(config: PoolConfig, pool: EncoderPool | None = None,
 
 
 def parse_config(argv: list[str] | None = None) -> PoolConfig:
-    """CLI flags over an optional config file (JSON, or TOML with suffix .toml); one
+    """Parse the encoder pool's CLI flags and config file into a PoolConfig.
+
+    CLI flags over an optional config file (JSON, or TOML with suffix .toml); one
     validated PoolConfig."""
     p = argparse.ArgumentParser(prog="epd encoder", description="Batching encoder pool server")
     p.add_argument("--config", type=Path, help="PoolConfig fields (.json or .toml file)")

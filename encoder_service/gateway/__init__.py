@@ -1,4 +1,6 @@
-"""The EPD gateway: one OpenAI-compatible endpoint in front of encoders and prefill/decode
+"""Gateway: one OpenAI-compatible endpoint in front of every EPD instance.
+
+The EPD gateway: one OpenAI-compatible endpoint in front of encoders and prefill/decode
 instances. Read `app.py`, then `requests/chat.py`.
 
 - `app.py`: the ASGI app: routes, wiring, lifecycle; each part gets its own config section.

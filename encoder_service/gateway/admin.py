@@ -1,4 +1,6 @@
-"""The gateway's control plane: GET /health (is any prefill/decode instance up?), GET
+"""The gateway's control plane: health, instances, and joining or leaving.
+
+The gateway's control plane: GET /health (is any prefill/decode instance up?), GET
 /instances (each encoder, prefill and decode instance: state, load, what it was given, its
 last probe; it names internal addresses, so with client API keys configured it answers a
 client key or the admin token only) and POST /admin/instances (instances join and leave at
@@ -29,6 +31,7 @@ logger = logging.getLogger("epd.gateway")
 
 class Admin:
     """The control-plane handlers over the gateway's pools (made at start-up).
+
     `encoder_client(url)` makes the client of an encoder that joins."""
 
     def __init__(self, section: AdminSection, client: httpx.AsyncClient, router: EncoderRouter,
@@ -47,7 +50,9 @@ class Admin:
         self.readers = KeyCheck(keys) if keys else None  # who may GET /instances
 
     async def health(self, request: Request) -> JSONResponse:
-        """200 when at least one prefill/decode instance is healthy (encoders are optional:
+        """GET /health: whether any prefill/decode instance is up.
+
+        200 when at least one prefill/decode instance is healthy (encoders are optional:
         without them requests still succeed, encoded locally)."""
         timeout = self.section.health_s
 
@@ -69,7 +74,9 @@ class Admin:
                              "encoders": enc}, status_code=200 if ok else 503)
 
     async def instances(self, request: Request) -> JSONResponse:
-        """Each encoder, prefill (E/P/D only) and decode instance: state (up, cooling_down,
+        """GET /instances: the state and load of every instance.
+
+        Each encoder, prefill (E/P/D only) and decode instance: state (up, cooling_down,
         draining, down), in flight, and what it was given (decoders: `affinity` = requests
         that went to their first item's own instance). With client API keys configured, a
         caller presenting neither one of them nor the admin token gets a 401."""
@@ -109,7 +116,9 @@ class Admin:
         return client is not None and is_loopback(client.host)
 
     async def admin_instances(self, request: Request) -> JSONResponse:
-        """POST {"role": "encoder"|"decoder", "url": BASE_URL, "action": "add"|"remove",
+        """POST /admin/instances: add or remove an instance at run time.
+
+        POST {"role": "encoder"|"decoder", "url": BASE_URL, "action": "add"|"remove",
         "drain_timeout_s": 60}: join or leave at run time. A removed instance gets nothing new
         and is forgotten once its requests in flight are done (or the timeout passed)."""
         if not self.section.routing.admin:

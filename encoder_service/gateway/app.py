@@ -52,7 +52,9 @@ logger = logging.getLogger("epd.gateway")
 
 
 class Gateway:
-    """State shared by the handlers: the upstream clients and pools, metrics, and the
+    """The gateway's shared state: upstream clients, pools, metrics and handlers.
+
+    State shared by the handlers: the upstream clients and pools, metrics, and the
     handlers' owners (`flow`: the chat flow, `admin`: the control plane). Everything is made
     here, from the config's sections; `startup()` only starts what needs the event loop."""
 
@@ -207,7 +209,9 @@ class _Endpoint:
 
 
 class GatewayApp:
-    """The ASGI app: the chat endpoint is dispatched straight to the handler (it sits on every
+    """The gateway's ASGI app, with a fast path for the chat endpoint.
+
+    The ASGI app: the chat endpoint is dispatched straight to the handler (it sits on every
     request's path); everything else, lifespan included, goes through Starlette."""
 
     def __init__(self, gw: Gateway, app: Starlette) -> None:

@@ -27,8 +27,10 @@ CLIENT_KEY_ENV = "EPD_GATEWAY_API_KEY"
 
 
 def read_keys_file(path: str | os.PathLike) -> list[str]:
-    """One key per line; blank lines and `#` comments are skipped. Raises ValueError with a
-    clear message for a missing or empty file (a typo must not open the gateway)."""
+    """One key per line; blank lines and `#` comments are skipped.
+
+    Raises ValueError with a clear message for a missing or empty file (a typo must not open the
+    gateway)."""
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
@@ -52,7 +54,9 @@ def client_keys(keys: Iterable[str], keys_file: str | None,
 
 
 def upstream_headers(secret_file: str | None) -> dict[str, str]:
-    """The header the gateway presents to every server of its deployment: the key derived
+    """The auth header the gateway presents to its deployment's servers.
+
+    The header the gateway presents to every server of its deployment: the key derived
     from the deployment secret (`secret_file`, else `$EPD_SECRET_FILE`); none without one."""
     secret = read_secret(secret_file)
     return {} if secret is None else {"authorization": f"Bearer {api_key(secret)}"}

@@ -98,9 +98,10 @@ class TimeoutConfig(_Strict):
 
 class RoutingConfig(_Strict):
     """Which encoder encodes an item and which decode instance serves a request (routing.py).
-    `affinity`: rendezvous hashing on the item id (the decode side: on the request's first
-    item) with bounded loads, the same on every gateway replica; `least_loaded`,
-    `round_robin` for comparison."""
+
+    `affinity`: rendezvous hashing on the item id (the decode side: on the request's first item)
+    with bounded loads, the same on every gateway replica; `least_loaded`, `round_robin` for
+    comparison."""
 
     encoders: Policy = "affinity"
     decoders: Policy = "affinity"
@@ -142,7 +143,9 @@ class RoutingConfig(_Strict):
 
 
 class TracingConfig(_Strict):
-    """OpenTelemetry traces of chat requests (tracing.py): off unless `otlp_traces_endpoint`
+    """Settings of OpenTelemetry traces of chat requests.
+
+    OpenTelemetry traces of chat requests (tracing.py): off unless `otlp_traces_endpoint`
     is set. Each request gets a trace (or continues the caller's W3C `traceparent`) with a
     span per stage, and `traceparent` goes to the encoders and prefill/decode instances, so
     vLLM servers started with `--otlp-traces-endpoint` add their spans to the same trace."""
@@ -250,7 +253,9 @@ class PoolSection:
 
 @dataclass(frozen=True)
 class AdminSection:
-    """What the control plane needs: its routing (shown, `admin` switch), probe deadline and
+    """What the control plane needs from the config.
+
+    What the control plane needs: its routing (shown, `admin` switch), probe deadline and
     who may read /instances."""
 
     routing: RoutingConfig
@@ -347,7 +352,9 @@ class GatewayConfig(_Strict):
                            self.timeouts.decode_s)
 
     def pool(self, role: Literal["decode", "prefill"]) -> PoolSection:
-        """The decode instances (`decoders`; under E/P/D they go by load, not by item) or
+        """The decode or prefill instances' pool section.
+
+        The decode instances (`decoders`; under E/P/D they go by load, not by item) or
         the prefill instances (`prefills`, routed by item)."""
         epd = bool(self.prefills)
         urls, name = ((self.prefills, "prefill") if role == "prefill"

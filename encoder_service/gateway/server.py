@@ -1,4 +1,6 @@
-"""Run the gateway: `serve` (blocking, for `epd gateway`), `GatewayThread` (in-process, for
+"""Run the gateway, blocking or on a background thread.
+
+Run the gateway: `serve` (blocking, for `epd gateway`), `GatewayThread` (in-process, for
 `epd up`, tests and benchmarks)."""
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def serve(cfg: GatewayConfig) -> None:
 
 
 class GatewayThread:
-    """The gateway on a background thread with its own event loop. `start()` returns once it
-    accepts connections (or raises); `stop()` shuts it down gracefully; `call_soon(fn, *args)`
-    runs `fn` on its loop, from any thread (`epd up`'s supervisor: gateway.outages)."""
+    """The gateway on a background thread with its own event loop.
+
+    `start()` returns once it accepts connections (or raises); `stop()` shuts it down
+    gracefully; `call_soon(fn, *args)` runs `fn` on its loop, from any thread (`epd up`'s
+    supervisor: gateway.outages)."""
 
     def __init__(self, cfg: GatewayConfig) -> None:
         setup_logging(cfg.log_level)

@@ -1,4 +1,6 @@
-"""The differential conformance harness: generated requests answered through EPD must equal the
+"""The differential conformance harness: EPD answers must equal plain vLLM's.
+
+The differential conformance harness: generated requests answered through EPD must equal the
 same requests answered by one aggregated vLLM server of the same model, token for token and
 character for character.
 
@@ -141,7 +143,9 @@ _MEDIA = {"image": _image, "video": _video, "audio": _audio}
 # -- requests ---------------------------------------------------------------------------------
 
 def _sampling(rng: random.Random) -> dict[str, Any]:
-    """Request fields: mostly greedy (comparable token for token), sometimes seeded
+    """Draw a request's sampling fields, greedy or seeded.
+
+    Request fields: mostly greedy (comparable token for token), sometimes seeded
     sampling (comparable too: same seed, same draws)."""
     out: dict[str, Any] = {"max_tokens": rng.choice([4, 8, 16, 24, 40])}
     if rng.random() < 0.2:
@@ -230,7 +234,9 @@ def ask(client: httpx.Client, url: str, body: dict[str, Any]) -> Answer:
 # -- faults -----------------------------------------------------------------------------------
 
 class CuttingProxy:
-    """An HTTP proxy in front of one decode instance that breaks each streamed chat answer
+    """An HTTP proxy that cuts streamed answers off mid-stream, to test failover.
+
+    An HTTP proxy in front of one decode instance that breaks each streamed chat answer
     off after a seeded number of events, 2 to `max_events` - 1 of them passed on (a real TCP
     close mid-stream, as a dying instance does), except the continuations the gateway opens
     (their request id ends in `-resume-decN`). Other requests pass through."""

@@ -1,4 +1,6 @@
-"""`epd demo` / `epd up --demo`: start the local deployment (`epd up`: a vLLM encoder, a vLLM
+"""`epd demo`: start the local deployment, send sample requests, stop.
+
+`epd demo` / `epd up --demo`: start the local deployment (`epd up`: a vLLM encoder, a vLLM
 prefill/decode instance, EPDConnector over the transport `auto` picks, the gateway) on the tiny
 Qwen2.5-Omni test model, send an image, a video and an audio request through the gateway, then
 the same image again streamed (the gateway skips its encode where it can tell the item is
@@ -50,7 +52,9 @@ def _samples(modalities: tuple[str, ...]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def demo_requests(dep: Deployment, prompt: str) -> int:
-    """One request per modality the model takes, then the image again, through `dep`'s
+    """Send the demo's requests through the deployment's gateway.
+
+    One request per modality the model takes, then the image again, through `dep`'s
     gateway."""
     url, consumer = dep.url, dep.decoders[0].url
     model = dep.cfg.served_model_name
@@ -106,7 +110,9 @@ def demo_requests(dep: Deployment, prompt: str) -> int:
 
 
 def run_demo(work_dir: Path, model: str, prompt: str, base_port: int = GATEWAY_PORT) -> int:
-    """`epd demo`: the same as `epd up --demo` with the given model (a test model's name or
+    """Run `epd demo` with the given model and ports.
+
+    `epd demo`: the same as `epd up --demo` with the given model (a test model's name or
     a directory) and ports."""
     cfg = UpConfig(model=model, base_port=base_port)
     return run_up(cfg, work_dir, lambda dep: demo_requests(dep, prompt))

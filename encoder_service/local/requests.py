@@ -1,4 +1,6 @@
-"""Requests for the local stack, tests and benchmarks: sample images, video frames and audio,
+"""Sample media and request bodies for the local stack, tests and benchmarks.
+
+Requests for the local stack, tests and benchmarks: sample images, video frames and audio,
 data URLs, OpenAI content parts, chat bodies."""
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ AUDIO_SUBTYPES = {"WAV": "PCM_16", "FLAC": "PCM_16", "OGG": "VORBIS", "MP3": "MP
 
 def sample_audio(seed: int, seconds: float = 2.0, rate: int = 16000, channels: int = 1,
                  fmt: str = "WAV") -> bytes:
-    """A deterministic tone plus noise at `rate` Hz, `channels` channels, as `fmt` (WAV, FLAC,
+    """Make a deterministic audio clip in a given format.
+
+    A deterministic tone plus noise at `rate` Hz, `channels` channels, as `fmt` (WAV, FLAC,
     OGG or MP3: what libsndfile writes)."""
     import soundfile
 
@@ -97,7 +101,9 @@ def image_part(image: bytes, mime: str = "image/png") -> dict[str, Any]:
 
 
 def video_part(frames: list[bytes] | bytes, mime: str = "video/mp4") -> dict[str, Any]:
-    """A video as vLLM's JPEG frame list (`data:video/jpeg;base64,<f1>,<f2>,...`) when
+    """A video content part, as a JPEG frame list or a container.
+
+    A video as vLLM's JPEG frame list (`data:video/jpeg;base64,<f1>,<f2>,...`) when
     `frames` is a list, else a container of type `mime`."""
     if isinstance(frames, bytes):
         return {"type": "video_url", "video_url": {"url": data_url(frames, mime)}}

@@ -1,4 +1,6 @@
-"""`epd up` supervises what it starts: a server (vLLM encoder or prefill/decode instance, `epd
+"""Restart what `epd up` started when it exits unasked.
+
+`epd up` supervises what it starts: a server (vLLM encoder or prefill/decode instance, `epd
 encoder` pool) or the Mooncake Store master that exits without being asked is restarted, on
 the same port with the same command line (`ManagedProcess.start()` again).
 
@@ -68,7 +70,9 @@ def describe_exit(returncode: int | None) -> str:
 
 @dataclass
 class Watch:
-    """One supervised process. state: up, waiting (to be restarted at `due`), starting
+    """One supervised process and its restart state.
+
+    One supervised process. state: up, waiting (to be restarted at `due`), starting
     (restarted; healthy by `due` or stopped), down (left down: crash loop or restarts off)."""
 
     proc: ManagedProcess
@@ -87,7 +91,9 @@ def _nothing(proc: ManagedProcess) -> None:
 
 
 class Supervisor:
-    """Call `poll()` every half second or so (from the thread the processes should die
+    """Restart processes that exit unasked, with hooks for the gateway.
+
+    Call `poll()` every half second or so (from the thread the processes should die
     with). Hooks: `on_down(p)` when p exited, `on_restart(p)` when it was started again,
     `on_back(p)` when it answers /health again. `meanwhile`: what a process's absence means,
     by name (default: the gateway routes around it)."""
@@ -178,7 +184,9 @@ class Supervisor:
 
 def supervise(dep: Any, policy: RestartPolicy, startup_timeout_s: float,
               say: Callable[[str], None]) -> Supervisor:
-    """The supervisor of a started deployment (up.py's `Deployment`): its master (if any)
+    """Supervise a started deployment, wired to its gateway.
+
+    The supervisor of a started deployment (up.py's `Deployment`): its master (if any)
     and servers, wired to its gateway (a GatewayThread in this process): instances dropped
     and taken back, restarts counted."""
     gw = dep.gateway  # GatewayThread

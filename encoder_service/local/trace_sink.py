@@ -1,4 +1,6 @@
-"""A minimal OTLP/HTTP trace receiver: `POST /v1/traces` (protobuf, gzip or not), each span
+"""A minimal in-memory OTLP/HTTP trace receiver.
+
+A minimal OTLP/HTTP trace receiver: `POST /v1/traces` (protobuf, gzip or not), each span
 kept in memory as a plain dict. For tests, benchmarks and a quick look at what the gateway
 and vLLM send without a collector (`python -m encoder_service.local.trace_sink --port 4318`
 prints one line per span); not a collector: nothing is stored or forwarded."""
@@ -33,7 +35,9 @@ def _value(v: Any) -> Any:
 
 
 def decode_spans(body: bytes) -> list[dict[str, Any]]:
-    """The spans of one ExportTraceServiceRequest, as dicts: trace_id, span_id, parent_id
+    """Decode the spans of an ExportTraceServiceRequest into dicts.
+
+    The spans of one ExportTraceServiceRequest, as dicts: trace_id, span_id, parent_id
     (hex; "" for a root), name, kind, service, start_ns, end_ns, attributes, status
     (0 unset, 1 ok, 2 error), events [(name, time_ns, attributes)]."""
     req = ExportTraceServiceRequest()
@@ -59,7 +63,9 @@ def decode_spans(body: bytes) -> list[dict[str, Any]]:
 
 
 class TraceSink:
-    """Receives spans on `host:port` (a thread of its own) until `stop()`; `spans` holds them
+    """Receive spans over OTLP/HTTP on a thread of its own.
+
+    Receives spans on `host:port` (a thread of its own) until `stop()`; `spans` holds them
     (`on_span`: called with each one as well)."""
 
     def __init__(self, port: int, host: str = "127.0.0.1",

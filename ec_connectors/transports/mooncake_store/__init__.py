@@ -1,4 +1,6 @@
-"""Mooncake Store transport: embeddings in a distributed store (a master plus memory segments its
+"""Mooncake Store transport: embeddings in a distributed store.
+
+Mooncake Store transport: embeddings in a distributed store (a master plus memory segments its
 clients contribute), so any instance can fetch what another instance encoded.
 
 - objects.py: an item's store key and object format (header + payload).

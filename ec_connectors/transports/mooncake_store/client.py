@@ -1,4 +1,6 @@
-"""One Mooncake Store client (`MooncakeDistributedStore`) as the transport uses it: setup bounded
+"""One Mooncake Store client, with bounded setup, deadlines and retries.
+
+One Mooncake Store client (`MooncakeDistributedStore`) as the transport uses it: setup bounded
 (the master is probed first: `setup` blocks ~90 s when none answers), every call with the
 caller's deadline and bounded retries of transient errors, and a monitor thread that asks the
 master itself whether it is alive (`health_check` says healthy after it died)."""
@@ -33,7 +35,9 @@ class StoreUnavailable(RuntimeError):
 
 
 class StoreClient:
-    """One `MooncakeDistributedStore` client: bounded setup, calls with deadlines and retries,
+    """A Mooncake Store client with bounded calls and a master monitor.
+
+    One `MooncakeDistributedStore` client: bounded setup, calls with deadlines and retries,
     and a monitor that knows whether the master is alive."""
 
     def __init__(self, config: EPDConfig, segment_bytes: int, name: str,
@@ -157,7 +161,9 @@ class StoreClient:
     def bounded(self, fn: Callable[[], int], deadline: float,
                  executor: ThreadPoolExecutor | None = None,
                  on_late: Callable[[], None] | None = None) -> int | None:
-        """fn() in a worker thread; its result, or None when `deadline` passed first (then
+        """Run a call in a worker thread, giving up at a deadline.
+
+        fn() in a worker thread; its result, or None when `deadline` passed first (then
         `on_late` runs when the call finally returns)."""
         fut: Future = (executor or self._calls).submit(fn)
         try:
@@ -169,7 +175,9 @@ class StoreClient:
 
     def call(self, fn: Callable[[], int], deadline: float, what: str,
              on_late: Callable[[], None] | None = None, retry_missing: bool = False) -> int:
-        """One store call with bounded retries on transient errors (and on "not found" when
+        """Make one store call, retrying transient errors until the deadline.
+
+        One store call with bounded retries on transient errors (and on "not found" when
         `retry_missing`: a producer's put may still be under way). Returns the last result;
         None-equivalent (timeout) is reported as -1 after `on_late` is armed."""
         backoff = self.config.store_retry_backoff_s

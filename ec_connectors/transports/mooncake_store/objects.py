@@ -1,4 +1,6 @@
-"""The format of one item in the Mooncake Store: key `epd/<namespace>/<dtype>/<item key>`, and an
+"""The format of one item in the Mooncake Store: key, header and payload.
+
+The format of one item in the Mooncake Store: key `epd/<namespace>/<dtype>/<item key>`, and an
 object made of a fixed-size header (magic, namespace, key, dtype, shape, size, xxh3 of the
 payload, the deployment secret's seal) followed by the raw tensor bytes, so a reader can tell a
 foreign, stale or damaged object from the item it asked for."""

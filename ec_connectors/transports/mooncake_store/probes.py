@@ -1,4 +1,6 @@
-"""The scheduler's non-blocking "is it in the store?": answers from a bounded cache, unknown keys
+"""The scheduler's non-blocking check of whether an item is in the store.
+
+The scheduler's non-blocking "is it in the store?": answers from a bounded cache, unknown keys
 asked of the master in batches (`batch_is_exist`) by a background thread, so a scheduler step
 never waits on the store."""
 
@@ -19,7 +21,9 @@ _PROBE_CACHE = 65536
 
 
 class ProbeCache:
-    """Non-blocking "is it in the store?" for the scheduler: answers from a cache; unknown keys
+    """A cache of store lookups, filled in batches by a background thread.
+
+    Non-blocking "is it in the store?" for the scheduler: answers from a cache; unknown keys
     are asked in batches by a background thread. An answer not back within `timeout_s` is
     "no" (the request encodes locally rather than wait on a slow master)."""
 

@@ -1,4 +1,6 @@
-"""Mooncake Store transport: embeddings in a distributed store (a master plus memory segments
+"""Mooncake Store transport: embeddings in a distributed store.
+
+Mooncake Store transport: embeddings in a distributed store (a master plus memory segments
 its clients contribute), so any instance can fetch what another instance encoded.
 
 One object per item, key `epd/<namespace>/<dtype>/<item key>` (namespace = model, dtype =
@@ -162,7 +164,9 @@ class MooncakeStoreTransport(Transport):
         return self.get_many([Want(item_id, location, nbytes)], deadline, wait=wait)[0]
 
     def get_many(self, wants: list[Want], deadline: float, *, wait: bool = True) -> list:
-        """Sizes first (one cheap RPC each), then every object in one `batch_get_into` into
+        """Fetch several items in one batch into pool blocks, verified.
+
+        Sizes first (one cheap RPC each), then every object in one `batch_get_into` into
         pool blocks; each block is verified and handed over as its tensor."""
         out: list = [None] * len(wants)
         if self.pool is None or not self.client.alive:
@@ -222,7 +226,9 @@ class MooncakeStoreTransport(Transport):
 
     def _get_into(self, store, keys: list[str], bufs: list, sizes: list[int],
                   deadline: float) -> list[int] | None:
-        """get_into / batch_get_into with retries of transient failures; None = timed out
+        """Fetch objects into pool blocks, retrying transient failures.
+
+        get_into / batch_get_into with retries of transient failures; None = timed out
         (the blocks are released by the late call)."""
         def release_all() -> None:
             for b in bufs:
@@ -248,7 +254,9 @@ class MooncakeStoreTransport(Transport):
         return rcs
 
     def _payload_problem(self, header: StoreHeader, payload) -> str:
-        """With the secret the seal is checked (it covers integrity: one pass over the
+        """Check a store object's payload by its seal or checksum.
+
+        With the secret the seal is checked (it covers integrity: one pass over the
         bytes); without it the xxh3 checksum."""
         if self._seal.active:
             ok = self._seal.check(identity(header.namespace, header.key, header.dtype,

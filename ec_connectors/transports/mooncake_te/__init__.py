@@ -1,4 +1,6 @@
-"""Mooncake Transfer Engine transport: consumer workers pull items straight out of producer
+"""Mooncake TE transport: consumers pull items straight out of producers' pools.
+
+Mooncake Transfer Engine transport: consumer workers pull items straight out of producer
 workers' registered pools (RDMA or TCP), a ZMQ side channel carrying only control.
 
 - transport.py: MooncakeTransport, the worker-role Transport: a facade over the rest.

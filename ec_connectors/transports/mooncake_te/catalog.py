@@ -35,6 +35,7 @@ logger = get_logger(__name__)
 
 class MooncakeCatalog(Transport):
     """Scheduler-role view of the mooncake transport: which items producers hold, and where.
+
     Fed by producers' announcements (ZMQ SUB); producers whose snapshots stop are forgotten."""
 
     name = "mooncake"

@@ -1,4 +1,6 @@
-"""Consumer side of the Mooncake TE transport: the side channel to one producer with its pulls
+"""Consumer side of the Mooncake TE transport: side channels, pulls and checks.
+
+Consumer side of the Mooncake TE transport: the side channel to one producer with its pulls
 in flight and quarantined buffers (and, on the socket data path, the warm data connections
 pulls run on instead: stream.py), the checksum computed while chunks land, and the Puller that
 asks producers for an item (retries across them) and verifies what landed."""
@@ -32,6 +34,7 @@ _UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save is queued ("p
 
 class StreamVerifier:
     """xxh3 over a pool block's bytes in order, as chunks land (same digest as one-shot).
+
     Device pools hash a host copy of each chunk."""
 
     def __init__(self, buf: PoolBuffer) -> None:
@@ -54,7 +57,9 @@ class StreamVerifier:
 
 
 class Puller:
-    """A consumer's pulls: one PeerLink per producer (rebuilt after a failure), each pull into
+    """A consumer's pulls from producers, with retries and verification.
+
+    A consumer's pulls: one PeerLink per producer (rebuilt after a failure), each pull into
     a block of the consumer's own pool with a size-scaled deadline, retries across producers
     until the caller's deadline, and verification of what landed. `events` and `stats` are
     the transport's counters."""
@@ -87,7 +92,9 @@ class Puller:
 
     def get(self, item_id: str, deadline: float, location: str = "", nbytes: int = 0,
             *, wait: bool = True) -> torch.Tensor | None:
-        """The item from `location` (else from each configured producer in turn) by
+        """Pull one item into a pool buffer, trying its producers in turn.
+
+        The item from `location` (else from each configured producer in turn) by
         `deadline`, or None (counted as missing)."""
         key = item_key(item_id)
         sources = self._sources(location)
@@ -128,7 +135,9 @@ class Puller:
         return None
 
     def _buffer(self, key: str, deadline: float, nbytes: int) -> tuple[str, PoolBuffer | None]:
-        """A pool block for an item of `nbytes` ("ok", None when it comes inline or its size
+        """Get a pool block for an item of `nbytes`, or say why not.
+
+        A pool block for an item of `nbytes` ("ok", None when it comes inline or its size
         is unknown), or why not ("too_big", "pool")."""
         if nbytes > self.pool.capacity:
             self.events.errors.append(f"{key}: {nbytes} bytes exceed the consumer pool")
@@ -216,7 +225,9 @@ class Puller:
 
     def _receive(self, reply: Pulled, p: PendingPull, verifier: StreamVerifier | None = None
                  ) -> torch.Tensor | None:
-        """A verified tensor from the reply: inline bytes, or our pool block itself (CPU
+        """Turn a pull's reply into a verified tensor.
+
+        A verified tensor from the reply: inline bytes, or our pool block itself (CPU
         pool: handed over without a copy, back to the pool when vLLM drops the tensor;
         device pool: one device-local copy)."""
         info = reply.info

@@ -1,4 +1,6 @@
-"""Starting the Mooncake Transfer Engine of a worker process (P2P handshake, TCP or RDMA),
+"""Start a worker's Mooncake Transfer Engine, where items move through it.
+
+Starting the Mooncake Transfer Engine of a worker process (P2P handshake, TCP or RDMA),
 with one clear error when the wheel or its libraries are missing, only where items move
 through it (`needs_engine`), its listeners' ports from the port plan (engine_ports.py)."""
 
@@ -15,7 +17,9 @@ class TransferEngineUnavailable(RuntimeError):
 
 
 def needs_engine(config: EPDConfig) -> bool:
-    """Whether this process moves items with the engine: not on the socket data path
+    """Whether this process moves items with the transfer engine.
+
+    Whether this process moves items with the engine: not on the socket data path
     (`te_data_path`, by default over TCP with a host pool), where an engine would only add
     two listeners on every interface (Mooncake binds them there whatever it is told) that
     nothing uses. A process without one neither proves nor writes into registered ranges:

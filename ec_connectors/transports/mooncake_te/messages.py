@@ -1,4 +1,6 @@
-"""Wire types of the Mooncake TE peer side channel and announcements (msgspec, never pickle):
+"""Wire types of the Mooncake TE side channel and announcements.
+
+Wire types of the Mooncake TE peer side channel and announcements (msgspec, never pickle):
 consumer <-> producer pulls, and producer -> catalog item announcements."""
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from ec_connectors.protocol.stored import ItemInfo
 
 
 class Pull(msgspec.Struct, tag=True):
-    """consumer -> producer: write item `key` into my registered buffer `dst_addr` (of
+    """A consumer's request for one item from a producer.
+
+    consumer -> producer: write item `key` into my registered buffer `dst_addr` (of
     `capacity` bytes) through the transfer engine session `session` ("host:rpc_port").
     capacity 0 asks for the item's metadata first (or the item inline, if it is small).
     `timeout_s`: the consumer waits this long; the producer drops the pull once it has
@@ -33,7 +37,9 @@ class Pull(msgspec.Struct, tag=True):
 
 
 class StreamOpen(msgspec.Struct, tag=True):
-    """consumer -> producer (te_data_path socket): `ticket` opens one data connection to the
+    """A consumer's ticket for one data connection to a producer's stream port.
+
+    consumer -> producer (te_data_path socket): `ticket` opens one data connection to the
     producer's stream port, presented there within a few seconds (mooncake_te/stream.py).
     The side channel is the only way a ticket travels, so with a deployment secret only
     holders of it (CURVE) get a connection served."""
@@ -42,7 +48,9 @@ class StreamOpen(msgspec.Struct, tag=True):
 
 
 class Register(msgspec.Struct, tag=True):
-    """consumer -> producer, on every (re)connection of the side channel: "write my pulls only
+    """A consumer's claim of the memory range pulls may be written into.
+
+    consumer -> producer, on every (re)connection of the side channel: "write my pulls only
     into [base, base + length) of transfer engine session `session`". The proof that the
     session is the sender's own: `nonce` sits at `proof_addr` in that session's registered
     memory, which the producer reads through the engine before it accepts the range (the
@@ -65,7 +73,9 @@ class Pulled(msgspec.Struct, tag=True):
 
 
 class PullFailed(msgspec.Struct, tag=True):
-    """producer -> consumer. code: unknown (not here, and no save of it queued here) |
+    """A producer's answer that a pull failed, with a code saying why.
+
+    producer -> consumer. code: unknown (not here, and no save of it queued here) |
     pending (its save is queued here: ask again) | evicted | too_small (info says the size) |
     transfer | bad_request | namespace (the item belongs to another model) | expired (the
     pull's deadline passed before or while it was served: nothing more is written) |
@@ -81,7 +91,9 @@ class PullFailed(msgspec.Struct, tag=True):
 
 
 class Progress(msgspec.Struct, tag=True):
-    """producer -> consumer: the first `done` bytes of pull `pull_id` have landed and will not
+    """A producer's note that the first bytes of a pull have landed.
+
+    producer -> consumer: the first `done` bytes of pull `pull_id` have landed and will not
     change (the consumer verifies them while the rest is still in flight)."""
 
     pull_id: int
@@ -105,7 +117,9 @@ class Evicted(msgspec.Struct, tag=True):
 
 
 class Snapshot(msgspec.Struct, tag=True):
-    """producer -> subscribers, periodically: everything held at `endpoint` (heals missed
+    """A producer's periodic announcement of everything it holds.
+
+    producer -> subscribers, periodically: everything held at `endpoint` (heals missed
     events; a producer whose snapshots stop is forgotten after a few intervals)."""
 
     endpoint: str

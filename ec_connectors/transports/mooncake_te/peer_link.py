@@ -54,7 +54,9 @@ class PendingPull:
 
 
 class PeerLink:
-    """A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
+    """A consumer's side channel to one producer, with its pulls in flight.
+
+    A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
     flight to it and the buffers it may still write into. `hello` (messages.Register) opens
     every connection: the producer writes only into the range it names and proves. `stream`
     (te_data_path socket): each pull into a buffer runs on one of a few warm data connections
@@ -83,7 +85,9 @@ class PeerLink:
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""
              ) -> PendingPull:
-        """Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
+        """Pull one item into a buffer, reporting progress as chunks land.
+
+        Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
         this thread) as chunks land. The returned pull is finished either way."""
         if self.streams is not None and buf is not None:
             pending = self._pull_streamed(key, buf, timeout_s, on_progress, namespace)
@@ -129,7 +133,9 @@ class PeerLink:
     def _pull_streamed(self, key: str, buf: PoolBuffer, timeout_s: float,
                        on_chunk: Callable[[int], None] | None, namespace: str
                        ) -> PendingPull | None:
-        """The pull on a data connection: the request, the reply and the item's bytes into
+        """Run one pull on a data connection (te_data_path socket).
+
+        The pull on a data connection: the request, the reply and the item's bytes into
         `buf` on one socket, by the deadline; a failure on it fails the pull (`stream_error`)
         and closes that connection. A warm connection the producer had closed before reading
         the request is replaced once. None when the producer takes no data connection.
@@ -207,7 +213,9 @@ class PeerLink:
                        self.endpoint, len(pending))
 
     def _on_unreachable(self) -> None:
-        """Nobody listens at the producer's address (a connection attempt was refused before
+        """Fail the pulls to a producer that nobody listens for.
+
+        Nobody listens at the producer's address (a connection attempt was refused before
         any succeeded): its pulls fail now, not at their deadline; nothing was written."""
         with self._lock:
             pending, self._pending = self._pending, {}

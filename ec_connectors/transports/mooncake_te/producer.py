@@ -1,4 +1,6 @@
-"""Producer side of the Mooncake TE transport: the ZMQ PUB that announces the items a worker
+"""Producer side of the Mooncake TE transport: announcements, ranges, pulls.
+
+Producer side of the Mooncake TE transport: the ZMQ PUB that announces the items a worker
 holds (producer_store.py: its pool's items and pins, under the lease book) to catalogs, the ranges
 consumers proved are theirs (the only places pulls are written to), and the side channel that
 serves pulls (PullServer: with the engine; or on a consumer's data connection, stream.py)."""
@@ -57,7 +59,9 @@ class _Claim:
 
 
 class ConsumerRanges:
-    """Where a producer may write: per side-channel connection (ZMQ ROUTER identity), the one
+    """The memory ranges each consumer proved, where pulls may be written.
+
+    Where a producer may write: per side-channel connection (ZMQ ROUTER identity), the one
     range it registered and proved (messages.Register). A pull names a destination; it is
     written only when that lies inside its own connection's proven range, so a peer holding
     the deployment secret still cannot aim the producer at another consumer's memory."""
@@ -76,7 +80,9 @@ class ConsumerRanges:
         self._cond = threading.Condition()
 
     def register(self, peer: bytes, session: str, base: int, length: int) -> _Claim:
-        """Record `peer`'s claim; it is refused at once when `session` is not an endpoint,
+        """Record a consumer connection's claim to a memory range.
+
+        Record `peer`'s claim; it is refused at once when `session` is not an endpoint,
         else `prove` decides."""
         claim = _Claim(session, base, base + max(0, length), threading.Event())
         try:
@@ -116,7 +122,9 @@ class ConsumerRanges:
             claim.done.set()
 
     def check(self, peer: bytes, session: str, addr: int, nbytes: int, deadline: float) -> str:
-        """"" when [addr, addr + nbytes) of `session` lies in the range `peer` proved, else why
+        """Check that a pull's destination lies in the range its connection proved.
+
+        "" when [addr, addr + nbytes) of `session` lies in the range `peer` proved, else why
         not. Waits (until `deadline`) for a registration still on its way or being proved."""
         with self._cond:
             self._cond.wait_for(lambda: peer in self._claims,
@@ -135,14 +143,16 @@ class ConsumerRanges:
 
 
 class PullServer:
-    """A producer's side channel (ZMQ ROUTER). A connection's `Register` is proved on threads
-    of its own; a `Pull` is queued (at most `max_queued_pulls`, else answered `busy`) for the
-    serve threads, which answer it inline when the item is small, or write it with the
-    transfer engine into the range that connection proved, chunk by chunk (`Progress`), and
-    stop once the pull's deadline passed. With `streams` (te_data_path socket), `StreamOpen`
-    makes a data connection's ticket live, and each served data connection's pulls are
-    answered on it by the thread that reads it (`_serve_connection`): the reply, then the
-    item's bytes, never through the engine. `stats`: the transport's pull counters."""
+    """A producer's side channel (ZMQ ROUTER).
+
+    A connection's `Register` is proved on threads of its own; a `Pull` is queued (at most
+    `max_queued_pulls`, else answered `busy`) for the serve threads, which answer it inline when
+    the item is small, or write it with the transfer engine into the range that connection
+    proved, chunk by chunk (`Progress`), and stop once the pull's deadline passed. With
+    `streams` (te_data_path socket), `StreamOpen` makes a data connection's ticket live, and
+    each served data connection's pulls are answered on it by the thread that reads it
+    (`_serve_connection`): the reply, then the item's bytes, never through the engine. `stats`:
+    the transport's pull counters."""
 
     def __init__(self, address: str, endpoint: str, store: ProducerStore,
                  ranges: ConsumerRanges, engine, config: EPDConfig, namespace: str,
@@ -278,7 +288,9 @@ class PullServer:
             self.store.unpin(held)
 
     def _serve_connection(self, conn: socket.socket) -> None:
-        """A served data connection (its ticket came over the side channel): `READY`, then
+        """Serve the pulls of one data connection until it ends.
+
+        A served data connection (its ticket came over the side channel): `READY`, then
         its pulls one after another, each answered on it from this thread (nothing is
         written into the consumer: no range to check). Returns, and the connection is
         closed, when it is idle, closed, sends garbage or a reply cannot be sent."""
@@ -296,7 +308,9 @@ class PullServer:
                 return
 
     def _serve_streamed(self, conn: socket.socket, msg: Pull, expires: float) -> None:
-        """One pull on a data connection: the same answers as on the side channel (expired,
+        """Serve one pull on a data connection.
+
+        One pull on a data connection: the same answers as on the side channel (expired,
         namespace, unknown / pending / evicted / failed, too_small), else `Pulled` (the
         digest) and the item's bytes in one stream, sent by the pull's deadline."""
         held = None
@@ -365,13 +379,17 @@ class PullServer:
         return True
 
     def _give_up_s(self, nbytes: int) -> float:
-        """How long one chunk may take before its write counts as failed: past the engine's
+        """How long one chunk's write may take before it counts as failed.
+
+        How long one chunk may take before its write counts as failed: past the engine's
         own progress timeout (MC_TCP_PROGRESS_TIMEOUT_SEC), so a stuck write is normally
         failed, and stopped, by the engine first."""
         return 2 * self.config.progress_timeout_s + nbytes / self.config.min_transfer_bytes_per_s
 
     def _landed(self, batch: int, give_up: float) -> int:
-        """Wait for a submitted write: 0 once it landed, else the engine's code (or -3 past
+        """Wait for a submitted write to land; 0 or the engine's error code.
+
+        Wait for a submitted write: 0 once it landed, else the engine's code (or -3 past
         `give_up`). Sleeps between checks: the engine's own sync write spins a core while
         it waits, a core the engine's sender and the consumer need on a small host."""
         while True:

@@ -1,4 +1,6 @@
-"""The items a Mooncake TE producer holds in its registered pool: their buffers and pins (pulls
+"""The items a Mooncake TE producer holds in its registered pool.
+
+The items a Mooncake TE producer holds in its registered pool: their buffers and pins (pulls
 reading them), under the lease book (transports/leases.py: a promise to keep an item for
 consumers, yielding under pressure once `lease_min_s` old; eviction order; backpressure when
 the pool is full), and what it remembers of items it no longer holds."""
@@ -73,8 +75,10 @@ class ProducerStore:
                 self.expected[key] = None
 
     def add(self, info: ItemInfo, buf: PoolBuffer) -> ItemInfo:
-        """Hold a new item; returns what is held. Two saves of one key racing (both found it
-        absent): the first copy stays (a pull may be reading it), renewed; `buf` is freed."""
+        """Hold a new item; returns what is held.
+
+        Two saves of one key racing (both found it absent): the first copy stays (a pull may be
+        reading it), renewed; `buf` is freed."""
         with self._lock:
             held = self._items.get(info.key)
             if held is None:
@@ -97,7 +101,9 @@ class ProducerStore:
             self.recently_failed[key] = None
 
     def absent(self, key: str) -> str:
-        """Why a key is not held: failed | evicted | pending (its save is queued here) |
+        """Why a key is not held.
+
+        Why a key is not held: failed | evicted | pending (its save is queued here) |
         unknown (never here, or gone long ago)."""
         with self._lock:
             return ("failed" if key in self.recently_failed else
@@ -115,7 +121,9 @@ class ProducerStore:
         return victim
 
     def reserve(self, nbytes: int, deadline: float) -> tuple[PoolBuffer, list[PinnedItem]]:
-        """A block for a new item: free space, else evict, else wait for leases to lapse or
+        """Get a pool block for a new item, evicting or waiting as needed.
+
+        A block for a new item: free space, else evict, else wait for leases to lapse or
         pins to drop (backpressure) until `deadline`. Raises PoolExhausted."""
         evicted: list[PinnedItem] = []
         while True:

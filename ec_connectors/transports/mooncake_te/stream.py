@@ -1,4 +1,6 @@
-"""The socket data path of the Mooncake TE transport (`te_data_path`: socket, the default over
+"""The socket data path of the Mooncake TE transport.
+
+The socket data path of the Mooncake TE transport (`te_data_path`: socket, the default over
 TCP): a consumer pulls an item over a TCP connection of its own to the producer's stream port
 instead of having the engine write it, whose TCP transport (a fresh connection per write,
 64 KiB reads) moves less than half what one socket stream does (docs/transports.md). Over
@@ -53,7 +55,9 @@ class StreamError(RuntimeError):
 
 
 class StreamClosed(StreamError):
-    """The peer closed the connection before a byte of its reply: the request may never
+    """The peer closed the connection before replying; the request may be retried.
+
+    The peer closed the connection before a byte of its reply: the request may never
     have been read (a warm connection the producer had closed), so it may be asked again on
     a fresh one."""
 
@@ -76,7 +80,9 @@ def frame(message: msgspec.Struct) -> bytes:
 
 
 def read_frame(conn: socket.socket, deadline: float, then_s: float | None = None) -> bytes:
-    """One `<u32 n><n bytes>` frame by `deadline` (its rest within `then_s` of its first
+    """Read one length-prefixed frame by a deadline.
+
+    One `<u32 n><n bytes>` frame by `deadline` (its rest within `then_s` of its first
     byte, when given). StreamClosed when the peer closed before its first byte."""
     head = read_exactly(conn, FRAME.size, deadline)
     n = FRAME.unpack(head)[0]
@@ -93,7 +99,9 @@ def read_frame(conn: socket.socket, deadline: float, then_s: float | None = None
 def recv_exactly(conn: socket.socket, view: memoryview, n: int, deadline: float,
                  chunk: int | None = None, on_chunk: Callable[[int], None] | None = None
                  ) -> None:
-    """Read exactly `n` bytes into `view` by `deadline`, at most `chunk` per read, calling
+    """Read exactly `n` bytes from a socket into a view by a deadline.
+
+    Read exactly `n` bytes into `view` by `deadline`, at most `chunk` per read, calling
     `on_chunk(bytes so far)` after each. StreamClosed when the peer closed (or reset) before
     the first byte; StreamError when it stalls or ends short."""
     got = 0

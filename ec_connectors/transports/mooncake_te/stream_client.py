@@ -1,4 +1,6 @@
-"""Consumer side of the TE socket data path (stream.py has the protocol): `Connections`
+"""Consumer side of the TE socket data path: connections and pulls.
+
+Consumer side of the TE socket data path (stream.py has the protocol): `Connections`
 keeps a few warm data connections to one producer, `connect` opens one (ticket, `READY`),
 `pull` runs one request and reads the item into the consumer's own pool block."""
 
@@ -38,7 +40,9 @@ _reply_decoder = msgspec.msgpack.Decoder(Pulled | PullFailed)
 
 
 def connect(host: str, port: int, ticket_: bytes, deadline: float) -> socket.socket | None:
-    """A served data connection to a producer's stream port (`ticket_` presented, `READY`
+    """Open a served data connection to a producer's stream port.
+
+    A served data connection to a producer's stream port (`ticket_` presented, `READY`
     read); None when nobody listens there or it refused the connection without a byte (a
     producer on the engine path, or one at its connection bound): its pulls go the engine
     way. Raises StreamError when the producer does not answer by `deadline` (frozen)."""
@@ -64,7 +68,9 @@ def connect(host: str, port: int, ticket_: bytes, deadline: float) -> socket.soc
 
 
 class Connections:
-    """A consumer's warm data connections to one producer: at most `limit`, one pull at a
+    """A consumer's pool of warm data connections to one producer.
+
+    A consumer's warm data connections to one producer: at most `limit`, one pull at a
     time each; `acquire` hands out an idle one (or opens one: `announce(ticket)` sends its
     ticket over the side channel first), `release` takes it back (or closes it, unless it
     is still good), idle ones close after `idle_s`."""
@@ -84,7 +90,9 @@ class Connections:
 
     def acquire(self, deadline: float, fresh: bool = False
                 ) -> tuple[socket.socket | None, bool]:
-        """(a connection, whether it was idle in the pool), or (None, False) when the
+        """Take a data connection for one pull, idle or newly opened.
+
+        (a connection, whether it was idle in the pool), or (None, False) when the
         producer takes none (see `connect`). `fresh`: never an idle one. Raises StreamError
         when none is free by `deadline`, or one does not open by it (or `connect_s`)."""
         with self._cond:
@@ -169,7 +177,9 @@ def _still_open(conn: socket.socket) -> bool:
 
 def pull(conn: socket.socket, request: Pull, buf: PoolBuffer, deadline: float,
          on_chunk: Callable[[int], None] | None = None) -> tuple[Pulled | PullFailed, int]:
-    """Ask for `request` on a served connection and read the reply; a `Pulled` brings the
+    """Run one pull on a served connection, reading the item into a pool block.
+
+    Ask for `request` on a served connection and read the reply; a `Pulled` brings the
     item's bytes, read into `buf` (a CPU pool block; never more than it holds, whatever the
     reply says) with `on_chunk(bytes so far)` as they land. (reply, bytes read). Raises
     StreamClosed (closed before any reply byte), StreamError (garbage, short, oversized,

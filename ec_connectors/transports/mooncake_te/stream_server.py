@@ -1,4 +1,6 @@
-"""Producer side of the TE socket data path (stream.py has the protocol): `StreamServer`
+"""Producer side of the TE socket data path: the stream listener and its I/O.
+
+Producer side of the TE socket data path (stream.py has the protocol): `StreamServer`
 accepts data connections on the stream port, serves each that presents a live ticket on a
 thread of its own; `read_request` and `send_reply` are that thread's reads and writes."""
 
@@ -58,7 +60,9 @@ class _Hello:
 
 
 class StreamServer:
-    """A producer's stream listener: accepts data connections and serves each that presents
+    """A producer's stream listener that serves ticketed data connections.
+
+    A producer's stream listener: accepts data connections and serves each that presents
     a live ticket (`expect` makes one live) with `serve(conn)` on a thread of its own until
     it returns; at most `_MAX_CONNECTIONS` open at once. One thread accepts and reads every
     ticket (non-blocking, a selector): no thread per connection that has not proved one."""
@@ -178,7 +182,9 @@ class StreamServer:
             self._read_ticket(hellos.pop(conn), hellos)  # usually there already
 
     def _read_ticket(self, hello: _Hello, hellos: dict[socket.socket, _Hello]) -> None:
-        """Read what there is of `hello`'s ticket; a whole live one gets its connection
+        """Read a connection's ticket and serve it once the ticket is whole and live.
+
+        Read what there is of `hello`'s ticket; a whole live one gets its connection
         served (or it waits for its StreamOpen), a closed or broken connection is dropped."""
         try:
             n = hello.conn.recv_into(memoryview(hello.ticket)[hello.got:])
@@ -242,7 +248,9 @@ class StreamServer:
 
 
 def read_request(conn: socket.socket, idle_s: float = _SERVER_IDLE_S) -> Pull | None:
-    """The next request on a served connection (waited for up to `idle_s`), or None when
+    """Read the next pull request on a served connection.
+
+    The next request on a served connection (waited for up to `idle_s`), or None when
     the connection is over: closed, idle, or garbage (not a Pull); the caller closes it."""
     try:
         return _request_decoder.decode(read_frame(conn, time.monotonic() + idle_s,
@@ -253,7 +261,9 @@ def read_request(conn: socket.socket, idle_s: float = _SERVER_IDLE_S) -> Pull | 
 
 def send_reply(conn: socket.socket, reply: Pulled | PullFailed, deadline: float,
                buf: PoolBuffer | None = None) -> None:
-    """`reply`, then (a `Pulled` with `buf`) the item's `reply.info.nbytes` bytes from `buf`
+    """Send a reply and, for a `Pulled`, the item's bytes.
+
+    `reply`, then (a `Pulled` with `buf`) the item's `reply.info.nbytes` bytes from `buf`
     (a CPU pool block: straight from its memory, no copy; a device pool's through host
     copies), all by `deadline`. Raises OSError or StreamError."""
     left = deadline - time.monotonic()

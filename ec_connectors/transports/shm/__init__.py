@@ -1,4 +1,6 @@
-"""Same-host shared memory: producers write each item once into their own pre-faulted
+"""Same-host shared-memory transport.
+
+Same-host shared memory: producers write each item once into their own pre-faulted
 arena, consumers copy it once into warm memory, verifying while they copy.
 
 - layout.py: the directory, records and the checks that make reading them safe (torch-free);

@@ -1,4 +1,6 @@
-"""Arenas: a producer's pre-faulted shared memory and its blocks (held under the lease book,
+"""Arenas: producers' shared memory blocks and consumers' mappings of them.
+
+Arenas: a producer's pre-faulted shared memory and its blocks (held under the lease book,
 transports/leases.py: leases, eviction order, backpressure), and a consumer's read-only
 mappings of producers' arenas.
 
@@ -68,7 +70,9 @@ def key_hash(key: str) -> bytes:
 
 
 def range_lock(fd: int, kind: int, start: int, length: int) -> bool:
-    """An OFD byte-range lock (F_RDLCK / F_WRLCK / F_UNLCK) without waiting: False when
+    """Take, or drop, an OFD byte-range lock without waiting.
+
+    An OFD byte-range lock (F_RDLCK / F_WRLCK / F_UNLCK) without waiting: False when
     another open file holds a conflicting one."""
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
@@ -148,7 +152,9 @@ class Arena:
 
     # -- blocks ------------------------------------------------------------------------------
     def reserve(self, nbytes: int, deadline: float) -> tuple[int, int]:
-        """(offset, generation) of a new block for `nbytes` of payload: free room, else the
+        """Reserve a block for a new item, evicting or waiting as needed.
+
+        (offset, generation) of a new block for `nbytes` of payload: free room, else the
         lease book's victim nobody reads is evicted, else wait (backpressure) until
         `deadline`. Raises ArenaFull."""
         need = BLOCK_HEADER + nbytes
@@ -175,8 +181,9 @@ class Arena:
             self.allocator.free(offset - PAGE)
 
     def commit(self, key: str, offset: int, gen: int, nbytes: int) -> None:
-        """The payload is written: stamp the header and hold the block under a lease. An
-        older copy of the key becomes the first to evict."""
+        """The payload is written: stamp the header and hold the block under a lease.
+
+        An older copy of the key becomes the first to evict."""
         _BLOCK.pack_into(self._mm, offset, BLOCK_MAGIC, gen, nbytes, key_hash(key))
         with self._lock:
             old = self._by_key.get(key)
@@ -206,7 +213,9 @@ class Arena:
             return True
 
     def _evict_locked(self, held: ArenaBlock) -> bool:
-        """Free `held`'s block unless a consumer is reading it (the lease book's pin test;
+        """Free a held block unless a consumer is reading it.
+
+        Free `held`'s block unless a consumer is reading it (the lease book's pin test;
         the book forgets the block when this says True)."""
         length = BLOCK_HEADER + held.nbytes
         if not range_lock(self.fd, fcntl.F_WRLCK, held.offset, length):
@@ -273,7 +282,9 @@ class Mapping:
 
 
 class Mappings:
-    """A consumer's mappings of producers' arenas, made on first use, closed once their
+    """A consumer's read-only mappings of producers' arenas.
+
+    A consumer's mappings of producers' arenas, made on first use, closed once their
     arena is gone (its memory is freed only when nobody maps it)."""
 
     def __init__(self, shm_dir: ShmDir, populate: bool) -> None:
@@ -322,7 +333,9 @@ class Mappings:
 
 
 def sweep(shm_dir: ShmDir, records: bool = True) -> int:
-    """Remove arenas of dead producers (their flock is free), the records that name an arena
+    """Remove dead producers' arenas and stale files.
+
+    Remove arenas of dead producers (their flock is free), the records that name an arena
     that is gone (`records`), and old temporary files and tombstones. Returns how many
     arenas were removed."""
     dead = 0

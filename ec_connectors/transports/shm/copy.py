@@ -1,4 +1,6 @@
-"""One pass over an item: copy it chunk by chunk and hash each chunk right after copying it,
+"""Copy an item and hash it in one pass, on several threads.
+
+One pass over an item: copy it chunk by chunk and hash each chunk right after copying it,
 while it is still in this core's cache, on several threads at once (torch-free).
 
 Why chunked: a copy then a hash of 125 MiB reads the bytes from memory twice; hashing a
@@ -29,7 +31,9 @@ ALGOS = ("xxh3", "blake3")
 
 
 def derive_key(secret: bytes | None) -> bytes | None:
-    """The shm transport's own key, derived from the deployment secret (as protocol.secret
+    """Derive the shm transport's own key from the deployment secret.
+
+    The shm transport's own key, derived from the deployment secret (as protocol.secret
     derives its keys: keyed blake2b with a purpose)."""
     if secret is None:
         return None
@@ -69,7 +73,9 @@ class Digest:
 def copy_and_hash(dst_addr: int, dst: memoryview, src_addr: int | None, nbytes: int,
                   chunk: int, digest: Digest, pool: Executor | None = None,
                   threads: int = 1) -> list[bytes]:
-    """Copy `nbytes` from `src_addr` to `dst_addr` (`dst`: a byte view of the destination)
+    """Copy bytes and hash each chunk from the destination.
+
+    Copy `nbytes` from `src_addr` to `dst_addr` (`dst`: a byte view of the destination)
     and return the digests of its chunks, hashed from the destination. `src_addr` None:
     hash `dst` only (the bytes are already there). Contiguous runs of chunks go to
     `threads` threads (this one and `pool`'s)."""

@@ -1,4 +1,6 @@
-"""What the shm transport keeps on its tmpfs directory, and the checks that make reading it
+"""The shm transport's files on tmpfs, and the checks that make reading them safe.
+
+What the shm transport keeps on its tmpfs directory, and the checks that make reading it
 safe (torch-free).
 
 ```
@@ -72,7 +74,9 @@ def _check_owned(st: os.stat_result, what: str) -> None:
 
 
 def secure_dir(path: str) -> int:
-    """Make `path` (and its parents as needed) a 0700 directory owned by this user and open
+    """Create and open a private directory owned by this user.
+
+    Make `path` (and its parents as needed) a 0700 directory owned by this user and open
     it (O_NOFOLLOW); a directory that belongs to someone else is refused."""
     os.makedirs(path, mode=0o700, exist_ok=True)
     try:
@@ -91,8 +95,9 @@ def secure_dir(path: str) -> int:
 
 
 class ShmDir:
-    """One namespace's directory: records, tombstones, arena names. Thread-safe (no state
-    but the descriptor)."""
+    """One namespace's directory: records, tombstones, arena names.
+
+    Thread-safe (no state but the descriptor)."""
 
     def __init__(self, root: str, namespace_key: str) -> None:
         os.close(secure_dir(root))
@@ -101,8 +106,9 @@ class ShmDir:
 
     # -- records -----------------------------------------------------------------------------
     def read_record(self, key: str) -> Record:
-        """The record of `key`. FileNotFoundError when there is none; BadRecord when it is
-        not ours or not well formed."""
+        """The record of `key`.
+
+        FileNotFoundError when there is none; BadRecord when it is not ours or not well formed."""
         fd = _open(key + RECORD_SUFFIX, os.O_RDONLY, self.fd)
         try:
             st = os.fstat(fd)
@@ -143,7 +149,9 @@ class ShmDir:
             return False
 
     def unlink_record_if(self, key: str, arena: str, gen: int) -> bool:
-        """Remove `key`'s record only when it still names this block (another producer may
+        """Remove a key's record if it still names this block.
+
+        Remove `key`'s record only when it still names this block (another producer may
         have stored the item since)."""
         with contextlib.suppress(FileNotFoundError, BadRecord):
             rec = self.read_record(key)
@@ -188,8 +196,10 @@ class ShmDir:
 
     # -- arenas ------------------------------------------------------------------------------
     def open_arena(self, name: str, flags: int = os.O_RDONLY) -> int:
-        """A descriptor of the arena `name` (a record's word: checked). FileNotFoundError
-        when it is gone; BadRecord when the name or the file is not an arena of ours."""
+        """A descriptor of the arena `name` (a record's word: checked).
+
+        FileNotFoundError when it is gone; BadRecord when the name or the file is not an arena
+        of ours."""
         if not ARENA_RE.fullmatch(name):
             raise BadRecord(f"{name[:80]!r} is not an arena name")
         fd = _open(name, flags, self.fd)
@@ -209,7 +219,9 @@ class ShmDir:
 
 
 def _open(name: str, flags: int, dir_fd: int) -> int:
-    """Open a file of the directory; FileNotFoundError when absent, BadRecord when it cannot
+    """Open a file of the shm directory, refusing what is not ours.
+
+    Open a file of the directory; FileNotFoundError when absent, BadRecord when it cannot
     be opened as one of ours (a symlink, a directory, no permission)."""
     try:
         return os.open(name, flags | _OPEN_FLAGS, dir_fd=dir_fd)

@@ -351,7 +351,9 @@ class ShmTransport(Transport):
 
 
 def _prefault(storage: torch.Tensor) -> None:
-    """Fault every page of a fresh buffer in now (MADV_POPULATE_WRITE, Linux 5.14+; else
+    """Fault in every page of a fresh buffer now.
+
+    Fault every page of a fresh buffer in now (MADV_POPULATE_WRITE, Linux 5.14+; else
     write zeros), so no load pays for it."""
     start, size = storage.data_ptr(), storage.numel()
     aligned = (start + PAGE - 1) // PAGE * PAGE

@@ -1,4 +1,6 @@
-"""Media checks at the gateway: every item is decoded far enough to know it is what it claims
+"""Media checks at the gateway, before any upstream call.
+
+Media checks at the gateway: every item is decoded far enough to know it is what it claims
 and within the limits, before any upstream call (bad media is a 4xx here, never a 500 on an
 encoder or a decode instance).
 
@@ -52,7 +54,9 @@ def check_frames(frames: list[bytes], limits: LimitsConfig) -> None:
 
 
 def _video_props(data: bytes) -> tuple[int, int, int, float] | None:
-    """(frames, width, height, fps) of a video container, or None when OpenCV cannot open
+    """Probe a video container's frame count, size and frame rate.
+
+    (frames, width, height, fps) of a video container, or None when OpenCV cannot open
     it. OpenCV reads files only: the bytes go to a private temp file for the probe."""
     import cv2  # vLLM's default video decoder; installed with vLLM
 

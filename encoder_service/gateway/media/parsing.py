@@ -47,8 +47,9 @@ _MEDIA_THREAD = ThreadPoolExecutor(1, thread_name_prefix="epd-media")
 
 @dataclass
 class MediaPart:
-    """One distinct media item of a request. `part` is a JSON-ready content part (with uuid)
-    that an encoder can be sent as is."""
+    """One distinct media item of a request.
+
+    `part` is a JSON-ready content part (with uuid) that an encoder can be sent as is."""
 
     item_id: str
     modality: str
@@ -114,7 +115,9 @@ def _settings(body: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
 
 
 def _frames(url: str, start: int, kind: str) -> list[bytes]:
-    """The frames of a `data:video/jpeg;base64,<f1>,<f2>,...` URL, its payload from `start`:
+    """Decode the frames of a JPEG frame-list video URL.
+
+    The frames of a `data:video/jpeg;base64,<f1>,<f2>,...` URL, its payload from `start`:
     one ASCII copy of the URL, each frame decoded from a view of it (a 120-frame clip is a
     25 MB string: splitting it copied it once more, frame by frame)."""
     try:
@@ -134,7 +137,9 @@ def _framed(frames: list[bytes]) -> list[bytes]:
 
 async def _fetch(part: dict[str, Any], kind: str, modality: str, fetch: Fetcher
                  ) -> bytes | None:
-    """The bytes of a part whose media is a URL to fetch (inlined as a data: URL, so no
+    """Fetch the bytes of a part whose media is a URL.
+
+    The bytes of a part whose media is a URL to fetch (inlined as a data: URL, so no
     server fetches it); None for every other part (its media are in the request)."""
     payload = part.get(kind)
     if kind == "input_audio":
@@ -163,7 +168,9 @@ def _inline_size(part: dict[str, Any], kind: str) -> int:
 
 def _load(part: dict[str, Any], kind: str, modality: str, rules: MediaRules,
           fetched: bytes | None) -> tuple[list[bytes], list[bytes] | None]:
-    """(chunks, frames) of one part: its media bytes (`b"".join(chunks)`, never made) and,
+    """Load one part's media bytes and, for a frame-list video, its frames.
+
+    (chunks, frames) of one part: its media bytes (`b"".join(chunks)`, never made) and,
     for a video sent as a list of images (`data:video/jpeg;base64,<f1>,<f2>,...`), the
     frames; its bytes are then the frames, each prefixed by its length (`_framed`)."""
     limit = rules.limits.max_media_bytes
@@ -196,7 +203,9 @@ def _load(part: dict[str, Any], kind: str, modality: str, rules: MediaRules,
 def _identify(part: dict[str, Any], kind: str, modality: str, rules: MediaRules,
               fetched: bytes | None, namespace: str, signer: IdSigner
               ) -> tuple[str, int, str | None]:
-    """Decode one part's media, give it its content id and check what is new: (id, size,
+    """Decode one part's media, give it its content id and check it.
+
+    Decode one part's media, give it its content id and check what is new: (id, size,
     the verdict to remember, None when it was known). Touches no state but `part`, so it
     may run off the event loop."""
     chunks, frames = _load(part, kind, modality, rules, fetched)
@@ -217,8 +226,9 @@ def _identify(part: dict[str, Any], kind: str, modality: str, rules: MediaRules,
 
 async def _tag(part: dict[str, Any], kind: str, modality: str, rules: MediaRules,
                fetch: Fetcher, namespace: str, signer: IdSigner) -> int:
-    """Load and check one media part and give it its content id (`uuid`); its size. Large
-    media (a clip's frames) are decoded, hashed and checked on the media thread: the event
+    """Load and check one media part and give it its content id (`uuid`); its size.
+
+    Large media (a clip's frames) are decoded, hashed and checked on the media thread: the event
     loop serves other requests meanwhile."""
     fetched = await _fetch(part, kind, modality, fetch)
     args = (part, kind, modality, rules, fetched, namespace, signer)
@@ -297,7 +307,9 @@ async def prepare_chat(body: Any, rules: MediaRules, fetch: Fetcher,
 
 def metadata_only_body(body: dict[str, Any], metadata: dict[str, dict[str, Any]]
                        ) -> tuple[dict[str, Any], int]:
-    """A copy of a prepared `body` whose media parts with known placeholder metadata are
+    """Copy a request body with metadata-only parts where the metadata is known.
+
+    A copy of a prepared `body` whose media parts with known placeholder metadata are
     metadata-only (`{"type": "image_embeds", "image_embeds": {...}, "uuid": id}`: vLLM's
     format for an EC consumer, which gets the embedding from the connector), and how many
     parts were replaced. `body` itself is left as it is (the raw-media retry sends it)."""

@@ -68,7 +68,9 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 async def check_destination(url: str, media: MediaConfig,
                             resolve: Resolver | None = None) -> IPAddress:
-    """The address to connect to for `url` (every address the name resolves to was checked);
+    """Check that a media URL may be fetched; the address to connect to.
+
+    The address to connect to for `url` (every address the name resolves to was checked);
     GatewayError unless it may be fetched under `media`'s policy. `resolve(host, port)`:
     a test's resolver (default: the event loop's getaddrinfo)."""
     parts = urlsplit(url)
@@ -108,7 +110,9 @@ async def check_destination(url: str, media: MediaConfig,
 
 
 def _pinned(url: str, ip: IPAddress) -> tuple[str, dict[str, str], dict[str, str]]:
-    """`url` aimed at `ip`, with the headers and request extensions that keep the host name
+    """Aim a URL at a checked IP address, keeping its host name for HTTP and TLS.
+
+    `url` aimed at `ip`, with the headers and request extensions that keep the host name
     for the server (Host) and for TLS (SNI, certificate check)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
@@ -125,7 +129,9 @@ def _pinned(url: str, ip: IPAddress) -> tuple[str, dict[str, str], dict[str, str
 async def fetch_media(client: httpx.AsyncClient, url: str, media: MediaConfig,
                       limits: LimitsConfig, resolve: Resolver | None = None
                       ) -> tuple[bytes, str | None]:
-    """The bytes and content type at `url`, every hop checked; 4xx GatewayError on refusal,
+    """Fetch media from a URL, checking every hop.
+
+    The bytes and content type at `url`, every hop checked; 4xx GatewayError on refusal,
     502/504 when the remote side fails or is too slow."""
     async def run() -> tuple[bytes, str | None]:
         nonlocal url

@@ -1,4 +1,6 @@
-"""Admission at the gateway's door, before any upstream call: a request id, a slot among
+"""Admission at the gateway's door: request id, slot and body.
+
+Admission at the gateway's door, before any upstream call: a request id, a slot among
 `limits.max_concurrent_requests` (else 429 with Retry-After), and a JSON body read within
 `limits.max_request_bytes` and `limits.body_read_timeout_s` (413, 408, 400 bad_json)."""
 
@@ -31,7 +33,9 @@ class Admission:
         self.active = 0  # chat/completions requests admitted and not finished
 
     def admit(self) -> GatewayError | None:
-        """A slot for one more chat/completions request (give it back with `leave()`), or
+        """Take a slot for one more request, or return the 429 to answer.
+
+        A slot for one more chat/completions request (give it back with `leave()`), or
         the 429 to answer."""
         limit = self.limits.max_concurrent_requests
         if self.active >= limit:

@@ -1,4 +1,6 @@
-"""The chat flow, POST /v1/chat/completions: validate and tag the media (parsing.py), skip
+"""The chat flow, POST /v1/chat/completions.
+
+The chat flow, POST /v1/chat/completions: validate and tag the media (parsing.py), skip
 items already available (availability.py), encode the rest (encoder_clients.py), and open
 the request with its ec_transfer_params on a prefill/decode instance (decoders.py), after the
 encode or beside it (`routing.overlap`); the answer is relayed (relay.py) with a failover
@@ -59,7 +61,9 @@ Routed = tuple[Upstream, dict[str, Any], dict[str, Any]]
 
 
 async def _discard(task: asyncio.Task[Routed]) -> None:
-    """Cancel a decode request opened early; one that opened already is released (closing
+    """Cancel or release a decode request opened early.
+
+    Cancel a decode request opened early; one that opened already is released (closing
     its connection aborts the request in vLLM), even when our own wait is cancelled."""
     task.add_done_callback(_release_routed)
     task.cancel()
@@ -72,7 +76,9 @@ def _release_routed(task: asyncio.Task[Routed]) -> None:
 
 
 class ChatFlow:
-    """The chat endpoint over the gateway's parts (made at start-up, once the upstream
+    """The chat endpoint over the gateway's parts.
+
+    The chat endpoint over the gateway's parts (made at start-up, once the upstream
     clients exist); `drain()` at shutdown waits for the encoder releases in flight."""
 
     def __init__(self, section: ChatSection, metrics: GatewayMetrics,
@@ -105,7 +111,9 @@ class ChatFlow:
             await asyncio.wait(list(self._background), timeout=timeout_s)
 
     def _release(self, outcome: EncodeOutcome | None) -> None:
-        """Tell the encoders holding `outcome`'s items that the decode side is done with
+        """Release an outcome's items on their encoders, in the background.
+
+        Tell the encoders holding `outcome`'s items that the decode side is done with
         them (in the background; once per outcome)."""
         if outcome is not None and outcome.holders:
             task = asyncio.ensure_future(outcome.release())
@@ -189,7 +197,9 @@ class ChatFlow:
     # -- routing: encode what is missing, open the decode request ----------------------------
     async def _route(self, prepared: PreparedRequest, rid: str, held: list[EncodeOutcome],
                      trace: RequestTrace | None) -> Routed:
-        """Encode what is missing (the outcome is appended to `held`) and open the decode
+        """Encode what is missing and open the decode request.
+
+        Encode what is missing (the outcome is appended to `held`) and open the decode
         request, after the encode or beside it (`_overlaps`); returns the decode request, the
         log fields and the body it was sent."""
         t_items = time.perf_counter()  # the trace's `epd.items` (lookups included)
@@ -283,7 +293,9 @@ class ChatFlow:
     async def _open_decode(self, prepared: PreparedRequest, hints: dict[str, ItemEntry],
                            rid: str, key: str | None, info: dict[str, Any],
                            trace: RequestTrace | None = None) -> Routed:
-        """Open the decode request: `prepared.body` with `hints` as its ec_transfer_params,
+        """Open the decode request, falling back to raw media if that fails early.
+
+        Open the decode request: `prepared.body` with `hints` as its ec_transfer_params,
         metadata-only parts where the items' metadata is known (once again with the raw media
         if that fails before the answer). `prepared.body` itself is left as it is."""
         raw = dict(prepared.body)
@@ -319,7 +331,9 @@ class ChatFlow:
 
     async def _decode(self, body: dict[str, Any], rid: str, key: str | None,
                       info: dict[str, Any], trace: RequestTrace | None = None) -> Upstream:
-        """Open `body` on a decode instance (by `key`'s affinity); E/P/D: prefilled first on
+        """Send a request body to a decode instance, prefilled first under E/P/D.
+
+        Open `body` on a decode instance (by `key`'s affinity); E/P/D: prefilled first on
         a prefill instance (by `key`), then on a decode instance by load with the prefill's
         kv_transfer_params (none when the handoff failed: it computes the prompt). `body`
         itself stays without them: a failover resumes on another instance from scratch.
@@ -354,7 +368,9 @@ class ChatFlow:
         return up
 
     def _placeholders(self, hints: dict[str, ItemEntry]) -> dict[str, dict[str, Any]]:
-        """Placeholder metadata of the hinted items (from this request's encoders, else
+        """The placeholder metadata of the hinted items.
+
+        Placeholder metadata of the hinted items (from this request's encoders, else
         remembered from an earlier encode); `hints` keep only what decode instances read."""
         out: dict[str, dict[str, Any]] = {}
         for item_id, entry in hints.items():

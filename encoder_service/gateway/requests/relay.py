@@ -1,4 +1,6 @@
-"""Passing a decode instance's answer through to the client: the disconnect watch, the
+"""Relay a decode instance's answer to the client.
+
+Passing a decode instance's answer through to the client: the disconnect watch, the
 error answer, and the relay itself (whole or streamed, SSE chunks forwarded as they arrive).
 
 One `Exchange` is the client's side of a request (its ASGI channel, id, start time, endpoint
@@ -95,7 +97,9 @@ class Exchange:
 
 @dataclass(frozen=True)
 class RelayPlan:
-    """`on_first()`: runs once the first answer bytes are in (the decode has prefilled);
+    """How to relay one answer: callbacks, failover and what the client wants.
+
+    `on_first()`: runs once the first answer bytes are in (the decode has prefilled);
     `resume`: continues an answer that broke off on another instance (None: no failover);
     `wants_ids`: the client asked for token ids itself (else they are removed);
     `wants_usage`: a usage chunk ends the stream (`stream_options.include_usage`);
@@ -113,7 +117,9 @@ _NO_PLAN = RelayPlan()
 
 @dataclass
 class _Leg:
-    """The upstream answer being relayed now (another one after a failover) and when its
+    """The upstream answer being relayed now.
+
+    The upstream answer being relayed now (another one after a failover) and when its
     first bytes arrived."""
 
     up: Upstream
@@ -158,7 +164,9 @@ class Relay:
         logger.info("client disconnected rid=%s; upstream requests cancelled", rid)
 
     async def guarded(self, answer: Callable[[], Awaitable[None]], ex: Exchange) -> None:
-        """Run an upstream answer: a GatewayError becomes its HTTP error, a client that went
+        """Run an upstream answer, turning errors and disconnects into outcomes.
+
+        Run an upstream answer: a GatewayError becomes its HTTP error, a client that went
         away is counted (the upstream call was cancelled with it), the watch always ends."""
         try:
             await answer()
@@ -174,7 +182,9 @@ class Relay:
 
     async def relay(self, up: Upstream, ex: Exchange, stream: bool, info: dict[str, object],
                     plan: RelayPlan = _NO_PLAN) -> None:
-        """Pass the upstream answer through, closing it on every path (cancelled by the watch
+        """Pass an upstream answer through to the client.
+
+        Pass the upstream answer through, closing it on every path (cancelled by the watch
         on a client disconnect: the upstream connection is closed, vLLM aborts the
         request). `info`: the request's log fields (a failover adds its own)."""
         headers = [(b"x-request-id", ex.rid.encode())]
@@ -300,7 +310,9 @@ class Relay:
         return chunks
 
     async def _complete(self, leg: _Leg, ex: Exchange, exc: Exception, tail: bytes) -> None:
-        """The answer was whole when the stream broke: send what the client still lacks
+        """End a stream cleanly that broke after its answer was whole.
+
+        The answer was whole when the stream broke: send what the client still lacks
         (`data: [DONE]`, or nothing when that passed too) and end it cleanly."""
         logger.warning("decode stream broke rid=%s decoder=%s error=%s action=completed "
                        "(the answer had finished)", ex.rid, leg.up.url, exc)

@@ -19,7 +19,9 @@ PREFILL_ANSWER_STAGES = (START, RESUME)
 
 
 class GatewayMetrics:
-    """Stages: parse (read + validate + hash), encode (encoder calls), prefill (E/P/D: the
+    """The gateway's Prometheus metrics: stage latencies and item outcomes.
+
+    Stages: parse (read + validate + hash), encode (encoder calls), prefill (E/P/D: the
     prefill instance's answer, KV cache ready to hand on), first_token (decode
     request sent -> first byte back; includes the decode side's transfer wait and prefill),
     total. Item outcomes: cache_hit (already available, not encoded), encoded, fallback
@@ -111,6 +113,8 @@ class GatewayMetrics:
                                 "(epd up)", ["instance"], registry=r)
 
     def instance_registered(self, name: str) -> None:
-        """A server `epd up` supervises (encoder-0, decode-1, mooncake-master, ...): its
+        """Export a supervised server's restart count, at 0 until it restarts.
+
+        A server `epd up` supervises (encoder-0, decode-1, mooncake-master, ...): its
         restart count exported at 0 before its first restart."""
         self.restarts.labels(name)

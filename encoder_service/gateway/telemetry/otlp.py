@@ -1,4 +1,6 @@
-"""OTLP/HTTP for the gateway's traces (tracing.py): recorded spans encoded straight into an
+"""Export the gateway's traces over OTLP/HTTP, hand-encoded as protobuf.
+
+OTLP/HTTP for the gateway's traces (tracing.py): recorded spans encoded straight into an
 `ExportTraceServiceRequest` (protobuf wire format of opentelemetry/proto/trace/v1/trace.proto,
 the fields below) and POSTed to the collector (`application/x-protobuf`). Hand-encoded: the
 SDK's way (a ReadableSpan per span, then its encoder's message objects) cost 32 us a span on
@@ -99,7 +101,9 @@ def tracestate_field(tracestate: str | None) -> bytes:
 
 
 def request(resource: bytes, scope: bytes, spans: Iterable[bytes]) -> bytes:
-    """An ExportTraceServiceRequest of one resource and scope (`resource`, `scope`: their
+    """Encode an ExportTraceServiceRequest of one resource and scope.
+
+    An ExportTraceServiceRequest of one resource and scope (`resource`, `scope`: their
     encoded messages, from `resource_of`, `scope_of`)."""
     blob = b"".join(b"\x12" + _varint(len(s)) + s for s in spans)  # ScopeSpans.spans
     scope_spans = _field(b"\x0a", scope) + blob

@@ -1,4 +1,6 @@
-"""`epd top`: a live terminal view of a deployment, read from its gateway alone: `GET
+"""`epd top`: a live terminal view of a deployment, from its gateway.
+
+`epd top`: a live terminal view of a deployment, read from its gateway alone: `GET
 /metrics` (Prometheus text: totals, refusals, the first-token histograms) and `GET /instances`
 (each encoder, prefill and decode instance: state, in flight, what it was given, its last
 probe). One frame per `--interval` seconds, redrawn in place; `--once` prints one frame
@@ -74,7 +76,9 @@ class Snapshot:
         return dict(out)
 
     def buckets(self, name: str, **match: str) -> dict[float, float]:
-        """A histogram's cumulative buckets {upper bound: count} (series matching `match`
+        """A histogram's cumulative buckets, summed over matching series.
+
+        A histogram's cumulative buckets {upper bound: count} (series matching `match`
         summed)."""
         out: dict[float, float] = defaultdict(float)
         for labels, v in self.samples.get(name + "_bucket", {}).items():
@@ -99,7 +103,9 @@ def parse_metrics(text: str) -> dict[str, dict[Labels, float]]:
 
 
 def auth_headers(api_key: str | None, secret_file: str | None) -> dict[str, str]:
-    """The bearer key `epd top` presents: a client key, else the admin token of the
+    """The auth header `epd top` presents to the gateway.
+
+    The bearer key `epd top` presents: a client key, else the admin token of the
     deployment secret (`secret_file`, else $EPD_SECRET_FILE), else none."""
     if api_key:
         return {"authorization": f"Bearer {api_key}"}
@@ -167,7 +173,9 @@ class Frame:
 
 
 def state_of(entry: dict[str, Any]) -> str:
-    """draining, down (reported down, or its last probe failed), cooling (a failure: tried
+    """The state an instance is shown in.
+
+    draining, down (reported down, or its last probe failed), cooling (a failure: tried
     last for a while), up."""
     state = entry.get("state", "?")
     if state in ("draining", "down"):
@@ -289,7 +297,9 @@ def run_once(client: httpx.Client, url: str, out: TextIO, as_json_: bool) -> int
 
 def run_live(client: httpx.Client, url: str, interval: float, out: TextIO,
              as_json_: bool) -> int:
-    """Redraw every `interval` s until Ctrl-C (exit 0); an unreachable gateway is said and
+    """Redraw the view every `interval` seconds until Ctrl-C.
+
+    Redraw every `interval` s until Ctrl-C (exit 0); an unreachable gateway is said and
     asked again; a refusal (401) ends it (exit 1)."""
     prev: Snapshot | None = None
     # Ctrl-C ends it even when started with SIGINT ignored (inherited: a background job of a

@@ -1,4 +1,6 @@
-"""Traces of chat requests (OpenTelemetry, W3C trace context), off unless
+"""Traces of chat requests (OpenTelemetry, W3C trace context).
+
+Traces of chat requests (OpenTelemetry, W3C trace context), off unless
 `tracing.otlp_traces_endpoint` is set (config.py `TracingConfig`).
 
 On, each POST /v1/chat/completions gets a trace, or continues the caller's (`traceparent`):
@@ -72,7 +74,9 @@ def inject(headers: dict[str, str]) -> None:
 
 
 def call(name: str, headers: dict[str, str], attrs: dict[str, Any]) -> Call | None:
-    """A span for an upstream call made now (a child of this context's span), its
+    """Open a span for an upstream call and put its traceparent in the headers.
+
+    A span for an upstream call made now (a child of this context's span), its
     traceparent put in `headers`; None when nothing is traced here."""
     act = _ACTIVE.get()
     if act is None:
@@ -141,8 +145,10 @@ Finished = tuple[int, int, str | None, int, tuple[Span, ...]]
 
 
 class RequestTrace:
-    """One request's spans. `start` activates its root span in the caller's context;
-    `finish()` (once, at the request's end) hands the spans to the exporter."""
+    """One request's spans.
+
+    `start` activates its root span in the caller's context; `finish()` (once, at the request's
+    end) hands the spans to the exporter."""
 
     __slots__ = ("tracer", "start", "offset_ns", "tracestate", "trace_id", "parent", "sampled",
                  "_prefix", "_flags", "root", "spans", "status", "attrs", "decode", "_relay",
@@ -215,7 +221,9 @@ class RequestTrace:
     def items(self, span_id: int, start: float, items: Iterable[Any], hits: set[str],
               outcome: Any = None, made_by: Callable[[str], str | None] | None = None,
               overlap: bool = False) -> None:
-        """The `epd.items` span and one `epd.item` per item (`outcome`: the router's
+        """Record the `epd.items` span and one `epd.item` span per item.
+
+        The `epd.items` span and one `epd.item` per item (`outcome`: the router's
         EncodeOutcome for the items not hit; its `landed` times end their spans)."""
         end = time.perf_counter()
         _ACTIVE.set((self, self.root))
@@ -240,14 +248,18 @@ class RequestTrace:
                                                  "epd.overlap": overlap}, span_id=span_id)
 
     def open_call(self, name: str) -> Call:
-        """The span of a request to an instance (a child of the root; E/P/D: `epd.prefill`),
+        """Open the span of a request to an instance, active in this context.
+
+        The span of a request to an instance (a child of the root; E/P/D: `epd.prefill`),
         active from now on in this context (its traceparent goes along)."""
         span = Call(self, name, self.root, {})
         _ACTIVE.set((self, span.span_id))
         return span
 
     def open_decode(self) -> Call:
-        """`open_call("epd.decode")`, ended with the answer (`finish`); a decode span still
+        """Open the decode span, ending any decode span still open.
+
+        `open_call("epd.decode")`, ended with the answer (`finish`); a decode span still
         open (an early request dropped, a metadata-only one asked again raw) ends here."""
         if self.decode is not None:
             self.decode.done(**{"epd.superseded": True})
@@ -300,7 +312,9 @@ class RequestTrace:
 
 
 class Tracer:
-    """A gateway's traces: `start(scope)` per request; a thread exports the finished ones
+    """A gateway's tracer: starts request traces and exports finished ones.
+
+    A gateway's traces: `start(scope)` per request; a thread exports the finished ones
     (`thread=False`: only `flush()` does, for benchmarks)."""
 
     def __init__(self, cfg: TracingConfig, metrics: GatewayMetrics | None = None,
@@ -404,6 +418,8 @@ class Tracer:
 
 
 def make_tracer(cfg: TracingConfig, metrics: GatewayMetrics | None = None) -> Tracer | None:
-    """The gateway's Tracer (its spans counted in `metrics`), or None when tracing is off (no
+    """Make the gateway's tracer, or None when tracing is off.
+
+    The gateway's Tracer (its spans counted in `metrics`), or None when tracing is off (no
     endpoint configured)."""
     return None if cfg.otlp_traces_endpoint is None else Tracer(cfg, metrics)

@@ -76,7 +76,9 @@ class SafetensorsAvailability(NoAvailability):
 
 
 class ShmAvailability(SafetensorsAvailability):
-    """Items whose shm record is in place (`<shm_path>/<namespace>/<key>.item`, the layout
+    """Items available in shm: those whose shm record is in place.
+
+    Items whose shm record is in place (`<shm_path>/<namespace>/<key>.item`, the layout
     of ec_connectors.transports.shm.layout): stored and not evicted. The gateway must run on
     the servers' host, as the same user (the directory is 0700)."""
 
@@ -85,9 +87,11 @@ class ShmAvailability(SafetensorsAvailability):
 
 
 class MooncakeAvailability(NoAvailability):
-    """Items the Mooncake TE producers announced (and have not evicted). The catalog lives
-    on its own thread (ZMQ SUB); a lookup is one dict read. The gateway's item ids are already
-    namespaced by model (content hash); producers also refuse pulls from another model."""
+    """Items the Mooncake TE producers announced (and have not evicted).
+
+    The catalog lives on its own thread (ZMQ SUB); a lookup is one dict read. The gateway's item
+    ids are already namespaced by model (content hash); producers also refuse pulls from another
+    model."""
 
     name = "mooncake"
 
@@ -121,7 +125,9 @@ class MooncakeAvailability(NoAvailability):
 
 def make_availability(a: AvailabilityConfig, namespace: str,
                       secret_file: str | None) -> Availability:
-    """The view `a` configures (its required keys per kind are checked by
+    """Make the availability view the config names.
+
+    The view `a` configures (its required keys per kind are checked by
     AvailabilityConfig); `namespace` as the servers', `secret_file` reads announcements."""
     if a.kind == "mooncake":
         return MooncakeAvailability(a.producers, secret_file=secret_file)

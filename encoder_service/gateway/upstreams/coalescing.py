@@ -1,4 +1,6 @@
-"""`CoalescingClient`: concurrent requests' new images share calls to an encoder whose cost
+"""Share encoder calls between concurrent requests' new images.
+
+`CoalescingClient`: concurrent requests' new images share calls to an encoder whose cost
 is per call rather than per item (a vLLM encoder). Video and audio, and items with other
 processor settings, never share; a shared call the encoder refuses for its content is split
 back into its requests, so a bad item fails its own request only."""
@@ -48,7 +50,9 @@ logger = logging.getLogger("epd.gateway")
 
 
 class CoalescingClient:
-    """An EncoderClient in front of one whose cost is per call rather than per item (a vLLM
+    """An encoder client that batches concurrent requests' images into shared calls.
+
+    An EncoderClient in front of one whose cost is per call rather than per item (a vLLM
     encoder: its API server and engine work per request; measured on one core, tiny LLaVA:
     5.0 ms of its CPU per image one per call, about 2.5 ms eight per call): concurrent requests'
     new images share calls. At most `max_calls` calls are in flight; images that arrive while
@@ -163,7 +167,9 @@ async def _settled(call: Awaitable[dict[str, Any]]) -> dict[str, Any] | EncoderF
 
 
 class EncoderClientMaker:
-    """`maker(url)`: the client of the encoder at `url`: an `epd encoder` pool's (it batches
+    """Make the right encoder client for an encoder URL.
+
+    `maker(url)`: the client of the encoder at `url`: an `epd encoder` pool's (it batches
     across calls itself), else a vLLM producer's behind a coalescing client (`coalesce_items`
     1: every request alone, still counted)."""
 

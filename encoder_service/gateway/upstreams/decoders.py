@@ -1,4 +1,6 @@
-"""Prefill/decode instances: affinity choice under bounded load (routing.py), one retry before
+"""Prefill/decode instances: choice, retries and membership.
+
+Prefill/decode instances: affinity choice under bounded load (routing.py), one retry before
 the first byte, membership that changes at run time (drained before an instance leaves).
 
 `DecodePool.open` sends the request and returns once the response headers arrived (the
@@ -69,8 +71,10 @@ class Upstream:
         return data
 
     async def failed_before_answer(self, stream: bool) -> bool:
-        """Did the request fail before its first token? For a stream, reads (and holds for
-        `chunks()`) the events up to the first that decides it."""
+        """Did the request fail before its first token?
+
+        For a stream, reads (and holds for `chunks()`) the events up to the first that decides
+        it."""
         if self.status_code >= 500:
             return True
         if not stream or self.status_code != 200:
@@ -107,7 +111,9 @@ class Upstream:
         self.close()
 
     def close(self) -> None:
-        """Give the connection back (or close it: an unfinished request is aborted upstream)
+        """Give the upstream connection back and stop counting it in flight.
+
+        Give the connection back (or close it: an unfinished request is aborted upstream)
         and stop counting it in flight; a second call changes nothing."""
         if self._released:
             return
@@ -120,7 +126,9 @@ class Upstream:
 
 
 def _first_event_verdict(event: bytes) -> bool | None:
-    """One SSE event of a chat/completions stream: True = an error, False = an answer has
+    """Classify one SSE event of a stream: error, answer, or role-only chunk.
+
+    One SSE event of a chat/completions stream: True = an error, False = an answer has
     begun (text, a finish reason, anything unexpected), None = a role-only chunk."""
     if not event.startswith(b"data: ") or event.startswith(b"data: [DONE]"):
         return False
@@ -142,8 +150,11 @@ def _first_event_verdict(event: bytes) -> bool | None:
 
 
 class DecodePool(Members):
-    """Call `start()` inside the running event loop, `close()` at shutdown. `metrics`: where
-    `request()` counts a client request's decode failures and retries."""
+    """The prefill/decode instances a gateway sends requests to.
+
+    Call `start()` inside the running event loop, `close()` at shutdown.
+
+    `metrics`: where `request()` counts a client request's decode failures and retries."""
 
     def __init__(self, section: PoolSection, metrics: GatewayMetrics | None = None) -> None:
         self.urls = list(section.urls)
@@ -170,7 +181,9 @@ class DecodePool(Members):
             await self.session.close()
 
     def order(self, key: str | None = None, exclude: Set[str] = frozenset()) -> list[str]:
-        """Instances to try, best first: the policy's order for `key` (the request's first
+        """The instances to try for a request, best first.
+
+        Instances to try, best first: the policy's order for `key` (the request's first
         item; None: least loaded) among those not cooling down after a failure, then those
         cooling down. Draining and down instances get nothing new."""
         now = time.monotonic()
@@ -198,7 +211,9 @@ class DecodePool(Members):
         self.cool_down(hold.name)
 
     def _again(self, key: str | None, tried: set[str], url: str, status: int) -> bool:
-        """Whether a first attempt's 5xx from `url` is tried once more: on another instance
+        """Whether a first attempt's 5xx is retried, and where.
+
+        Whether a first attempt's 5xx from `url` is tried once more: on another instance
         (`url` cools down), or, a plain 500, on `url` itself once no other answers (`open`:
         it is up, and vLLM heals the processor-cache drift behind such a 500 first)."""
         if self.order(key, tried):
@@ -209,7 +224,9 @@ class DecodePool(Members):
     async def open(self, method: str, path: str, content: bytes | None,
                    request_id: str, key: str | None = None,
                    exclude: Set[str] = frozenset()) -> Upstream:
-        """`key`: what the request's affinity follows (its first item id), None for none;
+        """Open a request on the best instance, retrying once before the first byte.
+
+        `key`: what the request's affinity follows (its first item id), None for none;
         `exclude`: instances not to use (one that just broke off this answer)."""
         assert self.session is not None, "DecodePool.start() was not called"
         tried: set[str] = set(exclude)
@@ -289,7 +306,9 @@ class DecodePool(Members):
 
     async def request(self, method: str, path: str, content: bytes | None, request_id: str,
                       key: str | None = None) -> Upstream:
-        """`open()` for a client's request, its failures and retries counted in the metrics
+        """Open a client's request, counting its failures and retries.
+
+        `open()` for a client's request, its failures and retries counted in the metrics
         (a failover's opens are not: the relay counts the break that caused them)."""
         m = self.metrics
         try:

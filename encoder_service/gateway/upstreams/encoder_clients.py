@@ -40,7 +40,9 @@ _UNLISTED = ItemEntry()  # an item an encoder had stored before: the consumer lo
 
 
 class EncoderFailed(Exception):
-    """An encode call failed or missed its deadline (message: what and where; `status`: the
+    """An encode call failed or missed its deadline.
+
+    An encode call failed or missed its deadline (message: what and where; `status`: the
     encoder's HTTP status when it answered with an error)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -65,6 +67,7 @@ class Releasing(Protocol):
 async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
                 request_id: str, timeout_s: float, answer_s: float) -> httpx.Response:
     """POST with a deadline; every failure (timeout, connection, non-200) is EncoderFailed.
+
     Traced (tracing.py): an `epd.encoder_call` span, its traceparent sent along."""
     headers = {"x-request-id": request_id, "content-type": "application/json"}
     span = tracing.call("epd.encoder_call", headers, {"server.address": name,
@@ -98,8 +101,10 @@ async def _answer(name: str, client: httpx.AsyncClient, url: str, body: dict[str
 
 
 class VllmEncoderClient:
-    """A vLLM server with an ec_producer EPDConnector (or any EC producer). One chat request
-    carries all of a group's items; max_tokens=1 (an encoder-only producer makes none)."""
+    """A vLLM server with an ec_producer EPDConnector (or any EC producer).
+
+    One chat request carries all of a group's items; max_tokens=1 (an encoder-only producer
+    makes none)."""
 
     def __init__(self, url: str, model: str, client: httpx.AsyncClient,
                  timeout_s: float) -> None:
@@ -137,7 +142,9 @@ def _payload(item: MediaPart) -> str:
 
 
 class PoolEncoderClient:
-    """The batching encoder pool (`epd encoder`): `POST /v1/encode` with all of a group's
+    """The client of a batching encoder pool (`epd encoder`).
+
+    The batching encoder pool (`epd encoder`): `POST /v1/encode` with all of a group's
     images (one request; the pool batches across requests). Items the pool reports as
     failed are left out of the answer (the caller sends them raw); so are modalities the pool
     does not serve. `release()` tells the pool the decode side has prefilled the items."""
@@ -152,7 +159,9 @@ class PoolEncoderClient:
 
     @classmethod
     def takes(cls, item: MediaPart) -> bool:
-        """Whether the pool encodes `item`: it applies its own processor settings, so an
+        """Whether the pool encodes an item.
+
+        Whether the pool encodes `item`: it applies its own processor settings, so an
         item with others (or a modality it does not serve) goes raw."""
         return item.modality in cls.modalities and not item.kwargs
 
@@ -200,8 +209,9 @@ class EncodeOutcome:
     router: EncoderRouter | None = None
 
     async def release(self) -> None:
-        """Tell every holding encoder the decode side is done (once; never raises). Items
-        other requests still use are released by the last of them."""
+        """Tell every holding encoder the decode side is done (once; never raises).
+
+        Items other requests still use are released by the last of them."""
         holders, self.holders = self.holders, []
         if self.router is not None:
             holders = self.router.unref(holders)
@@ -215,7 +225,9 @@ _Result = tuple[ItemEntry | None, Releasing | None]
 
 
 class EncoderRouter(Members):
-    """Each item to its encoder (routing.Chooser: affinity by default), one call per encoder
+    """Route each item to its encoder, with retries, cool-downs and single flight.
+
+    Each item to its encoder (routing.Chooser: affinity by default), one call per encoder
     per request, a failed call retried once on the item's next encoder, a cool-down for
     encoders that just failed, and single flight: an item already being encoded for another
     request of this gateway is waited for, not encoded again. Encoders join and leave at
@@ -249,9 +261,10 @@ class EncoderRouter(Members):
     # -- choice ------------------------------------------------------------------------------
     def candidates(self, key: str | None = None, exclude: Set[str] = frozenset(),
                    load: dict[str, int] | None = None) -> list[EncoderClient]:
-        """Usable encoders for `key`, best first. If all are cooling down, they are all
-        tried anyway rather than none; draining and down ones never (none: the items go
-        raw)."""
+        """Usable encoders for `key`, best first.
+
+        If all are cooling down, they are all tried anyway rather than none; draining and down
+        ones never (none: the items go raw)."""
         now = time.monotonic()
         pool = [n for n in self.clients if n not in exclude and self.usable(n)]
         up = [n for n in pool if self.down_until[n] <= now] or pool

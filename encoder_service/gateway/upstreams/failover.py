@@ -1,4 +1,6 @@
-"""Mid-stream failover of a streamed chat answer, the pure half: when the decode instance dies
+"""Mid-stream failover of a streamed chat answer: the pure half.
+
+Mid-stream failover of a streamed chat answer, the pure half: when the decode instance dies
 after the first token, another instance continues the same answer and the client sees one
 stream, token for token and character for character what it would have seen without the
 failure, or an error event after a correct prefix. Never a wrong token. (The I/O half, which
@@ -60,9 +62,10 @@ TOKEN_IN_KEYS = frozenset({
 
 class StreamTracker:
     """Follows a chat completion stream (SSE bytes in, SSE bytes out): what was sent.
-    `resume(skip)` switches it to a continuation's stream: what the continuation produces
-    again is checked and dropped (`skip`), its role chunk is dropped (the client had one) and
-    its chunks carry the first stream's id."""
+
+    `resume(skip)` switches it to a continuation's stream: what the continuation produces again
+    is checked and dropped (`skip`), its role chunk is dropped (the client had one) and its
+    chunks carry the first stream's id."""
 
     def __init__(self, client_wants_ids: bool, wants_usage: bool = False) -> None:
         self.client_wants_ids = client_wants_ids
@@ -87,7 +90,9 @@ class StreamTracker:
         self._pending = b""
 
     def tail(self) -> bytes | None:
-        """What ends the stream for the client when it broke after the answer finished:
+        """What still ends the stream for the client after a late break.
+
+        What ends the stream for the client when it broke after the answer finished:
         `data: [DONE]` (b"" when that passed too); None when something else is missing (the
         answer, or a usage chunk only the model's server can count)."""
         if self.done_sent:
@@ -101,8 +106,9 @@ class StreamTracker:
         return "".join(self.text)
 
     def feed(self, chunk: bytes) -> bytes:
-        """The part of `chunk` to send on (whole events only; a partial one waits). Raises
-        `ResumeMismatch` when a continuation's repeated part differs from what was sent."""
+        """The part of `chunk` to send on (whole events only; a partial one waits).
+
+        Raises `ResumeMismatch` when a continuation's repeated part differs from what was sent."""
         data = self._pending + chunk
         *events, self._pending = data.split(b"\n\n")
         out = [self._event(e) for e in events]
@@ -188,7 +194,9 @@ class ResumeMismatch(Exception):
 
 
 class Skip:
-    """What a continuation produces again before the point the client reached: the token ids
+    """What a continuation must repeat exactly before it reaches new output.
+
+    What a continuation produces again before the point the client reached: the token ids
     and text it must repeat exactly, dropped from what the client gets."""
 
     def __init__(self, ids: list[int], text: str) -> None:
@@ -200,7 +208,9 @@ class Skip:
         return self._i == len(self.ids) and self._t == len(self.text)
 
     def take(self, choice: dict[str, Any]) -> bool:
-        """Drops the repeated part of `choice` in place (after checking it); True when
+        """Drop the checked repeated part of a choice; whether anything is new.
+
+        Drops the repeated part of `choice` in place (after checking it); True when
         something of it is new."""
         ids = list(choice.get("token_ids") or ())
         n = min(len(ids), len(self.ids) - self._i)
@@ -225,7 +235,9 @@ class Skip:
 
 
 def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The body to send upstream for a streamed chat request: token ids on (the tracker
+    """The upstream body of a streamed chat request, with token ids on.
+
+    The body to send upstream for a streamed chat request: token ids on (the tracker
     removes them again from what a client that did not ask gets)."""
     return body if body.get("return_token_ids") is True else {**body, "return_token_ids": True}
 
@@ -255,15 +267,19 @@ def _token_in_refusal(body: dict[str, Any], params: dict[str, Any]) -> str | Non
 
 
 def greedy(body: dict[str, Any], params: dict[str, Any] | None) -> bool:
-    """Does the request decode greedily? (vLLM's render reports the effective temperature,
-    the model's default included; without it only an explicit 0 counts.)"""
+    """Does the request decode greedily?
+
+    (vLLM's render reports the effective temperature, the model's default included; without it
+    only an explicit 0 counts.)"""
     t = (params or {}).get("temperature", body.get("temperature"))
     return isinstance(t, (int, float)) and not isinstance(t, bool) and t == 0
 
 
 def plan(body: dict[str, Any], params: dict[str, Any] | None, sent: StreamTracker
          ) -> tuple[str, Cut] | tuple[None, str]:
-    """How to continue `body` after `sent` broke off: ("token_in", cut), ("replay", Cut(0, 0))
+    """Decide how to continue a broken answer, or why it cannot be.
+
+    How to continue `body` after `sent` broke off: ("token_in", cut), ("replay", Cut(0, 0))
     or (None, why not). `params`: the sampling parameters another instance rendered for
     the same request (None: no token-in API there)."""
     if not sent.continuable or body.get("n", 1) != 1:
@@ -290,7 +306,9 @@ def skip_for(sent: StreamTracker, cut: Cut) -> Skip:
 
 def generate_request(rendered: Any, sent_body: dict[str, Any], sent: StreamTracker,
                      cut: Cut) -> dict[str, Any] | None:
-    """vLLM's token-in request (`POST /inference/v1/generate`) that continues the answer from
+    """Build vLLM's token-in request that continues the answer from a cut.
+
+    vLLM's token-in request (`POST /inference/v1/generate`) that continues the answer from
     `cut`: the prompt `/v1/chat/completions/render` made from the same chat request, which
     must be exactly the first prompt, then the tokens sent up to the cut; text out, streamed.
     None when the prompt differs or nothing is left to generate."""
@@ -331,7 +349,9 @@ def rendered_params(rendered: Any) -> dict[str, Any] | None:
 
 
 class GenerateToChat:
-    """Turns vLLM's token-in stream (`{"choices": [{"text", "token_ids", "finish_reason"}]}`)
+    """Turn vLLM's token-in stream into the chat chunks of the stream it continues.
+
+    Turns vLLM's token-in stream (`{"choices": [{"text", "token_ids", "finish_reason"}]}`)
     into chat completion chunks of the stream it continues (same id and model)."""
 
     def __init__(self, stream_id: str | None, model: str) -> None:

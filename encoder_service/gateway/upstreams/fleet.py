@@ -18,7 +18,9 @@ logger = logging.getLogger("epd.gateway")
 
 
 class Fleet:
-    """The pools, and how each instance is probed: a real forward ("vllm") or an `epd
+    """The gateway's upstream pools and how each instance is probed.
+
+    The pools, and how each instance is probed: a real forward ("vllm") or an `epd
     encoder` pool's /health ("pool", when `pool_encoders`)."""
 
     def __init__(self, decoders: DecodePool, router: EncoderRouter,

@@ -36,7 +36,9 @@ _DROPPED = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill instance's request: `body` for one token, its KV cache kept for a decode
+    """The prefill instance's request for a body.
+
+    The prefill instance's request: `body` for one token, its KV cache kept for a decode
     instance to pull."""
     out = {k: v for k, v in body.items() if k not in _DROPPED}
     out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
@@ -54,7 +56,9 @@ def handoff_params(answer: bytes) -> dict[str, Any] | None:
 
 
 class KvHandoff:
-    """The prefill pool and the hop; `start()` inside the running loop, `close()` at
+    """The E/P/D KV-cache handoff from a prefill instance to a decode instance.
+
+    The prefill pool and the hop; `start()` inside the running loop, `close()` at
     shutdown."""
 
     def __init__(self, pool: DecodePool, metrics: GatewayMetrics) -> None:
@@ -69,7 +73,9 @@ class KvHandoff:
 
     async def prefill(self, body: dict[str, Any], rid: str, key: str | None,
                       info: dict[str, Any]) -> dict[str, Any] | None:
-        """Prefill `body` on a prefill instance; the kv_transfer_params for the decode
+        """Prefill a request on a prefill instance for the decode request.
+
+        Prefill `body` on a prefill instance; the kv_transfer_params for the decode
         request, or None when the handoff failed (logged, counted: the decode instance
         computes the prompt itself)."""
         t = time.perf_counter()

@@ -1,4 +1,6 @@
-"""Instances a supervisor reports down and back (`epd up` runs the gateway in its own process
+"""Instances a supervisor reports down and back.
+
+Instances a supervisor reports down and back (`epd up` runs the gateway in its own process
 and restarts the servers it started: encoder_service/local/supervise.py).
 
 `down(url)`: the instance's process died; it gets nothing new (routing.Members.down) until it
@@ -23,7 +25,9 @@ logger = logging.getLogger("epd.gateway")
 
 
 class Outages:
-    """`pools`: the upstream pools (decode instances, encoders); `kind(url)`: the probe's
+    """Mark instances down and up as a supervisor reports them.
+
+    `pools`: the upstream pools (decode instances, encoders); `kind(url)`: the probe's
     kind for an instance ("vllm" or "pool")."""
 
     def __init__(self, pools: list[Members], prober: Prober, kind: Callable[[str], str],

@@ -1,4 +1,6 @@
-"""Health probes that run a real forward: every `routing.probe_interval_s`, each vLLM
+"""Health probes that run a real forward on each instance.
+
+Health probes that run a real forward: every `routing.probe_interval_s`, each vLLM
 instance (decode instances, vLLM encoders) gets a one-token text completion; a pool encoder
 its `/health`. An instance that fails or misses the deadline cools down (tried last, as after
 a failed request) until a probe passes again; `GET /instances` shows each one's last probe.
@@ -30,7 +32,9 @@ class ProbeResult:
 
 
 class Prober:
-    """`targets()` -> [(url, kind)], kind "vllm" (a forward) or "pool" (/health);
+    """Probe instances periodically and report each outcome.
+
+    `targets()` -> [(url, kind)], kind "vllm" (a forward) or "pool" (/health);
     `on_result(url, ok)` is told every outcome (the pools cool failed instances down)."""
 
     def __init__(self, client: httpx.AsyncClient, model: str, interval_s: float,

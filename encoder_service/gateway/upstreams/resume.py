@@ -1,4 +1,6 @@
-"""Mid-stream failover, the I/O half: open the continuation of a broken answer on another
+"""Mid-stream failover: the I/O half.
+
+Mid-stream failover, the I/O half: open the continuation of a broken answer on another
 decode instance, as `failover.plan` decides (token-in from a clean cut, or a replay of the
 same request), and hand the relay its stream with the repeated part set to be checked and
 dropped. Everything here goes through `DecodePool.open`, so keys, deadlines and the
@@ -34,7 +36,9 @@ ResumeFn = Callable[[StreamTracker | None, str], Awaitable[Resumed | None]]
 
 
 class Resumer:
-    """Continues broken answers on the other decode instances of `decoders`; under E/P/D,
+    """Continue broken answers on another instance.
+
+    Continues broken answers on the other decode instances of `decoders`; under E/P/D,
     when none is usable, on a prefill instance of `prefills` (a whole vLLM server)."""
 
     def __init__(self, decoders: DecodePool, model: str, decode_timeout_s: float,
@@ -53,7 +57,9 @@ class Resumer:
 
     async def resume(self, sent: dict[str, Any], tracker: StreamTracker | None,
                      failed_url: str, rid: str) -> Resumed | None:
-        """Another instance continuing the answer `tracker` saw break off at `failed_url`
+        """Open another instance's continuation of a broken answer.
+
+        Another instance continuing the answer `tracker` saw break off at `failed_url`
         (its upstream, chunk iterator and first bytes; `tracker` switched to it), or None
         when it cannot be continued exactly. `tracker` None: a non-streamed answer, asked
         again whole."""
@@ -84,7 +90,9 @@ class Resumer:
         return up, up.chunks(), b""
 
     async def _render(self, sent: dict[str, Any], rid: str, failed_url: str) -> Any:
-        """`/v1/chat/completions/render` of the same request on another instance (None: no
+        """Render the same request on another instance, for a token-in continuation.
+
+        `/v1/chat/completions/render` of the same request on another instance (None: no
         token-in API there, or it refused)."""
         body = {k: v for k, v in sent.items() if k not in ("stream", "stream_options")}
         up = await self._open("/v1/chat/completions/render", body, rid, failed_url)
@@ -100,7 +108,9 @@ class Resumer:
 
     async def _open(self, path: str, body: dict[str, Any], rid: str,
                     failed_url: str) -> Upstream | None:
-        """`body` to `path` on an instance other than `failed_url`: the answer once it began
+        """Open a request on an instance other than the one that failed.
+
+        `body` to `path` on an instance other than `failed_url`: the answer once it began
         with a 200, else None (released)."""
         content = json_encode(body)
         try:

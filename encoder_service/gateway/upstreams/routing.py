@@ -38,7 +38,9 @@ def rendezvous(key: str, names: Sequence[str]) -> list[str]:
 
 
 def bounded(order: Sequence[str], load: Mapping[str, int], factor: float) -> str:
-    """The first of `order` whose load is under the bound ceil(factor * (total + 1) / n)
+    """Pick the first instance in order whose load is under the bound.
+
+    The first of `order` whose load is under the bound ceil(factor * (total + 1) / n)
     (the average load with this request counted, times `factor`); some instance always is."""
     cap = math.ceil(factor * (sum(load.get(n, 0) for n in order) + 1) / len(order))
     for name in order:
@@ -72,7 +74,9 @@ class Chooser:
 
 
 class Hold:
-    """One call counted in flight on one instance of one pool, from `Members.hold` until
+    """One call counted in flight on one instance, until `done()`.
+
+    One call counted in flight on one instance of one pool, from `Members.hold` until
     `done()`: the pool and name it was counted on are kept here, and `done()` takes it off
     there exactly once (later calls change nothing), so a count is the calls really open."""
 
@@ -90,7 +94,9 @@ class Hold:
 
 
 class Members:
-    """What a pool of upstream instances (encoders, decode instances) keeps per instance:
+    """The instances of an upstream pool and their per-instance state.
+
+    What a pool of upstream instances (encoders, decode instances) keeps per instance:
     calls in flight, when a failed one may be tried first again, which are draining, which
     are down (`down`: their process died; a supervisor, `epd up`, restarts it: outages.py),
     what each was given (`counts`); joining, draining and describing them. Draining and down
@@ -135,7 +141,9 @@ class Members:
                                                     else seconds)
 
     async def drain(self, name: str, timeout_s: float) -> bool:
-        """Nothing new for `name`; wait (up to `timeout_s`) for its calls in flight, then
+        """Drain an instance: wait for its calls in flight, then forget it.
+
+        Nothing new for `name`; wait (up to `timeout_s`) for its calls in flight, then
         forget it (unless it joined again meanwhile). True when it left drained."""
         self.draining.add(name)
         deadline = time.monotonic() + timeout_s

@@ -40,7 +40,9 @@ def _build_family(tmp: Path, spec: ModelSpec) -> None:
 
 
 def build(out: Path, spec: ModelSpec) -> Path:
-    """The model of `spec` in `out`: built into a temporary sibling and moved in whole, or
+    """Build the test model of a spec, unless it is built already.
+
+    The model of `spec` in `out`: built into a temporary sibling and moved in whole, or
     left alone when its stamp says it is this spec already. One build at a time per `out`
     across processes (a lock file beside it): a second caller waits, then finds it built."""
     out = Path(out)

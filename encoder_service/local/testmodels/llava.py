@@ -1,4 +1,6 @@
-"""The tiny LLaVA (images, raw media only): a CLIP vision tower and projector in front of a
+"""The tiny LLaVA test model, in vLLM's weight layout.
+
+The tiny LLaVA (images, raw media only): a CLIP vision tower and projector in front of a
 small Llama, random weights, in the weight layout vLLM's LLaVA loader expects."""
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ _SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN, "<|user|>", "<|assist
 
 
 def _vllm_layout(state: dict) -> dict:
-    """transformers 5.x names CLIP weights `...vision_tower.embeddings`; vLLM's CLIP loader
+    """Rename CLIP weights to the layout vLLM's loader expects.
+
+    transformers 5.x names CLIP weights `...vision_tower.embeddings`; vLLM's CLIP loader
     expects `...vision_tower.vision_model.embeddings`. Rename before saving."""
     renamed = {}
     for key, value in state.items():

@@ -1,4 +1,6 @@
-"""Tiny Qwen-family test models: Qwen2.5-VL (image + video), the Qwen2.5-Omni thinker (image,
+"""Tiny Qwen-family test models with random weights.
+
+Tiny Qwen-family test models: Qwen2.5-VL (image + video), the Qwen2.5-Omni thinker (image,
 video and audio in one model) and Qwen3-VL (images and video; its DeepStack encoder output is
 wider than the language model's hidden size). Random weights, local tokenizer, no downloads.
 
@@ -117,7 +119,9 @@ def _image_processors(patch_size: int = 14, max_pixels: int = _MAX_PIXELS):
 
 
 class _Parts(NamedTuple):
-    """What a family's builder hands back: the config to save, the model (its LM head is
+    """What a family's builder hands back.
+
+    What a family's builder hands back: the config to save, the model (its LM head is
     scaled before saving), the prefix of its weights' names, and the processor to save."""
 
     config: Any

@@ -1,4 +1,6 @@
-"""What a test model is made of: `ModelSpec` (family and sizes) and the named specs `SPECS`
+"""Test model specs: families, sizes and the named specs.
+
+What a test model is made of: `ModelSpec` (family and sizes) and the named specs `SPECS`
 (`epd build-model --spec`, `epd up --model tiny|qwen-vl|...`). Standard library only: `epd up`
 reads the specs without loading torch."""
 
@@ -13,8 +15,10 @@ BUILDER_VERSION = 5
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of the generated model. `tiny` serves on 2 CPU cores; `large` gives
-    realistic embedding sizes and a vision tower heavy enough to benchmark batching."""
+    """Sizes of the generated model.
+
+    `tiny` serves on 2 CPU cores; `large` gives realistic embedding sizes and a vision tower
+    heavy enough to benchmark batching."""
 
     name: str = "tiny"
     family: str = "llava"  # llava | qwen2_5_vl | qwen2_5_omni | qwen3_vl

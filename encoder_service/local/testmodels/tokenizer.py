@@ -1,4 +1,6 @@
-"""The one tokenizer trainer of the test models: a byte-level BPE trained on a small fixed
+"""The test models' tokenizer trainer: byte-level BPE on a fixed corpus.
+
+The one tokenizer trainer of the test models: a byte-level BPE trained on a small fixed
 corpus (deterministic: the same vocabulary every build), with each family's special tokens
 and chat template."""
 
@@ -23,10 +25,11 @@ def corpus() -> list[str]:
 
 def train_tokenizer(out: Path, vocab_size: int, specials: list[str], template: str,
                     unk_token: str | None = None, **named: Any):
-    """Train, save into `out` and return a fast tokenizer. `specials`: the special tokens (ids
-    0, 1, ... in this order); `unk_token`: the unknown token, if the family has one; `named`:
-    the tokens transformers knows by role (`bos_token`, `eos_token`, `pad_token`,
-    `extra_special_tokens`)."""
+    """Train, save into `out` and return a fast tokenizer.
+
+    `specials`: the special tokens (ids 0, 1, ... in this order); `unk_token`: the unknown
+    token, if the family has one; `named`: the tokens transformers knows by role (`bos_token`,
+    `eos_token`, `pad_token`, `extra_special_tokens`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
