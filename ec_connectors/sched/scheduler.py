@@ -10,7 +10,6 @@ records the request's items and returns them as `ec_transfer_params` (docs/archi
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Collection
@@ -37,6 +36,7 @@ from ec_connectors.protocol.refusals import board_dir
 from ec_connectors.sched.hints import RequestHints
 from ec_connectors.sched.index import AvailabilityIndex
 from ec_connectors.sched.inline import InlineReader
+from ec_connectors.sched.item_steps import ItemSteps
 from ec_connectors.sched.load_spans import LoadSpans
 from ec_connectors.sched.part_fit import PartFit
 from ec_connectors.sched.producer_saves import ProducerSaves
@@ -46,17 +46,6 @@ from ec_connectors.sched.staging_budget import StagingBudget
 from ec_connectors.sched.unavailable import Unavailable
 from ec_connectors.stats import StatsRecorder
 from ec_connectors.transports.base import Transport
-from scheduler_hooks.decisions import (
-    STEPS,
-    ItemAction,
-    ItemFacts,
-    ItemPlan,
-    Lookup,
-    covered,
-    decide,
-    lookup_of,
-    plan_item,
-)
 from scheduler_hooks.encoder_cache import EncoderCacheView
 from scheduler_hooks.item_table import ItemState, ItemTable
 
@@ -76,7 +65,7 @@ _SCHEDULER_GRACE_S = 1.0  # scheduler deadline = worker deadline + this (dead-wo
 _IDLE_WAIT_S = 0.005
 
 
-class EPDSchedulerSide:
+class EPDSchedulerSide(ItemSteps):
     """SCHEDULER role, one per engine: answers vLLM's scheduler hooks, never blocking."""
 
     def __init__(
@@ -253,92 +242,6 @@ class EPDSchedulerSide:
             self._deferred_step = True
             return False
         return True
-
-    # -- consumer: one item, one step (the policy is scheduler_hooks.decisions.plan_item) ----
-    def _plan(self, request: Request, i: int, hints: dict[str, Source],
-              num_computed_tokens: int, now: float) -> tuple[ItemFacts, ItemPlan]:
-        """Plan one item of a request and take the steps the plan asks for.
-
-        Gather the item's facts, ask `plan_item`, take the steps it asks for (probe the
-        transport, start the load, join the staging) and ask again, up to its answer."""
-        req_id, item_id = request.request_id, request.mm_features[i].identifier
-        facts = self._facts(request, i, hints, num_computed_tokens, now)
-        plan = plan_item(facts)
-        while plan.action in STEPS:
-            self.promises.went_by(item_id, plan.promise, now)
-            if plan.action is ItemAction.PROBE:  # stores that cannot list
-                facts = dataclasses.replace(
-                    facts, lookup=lookup_of(self.transport.probe(item_id)))
-            elif plan.action is ItemAction.LOAD:  # or wait for room in the budget
-                room = self._load(item_id, self.hints.source(item_id, hints),
-                                  request.get_num_encoder_embeds(i), now)
-                waited = now - self._req_deferred_since.get(req_id, now)
-                facts = dataclasses.replace(facts, staged=room, over_budget=not room,
-                                            budget_expired=waited >= self.config.load_timeout_s)
-            else:  # CHECK: the request waits for the staging; where does it stand?
-                self.items.want(item_id, req_id)
-                self._req_waits.setdefault(req_id, set()).add(item_id)
-                expected = request.get_num_encoder_embeds(i)
-                facts = dataclasses.replace(
-                    facts, decision=decide(self.items, item_id, expected, now))
-            plan = plan_item(facts)
-        self.promises.went_by(item_id, plan.promise, now)
-        return facts, plan
-
-    def _facts(self, request: Request, i: int, hints: dict[str, Source],
-               num_computed_tokens: int, now: float) -> ItemFacts:
-        feature = request.mm_features[i]
-        item_id, req_id = feature.identifier, request.request_id
-        pos = feature.mm_position
-        if covered(pos.offset, pos.length, num_computed_tokens):
-            return ItemFacts(covered=True)  # vLLM has it: nothing else is looked up
-        in_cache, metadata_only = item_id in self.engine_cache, self._metadata_only(feature)
-        if in_cache and not metadata_only:  # (metadata-only: staged all the same, plan_item)
-            return ItemFacts(in_engine_cache=True)
-        key = safe_key(item_id)
-        source = hints.get(item_id)
-        lookup = (Lookup.NO if key is None else
-                  Lookup.YES if source is not None or key in self.index else Lookup.UNASKED)
-        load = self.items.current(item_id, now)  # a metadata-only part: does the item fit?
-        misfit = self.fit.check(request, i, load) if metadata_only and self.fit else ""
-        return ItemFacts(
-            staged=load is not None and not (metadata_only and PartFit.refits(load)),
-            promise=self.promises.state(item_id, key, source, now), lookup=lookup,
-            hinted=source is not None, metadata_only=metadata_only, in_engine_cache=in_cache,
-            policy=self.config.on_unavailable,
-            reported=self.unavailable.reported(req_id, item_id),
-            load_timeout_s=self.config.load_timeout_s, mismatch=misfit)
-
-    def _act(self, request: Request, item_id: str, facts: ItemFacts, plan: ItemPlan,
-             first_look: bool) -> None:
-        req_id = request.request_id
-        if plan.action is ItemAction.SKIP:
-            # In the KV cache, or in vLLM's own encoder cache (placed there, or encoded;
-            # vLLM serves it: no load, no wait): a copy staged for it is not needed. A
-            # preempted request whose item was evicted since is loaded again.
-            if facts.in_engine_cache:
-                self.stats.inc("engine_cache_hits")
-            elif first_look:  # computed before this request ran: the prefix cache
-                self.stats.inc("prefix_cached")
-            if item_id in self._req_waits.get(req_id, ()):  # (no lock: the usual case)
-                self._release(item_id, req_id)
-            return
-        if plan.action not in (ItemAction.LOCAL_ENCODE, ItemAction.FAIL):
-            if facts.over_budget:
-                self.stats.inc("budget_waits")
-            return  # USE (has_cache_item says yes), WAIT (plan.defer)
-        if plan.failed_now:
-            logger.warning("EPD: item %r for request %s: %s; not loaded", item_id, req_id,
-                           plan.why)
-        if plan.timeout:
-            self.stats.inc("timeouts")
-        if not plan.report:  # an item nobody promised
-            logger.debug("EPD: request %s item %r is not in the transport; vLLM encodes it "
-                         "locally", req_id, item_id)
-        elif plan.action is ItemAction.FAIL:
-            self.unavailable.fail(req_id, item_id, plan.why, facts.metadata_only)
-        else:
-            self.unavailable.local_encode(req_id, item_id, plan.why)
 
     def _release(self, item_id: str, req_id: str) -> None:
         """Stop a request waiting for an item.
