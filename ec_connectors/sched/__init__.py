@@ -4,6 +4,7 @@
   policy), the control channel to the workers and the transports. Start here.
 - `staging_budget.py`: the consumer's items (one `scheduler_hooks.item_table.ItemTable`), the byte
   budget of what the connector holds and the gauges per state.
+- `item_steps.py`: a consumer's step for one item (facts -> `plan_item` -> act).
 - `roster.py`: the workers connected over the control channel (ranks, item endpoints).
 - `hints.py`: each request's `ec_transfer_params`, parsed once; where an item is pulled from.
 - `part_fit.py`: does the stored item a metadata-only part names fit it (rows, grid, modality).

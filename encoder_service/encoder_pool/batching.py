@@ -13,149 +13,28 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from encoder_service.encoder_pool.chunking import Assembly, Chunk, chunk_count, split_video
+from encoder_service.encoder_pool.jobs import (
+    BUDGET,
+    QUEUE_FULL,
+    FormingBatch,
+    ItemFailed,
+    Job,
+    Overloaded,
+    PoolStats,
+    Waiter,
+    WholeItem,
+    Worker,
+    rows_left,
+)
 from encoder_service.encoder_pool.lifecycle import FeatureStore, PoolItemState
 from encoder_service.encoder_pool.media import MediaItem
 from encoder_service.encoder_pool.models import MediaEncoder
 
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, MemoryError)
-# How long a formed batch may be passed over for batches of less remaining work (a long
-# video's chunk behind images arriving): then it goes first, so every item progresses
-AGING_S = 1.0
-
-
-class Overloaded(RuntimeError):
-    """The modality's queue is full; retry after `retry_after_s`."""
-
-    def __init__(self, msg: str, retry_after_s: float) -> None:
-        super().__init__(msg)
-        self.retry_after_s = retry_after_s
-
-
-class ItemFailed(RuntimeError):
-    """One item could not be encoded. `code`: timeout | oom | encode_error."""
-
-    def __init__(self, item_id: str, code: str, reason: str) -> None:
-        super().__init__(f"item {item_id!r}: {reason}")
-        self.item_id, self.code, self.reason = item_id, code, reason
-
-
-# `code` of a refused admission (epd_pool_rejected_total): a modality's queue full (the
-# client gets 429 queue_full/overloaded), the feature budget full (503 over_budget); every
-# one exported from the start at 0
-QUEUE_FULL, BUDGET = "queue_full", "budget"
-REJECT_CODES = (QUEUE_FULL, BUDGET)
-
-
-@dataclass
-class PoolStats:
-    batches: int = 0
-    items_encoded: int = 0
-    items_failed: dict[str, int] = field(default_factory=dict)
-    batch_sizes: list[int] = field(default_factory=list)  # last 1024 batches
-    oom_failures: int = 0
-    reuse_hits: int = 0
-    chunked_items: int = 0  # videos encoded in chunks
-    chunks: int = 0
-    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECT_CODES, 0))
-
-    def fail(self, code: str) -> None:
-        self.items_failed[code] = self.items_failed.get(code, 0) + 1
-
-    def reject(self, code: str) -> None:
-        """An admission refused, `code` one of REJECT_CODES."""
-        self.rejected[code] += 1
-
-
-@dataclass
-class _Whole:
-    """The item a chunk job belongs to: its embedding assembling, and its waiters."""
-
-    item_id: str
-    assembly: Assembly
-    future: asyncio.Future
-    failed: bool = False
-    undispatched: int = 0  # rows of its chunks not handed to a worker yet
-
-
-@dataclass
-class _Waiter:
-    """A formed batch waiting for a worker."""
-
-    modality: str
-    rest: int  # rows still to encode of its largest item
-    since: float
-    ticket: int
-
-    def rank(self, now: float) -> tuple[int, int, int]:
-        """Lower goes first: aged batches in arrival order, then shortest remaining work."""
-        if now - self.since >= AGING_S:
-            return (0, self.ticket, 0)
-        return (1, self.rest, self.ticket)
-
-
-def _rest(jobs: list[_Job]) -> int:
-    return max((j.whole.undispatched if j.whole is not None else j.tokens) for j in jobs)
-
-
-@dataclass
-class _Job:
-    item: MediaItem
-    tokens: int
-    deadline: float
-    enqueued: float
-    future: asyncio.Future
-    whole: _Whole | None = None  # set on a chunk job
-    chunk: int = 0
-
-
-class Worker:
-    """One encoder replica with its own thread; at most `max_inflight` batches outstanding."""
-
-    _ids = itertools.count()
-
-    def __init__(self, encoder: MediaEncoder, name: str | None = None, max_inflight: int = 1):
-        self.encoder = encoder
-        self.name = name or f"worker-{next(self._ids)}"
-        self.max_inflight = max_inflight
-        self.inflight = 0
-        self.outstanding_tokens = 0
-        self.batches = 0
-        self.items = 0
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"epd-{self.name}")
-
-    @property
-    def eligible(self) -> bool:
-        return self.inflight < self.max_inflight
-
-
-class _Forming:
-    """A batch being formed, under its item and token limits.
-
-    `carry`: the job that did not fit the token budget (it opens the next batch); the first job
-    always fits."""
-
-    def __init__(self, first: _Job, max_items: int, max_tokens: int) -> None:
-        self.jobs = [first]
-        self.max_items = max_items
-        self.budget = max_tokens - first.tokens
-        self.carry: _Job | None = None
-
-    @property
-    def open(self) -> bool:
-        return len(self.jobs) < self.max_items and self.carry is None
-
-    def add(self, job: _Job) -> None:
-        if job.tokens > self.budget:
-            self.carry = job
-        else:
-            self.jobs.append(job)
-            self.budget -= job.tokens
 
 
 class EncoderPool:
@@ -176,13 +55,13 @@ class EncoderPool:
         self.modalities = sorted({m for w in self.workers for m in w.encoder.modalities})
         self.stats = PoolStats()
         self.on_batch: Callable[[int, float], None] | None = None  # (size, seconds) hook
-        self._queues: dict[str, asyncio.Queue[_Job]] = {}
+        self._queues: dict[str, asyncio.Queue[Job]] = {}
         self._inflight: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._batch_tasks: set[asyncio.Task] = set()
         self._worker_free: asyncio.Condition | None = None
         self._tickets = itertools.count()
-        self._waiting: dict[int, _Waiter] = {}  # batches awaiting a worker, by ticket
+        self._waiting: dict[int, Waiter] = {}  # batches awaiting a worker, by ticket
         ref = self.workers[0].encoder
         self.hidden_size, self.dtype = ref.hidden_size, ref.dtype
 
@@ -262,12 +141,12 @@ class EncoderPool:
             raise
         now, future = time.monotonic(), loop.create_future()
         if not chunks:
-            queue.put_nowait(_Job(item, tokens, now + timeout_s, now, future))
+            queue.put_nowait(Job(item, tokens, now + timeout_s, now, future))
         else:
-            whole = _Whole(item.item_id, Assembly(item.item_id, chunks), future,
+            whole = WholeItem(item.item_id, Assembly(item.item_id, chunks), future,
                            undispatched=sum(c.rows[1] - c.rows[0] for c in chunks))
             for c in chunks:
-                queue.put_nowait(_Job(c.item, c.rows[1] - c.rows[0], now + timeout_s, now,
+                queue.put_nowait(Job(c.item, c.rows[1] - c.rows[0], now + timeout_s, now,
                                       future, whole, c.index))
             self.stats.chunked_items += 1
             self.stats.chunks += len(chunks)
@@ -290,10 +169,10 @@ class EncoderPool:
         max_tokens = self.max_batch_tokens
         if modality == "video" and self.video_chunk_tokens:  # how long a batch holds a worker
             max_tokens = min(max_tokens, self.video_chunk_tokens)
-        carry: _Job | None = None  # did not fit the last batch's token budget: opens this one
+        carry: Job | None = None  # did not fit the last batch's token budget: opens this one
         try:
             while True:
-                forming = _Forming(carry or await q.get(), self.max_batch_size, max_tokens)
+                forming = FormingBatch(carry or await q.get(), self.max_batch_size, max_tokens)
                 form_deadline = forming.jobs[0].enqueued + self.max_wait_s
                 while forming.open:
                     if not q.empty():
@@ -306,7 +185,7 @@ class EncoderPool:
                         forming.add(await asyncio.wait_for(q.get(), remaining))
                     except TimeoutError:
                         break
-                worker = await self._acquire_worker(modality, _rest(forming.jobs))
+                worker = await self._acquire_worker(modality, rows_left(forming.jobs))
                 while forming.open and not q.empty():  # top up while we waited
                     forming.add(q.get_nowait())
                 batch, carry = forming.jobs, forming.carry
@@ -348,7 +227,7 @@ class EncoderPool:
         assert self._worker_free is not None
         async with self._worker_free:
             ticket = next(self._tickets)
-            me = self._waiting[ticket] = _Waiter(modality, rest, time.monotonic(), ticket)
+            me = self._waiting[ticket] = Waiter(modality, rest, time.monotonic(), ticket)
             try:
                 while True:
                     now = time.monotonic()
@@ -374,7 +253,7 @@ class EncoderPool:
             worker.outstanding_tokens -= tokens
             self._worker_free.notify_all()
 
-    async def _run_batch(self, worker: Worker, jobs: list[_Job], tokens: int) -> None:
+    async def _run_batch(self, worker: Worker, jobs: list[Job], tokens: int) -> None:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         try:
@@ -394,7 +273,7 @@ class EncoderPool:
         for job, res in zip(jobs, results, strict=True):
             self._finish(job, res)
 
-    def _finish(self, job: _Job, result: torch.Tensor | BaseException) -> None:
+    def _finish(self, job: Job, result: torch.Tensor | BaseException) -> None:
         whole = job.whole
         if whole is None:
             self._finish_item(job.item.item_id, job.future, result)

@@ -43,9 +43,10 @@ _T = TypeVar("_T")
 
 if sys.version_info >= (3, 11):
     async def within(aw: Awaitable[_T], seconds: float | None) -> _T:
-        """`await aw` within `seconds` (None: no limit), else asyncio.TimeoutError: as
-        `asyncio.wait_for`, without the task that it starts on Python 3.11 (one a request on
-        every hop)."""
+        """`await aw` within `seconds` (None: no limit), else asyncio.TimeoutError.
+
+        As `asyncio.wait_for`, without the task that it starts on Python 3.11 (one a request
+        on every hop)."""
         async with asyncio.timeout(seconds):
             return await aw
 else:

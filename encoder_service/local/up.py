@@ -1,22 +1,22 @@
-"""`epd up`: a whole local EPD deployment, its processes. `Deployment` turns an `UpConfig`
-(up_config.py: the transports and the connector keys they imply) into servers: the encoder(s)
-(vLLM ec_producer, or `epd encoder` batching pools with `encoder_backend = "pool"`), the
-prefill/decode instance(s) (vLLM ec_consumer; E/P/D with `prefills`: decode and prefill
-instances, ec_consumers with vLLM's NixlConnector: kv_transfer_config), the Mooncake Store
-master where a store tier is used, and the gateway. Keys: with a deployment secret
-(`secret_file`, else $EPD_SECRET_FILE) every vLLM server and encoder pool requires the API key
-derived from it (passed in $VLLM_API_KEY, never on a command line) and the gateway presents it;
-without one they take no key and listen on 127.0.0.1 only, as the data plane does (said at
-start). Gateway clients need a key when `gateway` sets api_keys / api_keys_file or
-$EPD_GATEWAY_API_KEY is set (said at start too). `run_up` waits for health with progress output,
-then serves the gateway in-process and prints the endpoint, then supervises: a server or the
-store master that exits unasked is restarted with backoff, the gateway told (supervise.py).
-Ctrl-C or SIGTERM stops everything: the gateway, then every server's whole session (SIGTERM,
-then SIGKILL after a grace period; also of one that died), the store master last, so no process
-is left behind. A SIGKILL of `epd up` itself cannot be handled; its servers then get their
-parent-death signal and go too (`epd_common.child_process`: they are started from the main
-thread, which lives as long as `epd up`). The command line: up_cli.py.
-"""
+"""`epd up`: a whole local EPD deployment, its processes.
+
+`Deployment` turns an `UpConfig` (up_config.py: the transports and the connector keys they
+imply) into servers: the encoder(s) (vLLM ec_producer, or `epd encoder` batching pools with
+`encoder_backend = "pool"`), the prefill/decode instance(s) (vLLM ec_consumer; E/P/D with
+`prefills`: decode and prefill instances, ec_consumers with vLLM's NixlConnector:
+kv_transfer_config), the Mooncake Store master where a store tier is used, and the gateway.
+Keys: with a deployment secret (`secret_file`, else $EPD_SECRET_FILE) every vLLM server and
+encoder pool requires the API key derived from it (passed in $VLLM_API_KEY, never on a command
+line) and the gateway presents it; without one they take no key and listen on 127.0.0.1 only, as
+the data plane does (said at start). Gateway clients need a key when `gateway` sets api_keys /
+api_keys_file or $EPD_GATEWAY_API_KEY is set (said at start too). `run_up` waits for health with
+progress output, then serves the gateway in-process and prints the endpoint, then supervises: a
+server or the store master that exits unasked is restarted with backoff, the gateway told
+(supervise.py). Ctrl-C or SIGTERM stops everything: the gateway, then every server's whole
+session (SIGTERM, then SIGKILL after a grace period; also of one that died), the store master
+last, so no process is left behind. A SIGKILL of `epd up` itself cannot be handled; its servers
+then get their parent-death signal and go too (`epd_common.child_process`: they are started from
+the main thread, which lives as long as `epd up`). The command line: up_cli.py."""
 
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ DECODE_ARGS = ["--enable-scale-out"]  # vLLM flags every decode instance gets
 
 
 def epd_config(role: str, storage: Path, extra: dict[str, Any] | None = None) -> dict:
-    """One vLLM server's --ec-transfer-config: EPDConnector as `role`, over the shared
+    """A vLLM server's --ec-transfer-config.
+
+    One vLLM server's --ec-transfer-config: EPDConnector as `role`, over the shared
     directory `storage` unless `extra` (connector_extra's keys) says otherwise."""
     return {"ec_connector": "EPDConnector", "ec_role": role, "ec_buffer_device": "cpu",
             "ec_connector_extra_config": {"transport": "safetensors",
@@ -179,7 +181,9 @@ class Deployment:
 
     def _lm_server(self, j: int, model: Path, port: int, core: int, storage: Path,
                    env: dict[str, str], media_args: list[str]) -> None:
-        """Language-model instance j: decode instances, then (E/P/D) prefill instances;
+        """The name, port and role of language-model instance j.
+
+        Language-model instance j: decode instances, then (E/P/D) prefill instances;
         with prefill instances all of them get the KV connector and a side channel."""
         cfg = self.cfg
         prefill = j >= cfg.decoders
@@ -204,7 +208,9 @@ class Deployment:
         return ["--otlp-traces-endpoint", url] if url else []
 
     def trace_env(self, name: str) -> dict[str, str]:
-        """A vLLM server's tracing environment: OTLP over HTTP (vLLM's default is gRPC), its
+        """A vLLM server's tracing environment.
+
+        A vLLM server's tracing environment: OTLP over HTTP (vLLM's default is gRPC), its
         service name (epd-encoder-0, epd-decode-0, ...)."""
         if not self.cfg.otlp_traces_endpoint:
             return {}
@@ -212,7 +218,9 @@ class Deployment:
                 "OTEL_SERVICE_NAME": f"epd-{name}"}
 
     def mooncake_env(self) -> dict[str, str]:
-        """What every Mooncake process gets: loopback, and the range its engines' own
+        """The environment every Mooncake process gets.
+
+        What every Mooncake process gets: loopback, and the range its engines' own
         listeners take ports from (the port plan's, or the user's own when clear of every
         fixed port; refused naming the collisions when not)."""
         try:
@@ -341,6 +349,7 @@ def _ignore(signum: int, frame: object) -> None:
 def run_up(cfg: UpConfig, work_dir: Path,
            demo: Callable[[Deployment], int] | None = None) -> int:
     """Start everything, then serve until a signal (or run `demo(deployment)` and stop).
+
     Call it from the main thread: the servers die with the thread that started them."""
     from encoder_service.local.testmodels import build
 

@@ -1,4 +1,6 @@
-"""`epd up` command line: flags over the config file (up_config.py), and `--demo`: the demo's
+"""The `epd up` command line.
+
+`epd up` command line: flags over the config file (up_config.py), and `--demo`: the demo's
 requests (demo.py) once the deployment is ready, then stop. It imports both; up.py imports
 neither."""
 

@@ -1,4 +1,6 @@
-"""`epd up`'s configuration and the connector wiring it implies: `UpConfig` (one config file
+"""`epd up`'s configuration and the connector wiring it implies.
+
+`epd up`'s configuration and the connector wiring it implies: `UpConfig` (one config file
 with embedded defaults; the command line's flags override it: up_cli.py), the transport each
 server gets, and the ec_connector_extra_config keys of every encoder and decode instance. The
 processes themselves: up.py.
@@ -193,7 +195,9 @@ class UpConfig(BaseModel):
 
     @property
     def shm_path(self) -> str:
-        """This deployment's shared-memory directory (connector_extra's shm_path, else one
+        """This deployment's shared-memory directory.
+
+        This deployment's shared-memory directory (connector_extra's shm_path, else one
         per deployment under the user's default)."""
         return self.connector_extra.get("shm_path") or os.path.join(
             default_shm_path(), f"up-{self.base_port}")
@@ -210,7 +214,9 @@ class UpConfig(BaseModel):
 
     @property
     def fixed_ports(self) -> dict[int, str]:
-        """Every fixed port of the deployment -> what holds it (ports.up_fixed_ports): what
+        """Every fixed port of the deployment, mapped to what holds it.
+
+        Every fixed port of the deployment -> what holds it (ports.up_fixed_ports): what
         the Mooncake engines' range must stay clear of."""
         fixed = ports.up_fixed_ports(
             self.base_port, self.servers,
@@ -242,7 +248,9 @@ def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -
 
 
 def images_per_prompt(vllm_args: list[str]) -> int | None:
-    """The per-prompt image limit `--limit-mm-per-prompt` gives vLLM in `vllm_args` (JSON:
+    """The per-prompt image limit that `vllm_args` give vLLM.
+
+    The per-prompt image limit `--limit-mm-per-prompt` gives vLLM in `vllm_args` (JSON:
     `{"image": 1}` or `{"image": {"count": 1, ...}}`), None where they set none."""
     flag = "--limit-mm-per-prompt"
     for i, arg in enumerate(vllm_args):
@@ -263,7 +271,9 @@ def images_per_prompt(vllm_args: list[str]) -> int | None:
 
 
 def gateway_routing(routing: dict[str, Any] | None, vllm_args: list[str]) -> dict[str, Any]:
-    """The gateway's `routing` keys for servers started with `vllm_args`: `coalesce_items`
+    """The gateway's `routing` keys for servers started with `vllm_args`.
+
+    The gateway's `routing` keys for servers started with `vllm_args`: `coalesce_items`
     (images per shared encoder call) at most vLLM's per-prompt image limit, unless set (a
     shared call over it would be refused, and split, every time)."""
     out = dict(routing or {})
@@ -274,14 +284,18 @@ def gateway_routing(routing: dict[str, Any] | None, vllm_args: list[str]) -> dic
 
 
 def kv_side_channel_port(cfg: UpConfig, j: int) -> int:
-    """E/P/D: KV instance j's (decoders, then prefill instances) NIXL side channel
+    """E/P/D: the NIXL side-channel port of KV instance j.
+
+    E/P/D: KV instance j's (decoders, then prefill instances) NIXL side channel
     (VLLM_NIXL_SIDE_CHANNEL_PORT): the ports after every server's."""
     return cfg.base_port + 1 + cfg.servers + j
 
 
 def kv_connector_config(prefill: bool, overrides: dict[str, Any] | None = None
                         ) -> dict[str, Any]:
-    """E/P/D: the --kv-transfer-config of a prefill or decode instance, `overrides` on top:
+    """E/P/D: the --kv-transfer-config of a prefill or decode instance.
+
+    E/P/D: the --kv-transfer-config of a prefill or decode instance, `overrides` on top:
     NixlConnector, kv_both, CPU buffers; decode instances recompute a prompt whose KV cache
     could not be loaded. The one source of it: `epd up` and deploy/render.py (compose, k8s)."""
     out: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
@@ -312,7 +326,9 @@ def store_metadata_url(cfg: UpConfig) -> str:
 
 
 def shm_unusable(need_bytes: int) -> str:
-    """Why the shm transport cannot hold `need_bytes` of arenas here ("" when it can): it
+    """Why the shm transport cannot hold `need_bytes` of arenas here ("" when it can).
+
+    Why the shm transport cannot hold `need_bytes` of arenas here ("" when it can): it
     needs a writable tmpfs at /dev/shm with that much room (a container's is often 64 MiB)."""
     try:
         mounts = Path("/proc/mounts").read_text().split("\n")
@@ -332,11 +348,12 @@ def shm_unusable(need_bytes: int) -> str:
 
 def connector_extra(cfg: UpConfig, role: str, i: int = 0) -> dict[str, Any]:
     """ec_connector_extra_config keys for encoder i (role ec_producer) or a decode instance.
-    Mooncake on one node: 127.0.0.1 (with MC_TCP_BIND_ADDRESS); Transfer Engine: a base port
-    per encoder, every decode instance subscribed to every encoder; Store: the master `epd up`
-    starts, a segment contributed by each encoder (none by decode instances).
-    `connector_extra` may override the rest (protocol, memory_pool_bytes,
-    store_segment_bytes, store_buffer_bytes, ...), not the wiring."""
+
+    Mooncake on one node: 127.0.0.1 (with MC_TCP_BIND_ADDRESS); Transfer Engine: a base port per
+    encoder, every decode instance subscribed to every encoder; Store: the master `epd up`
+    starts, a segment contributed by each encoder (none by decode instances). `connector_extra`
+    may override the rest (protocol, memory_pool_bytes, store_segment_bytes, store_buffer_bytes,
+    ...), not the wiring."""
     tiers = cfg.tiers
     if tiers == ["safetensors"]:
         return dict(cfg.connector_extra)

@@ -11,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
+from encoder_service.encoder_pool.batching import EncoderPool
+from encoder_service.encoder_pool.jobs import ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.lifecycle import BudgetExceeded, FeatureStore, PoolItemState
 from encoder_service.encoder_pool.media import MediaItem
 from tests.encoder_service.encoder_pool.fakes import DIM, TOKENS, FakeEncoder

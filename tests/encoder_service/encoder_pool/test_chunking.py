@@ -20,8 +20,9 @@ from vllm.multimodal.inputs import (
     MultiModalKwargsItem,
 )
 
-from encoder_service.encoder_pool.batching import EncoderPool, ItemFailed, Overloaded, Worker
+from encoder_service.encoder_pool.batching import EncoderPool
 from encoder_service.encoder_pool.chunking import Assembly, chunk_count, split_video
+from encoder_service.encoder_pool.jobs import ItemFailed, Overloaded, Worker
 from encoder_service.encoder_pool.lifecycle import FeatureStore, PoolItemState
 from encoder_service.encoder_pool.media import MediaItem
 from tests.encoder_service.encoder_pool.fakes import MERGE, video_tower
@@ -195,9 +196,9 @@ def test_batches_of_images_all_run_before_a_long_videos_next_chunk():
 def test_a_passed_over_video_chunk_goes_first_once_aged(monkeypatch, aging_s, progresses):
     """Images queued without pause would hold a long video back for ever (shortest work
     first); a chunk passed over for AGING_S goes first, so the video progresses."""
-    from encoder_service.encoder_pool import batching
+    from encoder_service.encoder_pool import jobs
 
-    monkeypatch.setattr(batching, "AGING_S", aging_s)
+    monkeypatch.setattr(jobs, "AGING_S", aging_s)
     tower = video_tower(delay_per_row=0.01)  # a chunk 80 ms, an image 10 ms
     pool = pool_of(tower, video_chunk_tokens=8, max_batch_tokens=8, max_batch_size=1)
 

@@ -10,7 +10,8 @@ import ast
 from prometheus_client import generate_latest
 
 from encoder_service.encoder_pool import batching
-from encoder_service.encoder_pool.batching import REJECT_CODES, EncoderPool, Worker
+from encoder_service.encoder_pool.batching import EncoderPool
+from encoder_service.encoder_pool.jobs import REJECT_CODES, Worker
 from encoder_service.encoder_pool.lifecycle import FeatureStore
 from encoder_service.encoder_pool.metrics import make_registry
 from tests.encoder_service.encoder_pool.fakes import FakeEncoder
