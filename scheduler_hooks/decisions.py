@@ -3,7 +3,7 @@
 Readiness and failure decisions of a consumer's scheduler, as pure functions of plain
 values: the plan for one item of a request this step (`plan_item`: skip, use, wait, load,
 encode locally or fail), is an item needed at all, where may it be pulled from, is a staged
-item usable this step (`decide`, over the item table `items.py`), and what happens to a
+item usable this step (`decide`, over the item table `item_table.py`), and what happens to a
 request whose item cannot arrive."""
 
 from __future__ import annotations
