@@ -24,6 +24,8 @@ machine's two cores, behind one front end, every server through the handoff prob
                  rival_epd_front.py in front (encode, prefill, decode, one after another)
   ours_epd       `epd up --prefill 1 --decode 1` (shm transport): the encoder on core 0, the
                  decode and the prefill instance on core 1, its gateway
+  (vllm_epd and vllm_pd_text run NIXL's progress thread, as vLLM does: set
+  RIVAL_NIXL_PROGRESS_THREAD=0 to give them the quiet agent of ours as well)
   vllm_pd_text   vLLM's plain P/D, no encoder and no EC connector: the prefill and the decode
                  instance of vllm_epd (NixlConnector only), rival_epd_front.py in front; text
                  prompts only (rival_workloads.TEXT_RUNNERS): what NixlConnector costs here
@@ -335,11 +337,15 @@ def start_vllm_epd(name: str, g: Group, model: Path, work: Path, probe_dir: Path
 
     enc = None if text else _vllm(f"rv-{name}-encoder", g, model, BASE_PORT + 1, work,
                                   probe_dir, ec("ec_producer"), 0)
+    # vLLM's own NIXL agent, as its users run it: our plugin, installed in this venv, would
+    # otherwise start it without NIXL's progress thread too (ec_connectors/plugin.py)
+    nixl = {"EPD_NIXL_PROGRESS_THREAD": os.environ.get("RIVAL_NIXL_PROGRESS_THREAD", "1")}
     pre = _vllm(f"rv-{name}-prefill", g, model, BASE_PORT + 3, work, probe_dir,
                 ec("ec_consumer"), 1,
-                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT)}, nixl_args())
+                {**nixl, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT)},
+                nixl_args())
     dec = _vllm(f"rv-{name}-decode", g, model, BASE_PORT + 2, work, probe_dir, None, 1,
-                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT + 1)},
+                {**nixl, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(NIXL_SIDE_CHANNEL_PORT + 1)},
                 nixl_args())
     servers = [s for s in (enc, pre, dec) if s is not None]
     try:

@@ -1,5 +1,6 @@
 """The connector is reachable by bare name (entry point) and by module path."""
 
+import pytest
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
@@ -64,3 +65,54 @@ def test_plugin_asks_for_amx_state_in_every_vllm_process():
         return
     assert not before, "a fresh process already had AMX state: the test proves nothing here"
     assert after
+
+
+def test_nixl_agents_start_without_the_busy_progress_thread():
+    """The plugin wraps NixlConnector's lazy loader in vLLM's KV connector registry: once the
+    class is loaded, its worker module builds `nixl_agent_config` with the progress thread off
+    (an explicit value kept); wrapping happens once; EPD_NIXL_PROGRESS_THREAD=1 leaves vLLM
+    as it is."""
+    import types
+
+    from ec_connectors import plugin
+
+    made: list[dict] = []
+
+    def agent_config(*args, **kwargs):
+        made.append(kwargs)
+        return kwargs
+
+    module = types.SimpleNamespace(nixl_agent_config=agent_config)
+    registry = {"NixlConnector": lambda: "the class", "Other": lambda: "other"}
+    assert plugin.wrap_nixl_loader(registry, lambda: module)
+    assert not plugin.wrap_nixl_loader(registry, lambda: module)  # once
+    assert module.nixl_agent_config is agent_config  # nothing until the class loads
+    assert registry["NixlConnector"]() == "the class"
+    module.nixl_agent_config(num_threads=4)
+    module.nixl_agent_config(enable_prog_thread=True)
+    assert made == [{"num_threads": 4, "enable_prog_thread": False},
+                    {"enable_prog_thread": True}]
+    assert registry["Other"]() == "other"
+    assert not plugin.wrap_nixl_loader({}, lambda: module)  # no NixlConnector: nothing
+    assert plugin.nixl_progress_thread_wanted({"EPD_NIXL_PROGRESS_THREAD": "1"})
+    assert not plugin.nixl_progress_thread_wanted({})
+    assert not plugin.quiet_nixl_progress_thread({"EPD_NIXL_PROGRESS_THREAD": "1"})
+
+
+def test_vllm_nixl_worker_builds_its_agent_config_by_that_name():
+    """What the wrap relies on in the installed vLLM: NixlConnector's worker module calls
+    `nixl_agent_config(...)` by its module-level name, and the Python config takes
+    `enable_prog_thread`."""
+    import importlib
+    import inspect
+
+    pytest.importorskip("nixl._api")
+    worker = importlib.import_module(plugin_module().NIXL_WORKER_MODULE)
+    assert "nixl_agent_config(" in inspect.getsource(worker)
+    assert "enable_prog_thread" in inspect.signature(worker.nixl_agent_config).parameters
+
+
+def plugin_module():
+    from ec_connectors import plugin
+
+    return plugin
