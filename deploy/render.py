@@ -1,10 +1,12 @@
-"""Render docker-compose.yml and deploy/k8s/epd.yaml from deploy/settings.toml and the templates
-in deploy/templates/, so both files take their ports, keys and model paths from one place
+"""Render the deployment files from deploy/settings.toml and the templates in deploy/templates/.
+
+docker-compose.yml, deploy/k8s/epd.yaml and the monitoring profile's
+deploy/prometheus/prometheus.yml take their ports, keys and model paths from one place
 (and the port scheme from ec_connectors/protocol/ports.py, the vLLM flags and the E/P/D
 --kv-transfer-config from what `epd up` gives its servers). The rendered files are checked in:
 users apply them as they are.
 
-    python deploy/render.py           write both files
+    python deploy/render.py           write every file
     python deploy/render.py --check   exit 1 if a checked-in file differs from its rendering
 
 A template names a setting as {{name}}; an unknown name, or one left over, is an error.
@@ -34,7 +36,8 @@ from encoder_service.local.up_config import kv_connector_config  # noqa: E402
 SETTINGS = ROOT / "deploy" / "settings.toml"
 TEMPLATES = ROOT / "deploy" / "templates"
 OUTPUTS = {"docker-compose.yml": ROOT / "docker-compose.yml",
-           "epd.yaml": ROOT / "deploy" / "k8s" / "epd.yaml"}
+           "epd.yaml": ROOT / "deploy" / "k8s" / "epd.yaml",
+           "prometheus.yml": ROOT / "deploy" / "prometheus" / "prometheus.yml"}
 DECODE_ARGS = ["--enable-scale-out"]  # as encoder_service/local/up.py DECODE_ARGS
 HEADER = ("# Rendered from deploy/settings.toml and deploy/templates/{name} by deploy/render.py:"
           " edit those,\n# then run `python deploy/render.py` (tests/deploy/test_manifests.py"

@@ -415,11 +415,12 @@ def metrics_ports(services: dict) -> dict[str, int]:
     return out
 
 
-def scraped_ports() -> dict[str, int]:
-    """deploy/prometheus/prometheus.yml: each job (one per compose service, found by DNS:
-    every replica; none while the service is not running) -> the port it scrapes."""
+def scraped_ports(text: str | None = None) -> dict[str, int]:
+    """deploy/prometheus/prometheus.yml (or `text`): each job (one per compose service, found
+    by DNS: every replica; none while the service is not running) -> the port it scrapes."""
     scraped = {}
-    for job in yaml.safe_load(PROMETHEUS_YML.read_text())["scrape_configs"]:
+    config = yaml.safe_load(PROMETHEUS_YML.read_text() if text is None else text)
+    for job in config["scrape_configs"]:
         assert set(job) == {"job_name", "dns_sd_configs"}, job  # nothing else
         (sd,) = job["dns_sd_configs"]
         assert sd["type"] == "A" and sd["names"] == [job["job_name"]], job
@@ -442,14 +443,19 @@ def test_the_monitoring_profile_scrapes_every_service_that_serves_metrics():
     assert "--config.file=/etc/prometheus/prometheus.yml" in dockerfile
 
 
-def test_a_service_missing_from_the_monitoring_profile_or_a_moved_port_is_caught():
+def test_a_service_missing_from_the_monitoring_profile_is_caught_and_ports_follow():
+    """A service the scrape jobs miss is caught; a moved port moves in prometheus.yml too:
+    deploy/render.py renders it from the same settings as the compose file."""
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     services["encoder-2"] = dict(services["encoder"])
     assert metrics_ports(services) != scraped_ports()
     settings = _render_module().load_settings()
-    settings["ports"]["vllm"] = 9123  # rendered, prometheus.yml left as it is
-    moved = yaml.safe_load(_render_module().render(settings)[COMPOSE])["services"]
-    assert metrics_ports(moved)["encoder"] == 9123 != scraped_ports()["encoder"]
+    settings["ports"]["vllm"], settings["ports"]["gateway"] = 9123, 9124
+    rendered = _render_module().render(settings)
+    moved = yaml.safe_load(rendered[COMPOSE])["services"]
+    scraped = scraped_ports(rendered[PROMETHEUS_YML])
+    assert metrics_ports(moved) == scraped
+    assert scraped["encoder"] == scraped["decode"] == 9123 and scraped["gateway"] == 9124
 
 
 # -- wait_for.py: the servers' entry point, so podman-compose starts them in order too -------
