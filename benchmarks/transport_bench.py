@@ -3,14 +3,16 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
-        [--paths shm shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors]
+        [--paths shm shm_seal shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors]
         [--secret]
         [--json FILE]
 
 Each path runs a producer and a consumer `peer_process` (ec_connectors/testing), built with
-`make_transport` as a vLLM worker would be (`shm_blake3`: shm verified with blake3 instead
-of xxh3; `mooncake_te`: the Transfer Engine transport over TCP with its default data path, a
-socket stream; `mooncake_te_engine`: the same with `te_data_path` engine, the engine's writes;
+`make_transport` as a vLLM worker would be (`shm_seal`: shm whose reader checks the
+producer's seal instead of hashing the bytes again, shm_read_verify "seal"; `shm_blake3`:
+shm verified with blake3 instead of xxh3; `mooncake_te`: the Transfer Engine transport over
+TCP with its default data path, a socket stream; `mooncake_te_engine`: the same with
+`te_data_path` engine, the engine's writes;
 `--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
 One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
 byte verified, the transport's own way); `ms` is put + get as each process timed it
@@ -48,7 +50,7 @@ from epd_common.net import port_open
 
 HIDDEN = 4096
 MiB = 1 << 20
-PATHS = ("shm", "shm_blake3", "mooncake_te", "mooncake_te_engine", "mooncake_store",
+PATHS = ("shm", "shm_seal", "shm_blake3", "mooncake_te", "mooncake_te_engine", "mooncake_store",
          "safetensors")
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
@@ -72,11 +74,12 @@ class Path_:
                  secret: str | None) -> None:
         self.name, self.master = name, None
         self.dirs: list[str] = []
-        if name in ("shm", "shm_blake3"):
+        if name in ("shm", "shm_seal", "shm_blake3"):
             root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
             self.dirs.append(root)
             base = {"transport": "shm", "shm_path": root, "shm_lease_ttl_s": 0.05,
                     "shm_verify": "blake3" if name == "shm_blake3" else "xxh3",
+                    "shm_read_verify": "seal" if name == "shm_seal" else "bytes",
                     "shm_arena_bytes": 3 * max_bytes + 16 * MiB,
                     "shm_consumer_pool_bytes": 2 * max_bytes + 16 * MiB}
             self.prod, self.cons = base, base

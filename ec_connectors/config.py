@@ -244,7 +244,16 @@ class ShmSettings(_Settings):
     # Keyed under the deployment secret when there is one: xxh3 (fast checksum) or blake3
     # (a MAC).
     shm_verify: Literal["xxh3", "blake3"] = "xxh3"
-    shm_copy_threads: int = Field(default=2, ge=1, le=64)  # copy + hash in parallel
+    # Consumer workers use a large item in the producer's block, without a copy (pinned
+    # until vLLM drops the tensor; at most half an arena pinned per consumer, the rest is
+    # copied into the pool). "bytes": the reader hashes every byte once, when it maps the
+    # block (damage is a miss); "seal": it checks the producer's keyed seal of the record and
+    # the block's header only, trusting the producer's one-pass hash of the bytes it wrote
+    # (no read pass: about one memcpy in all, docs/transports.md).
+    shm_zero_copy: bool = True
+    shm_read_verify: Literal["bytes", "seal"] = "bytes"
+    # copy + hash in parallel; at most the cores this process may run on (sched_getaffinity)
+    shm_copy_threads: int = Field(default=2, ge=1, le=64)
     shm_chunk_bytes: int = Field(default=1 * MiB, ge=64 * KiB, le=64 * MiB)
 
     @field_validator("shm_path")

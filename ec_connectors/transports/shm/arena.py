@@ -250,7 +250,11 @@ class Arena:
 
 
 class Mapping:
-    """A consumer's read-only mapping of one arena (shared by its readers)."""
+    """A consumer's read-only mapping of one arena, and the read locks its readers hold.
+
+    One mapping is shared by its readers; it holds read locks on the blocks they use (pins:
+    the producer cannot evict a pinned block).
+    Its descriptor stays open while it is mapped: the locks are on it, per block, counted."""
 
     def __init__(self, shm_dir: ShmDir, name: str, populate: bool) -> None:
         fd = shm_dir.open_arena(name)
@@ -262,36 +266,70 @@ class Mapping:
                 raise BadRecord("not an arena of this transport")
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self.mm = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.fd = fd
         self.name, self.size, self.ino = name, st.st_size, st.st_ino
         self._np = np.frombuffer(self.mm, dtype=np.uint8)
         self.addr = self._np.ctypes.data
-        self.users = 0
+        self.view = memoryview(self._np)
+        self.users = 0  # readers now, and tensors that use its blocks in place
+        self.closing = False  # the transport closed: unmap when the last user goes
+        self.pinned_bytes = 0
+        self._pins: dict[int, int] = {}  # block offset -> readers holding it
+        # reentrant: a tensor's finalizer (unpin) may run on this thread inside pin
+        self._lock = threading.RLock()
 
     def header(self, offset: int) -> tuple[bytes, int, int, bytes]:
         return _BLOCK.unpack_from(self.mm, offset)
 
+    def pin(self, offset: int, length: int) -> bool:
+        """Hold a read lock on the block (False: the producer is evicting it)."""
+        with self._lock:
+            held = self._pins.get(offset, 0)
+            if not held and not range_lock(self.fd, fcntl.F_RDLCK, offset, length):
+                return False
+            self._pins[offset] = held + 1
+            if not held:
+                self.pinned_bytes += length
+            return True
+
+    def unpin(self, offset: int, length: int) -> None:
+        with self._lock:
+            held = self._pins.pop(offset) - 1
+            if held:
+                self._pins[offset] = held
+                return
+            self.pinned_bytes -= length
+            if self.fd >= 0:
+                range_lock(self.fd, fcntl.F_UNLCK, offset, length)
+
     def close(self) -> bool:
+        self.view.release()
         del self._np
         try:
             self.mm.close()
-            return True
         except BufferError:
             return False
+        with self._lock:
+            os.close(self.fd)
+            self.fd = -1
+        return True
 
 
 class Mappings:
     """A consumer's read-only mappings of producers' arenas.
 
-    A consumer's mappings of producers' arenas, made on first use, closed once their
-    arena is gone (its memory is freed only when nobody maps it)."""
+    Made on first use, closed once their arena is gone (its memory is freed only when nobody
+    maps it). A mapping is never closed while a reader or a tensor uses it (`users`): a
+    producer that died leaves its blocks readable until the last tensor on them goes."""
 
     def __init__(self, shm_dir: ShmDir, populate: bool) -> None:
         self.dir = shm_dir
         self.populate = populate
         self._maps: dict[str, Mapping] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: see Mapping._lock
 
     def acquire(self, name: str) -> Mapping:
         with self._lock:
@@ -304,9 +342,12 @@ class Mappings:
     def release(self, m: Mapping) -> None:
         with self._lock:
             m.users -= 1
+            last = m.closing and m.users == 0
+        if last:
+            m.close()
 
     def reap(self) -> None:
-        """Unmap arenas whose file is gone or replaced and that nobody reads now."""
+        """Unmap arenas whose file is gone or replaced and that nobody uses now."""
         with self._lock:
             names = [n for n, m in self._maps.items() if m.users == 0]
         for name in names:
@@ -315,20 +356,27 @@ class Mappings:
                     != self._maps[name].ino
             except FileNotFoundError:
                 gone = True
+            except KeyError:
+                continue
             if gone:
                 with self._lock:
                     m = self._maps.get(name)
-                    if m is not None and m.users == 0:
-                        del self._maps[name]
-                        m.close()
+                    if m is None or m.users:
+                        continue
+                    del self._maps[name]
+                m.close()
 
     def __len__(self) -> int:
         return len(self._maps)
 
     def close(self) -> None:
+        """Unmap every arena nobody uses; the others when their last user goes."""
         with self._lock:
             maps, self._maps = list(self._maps.values()), {}
-        for m in maps:
+            idle = [m for m in maps if m.users == 0]
+            for m in maps:
+                m.closing = True
+        for m in idle:
             m.close()
 
 

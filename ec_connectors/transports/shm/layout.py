@@ -60,6 +60,9 @@ class Record(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chunk: int  # digest chunk size (copy.Digest)
     algo: str  # "xxh3" | "blake3"
     digest: str  # hex, keyed under the deployment secret when there is one
+    # the digest bound to this block (arena, offset, gen), keyed likewise: what a reader
+    # checks when it trusts the producer's hash (shm_read_verify "seal")
+    seal: str = ""
 
 
 _encode = msgspec.msgpack.Encoder().encode

@@ -13,7 +13,6 @@ evicted, foreign or damaged item is a miss (the caller encodes locally), never w
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
 import threading
 import time
@@ -38,9 +37,9 @@ from ec_connectors.transports.shm.arena import (
     BLOCK_MAGIC,
     PAGE,
     Arena,
+    Mapping,
     Mappings,
     key_hash,
-    range_lock,
     sweep,
 )
 from ec_connectors.transports.shm.copy import Digest, copy_and_hash, derive_key
@@ -95,7 +94,9 @@ class ShmTransport(Transport):
         # workers map whole arenas pre-faulted (large copies); the scheduler reads small
         # items and maps lazily
         self.maps = Mappings(self.dir, populate=worker)
-        self.threads = config.shm_copy_threads if worker else 1
+        self.threads = min(config.shm_copy_threads, _cores()) if worker else 1
+        # workers use large items in the producer's block (the scheduler copies small ones)
+        self.zero_copy = worker and config.shm_zero_copy
         self._exec = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="epd-shm-copy")
                       if self.threads > 1 else None)
         self.arena: Arena | None = None
@@ -134,14 +135,15 @@ class ShmTransport(Transport):
             src = tensor.reshape(-1).view(torch.uint8).data_ptr() if nbytes else None
             parts = copy_and_hash(arena.addr + data, arena.view[data:data + nbytes], src,
                                   nbytes, self.chunk, self.digest, self._exec, self.threads)
-            digest = self.digest.final(identity(self.scope, key, dtype, shape, nbytes),
-                                       self.chunk, parts)
+            ident = identity(self.scope, key, dtype, shape, nbytes)
+            digest = self.digest.final(ident, self.chunk, parts)
             arena.commit(key, offset, gen, nbytes)
             committed = True
             self.dir.write_record(Record(
                 item_id=item_id, key=key, scope=self.scope, dtype=dtype, shape=shape,
                 nbytes=nbytes, arena=arena.name, offset=offset, gen=gen, chunk=self.chunk,
-                algo=self.digest.algo, digest=digest))
+                algo=self.digest.algo, digest=digest,
+                seal=self._seal(ident, arena.name, offset, gen, self.chunk, digest)))
         except BaseException:
             if committed:
                 arena.evict_key(key)
@@ -210,8 +212,20 @@ class ShmTransport(Transport):
             raise BadRecord(f"shape {rec.shape} of {rec.dtype} is not {rec.nbytes} bytes")
         return dtype, list(rec.shape)
 
+    def _seal(self, ident: str, arena: str, offset: int, gen: int, chunk: int,
+              digest: str) -> str:
+        """The item's digest bound to its block, keyed like the digest.
+
+        A reader that trusts the producer's hash checks this instead of hashing the bytes
+        again."""
+        return self.digest.final(f"{ident}\0seal\0{arena}\0{offset}\0{gen}", chunk,
+                                 [digest.encode()])
+
     def _read(self, item_id: str, key: str, max_bytes: int | None = None) -> torch.Tensor:
-        """The verified item (FileNotFoundError: no record; _Evicted; BadRecord)."""
+        """The verified item: a view of the producer's block, or a copy.
+
+        FileNotFoundError: no record; _Evicted; BadRecord. Large items on workers are a view
+        of the producer's block, pinned while the tensor lives; others a copy."""
         rec = self.dir.read_record(key)
         dtype, shape = self._check(rec, item_id, key)
         if max_bytes is not None and rec.nbytes > max_bytes:
@@ -221,47 +235,61 @@ class ShmTransport(Transport):
         except FileNotFoundError:  # its producer is gone: so is the item
             self.dir.unlink_record_if(key, rec.arena, rec.gen)
             raise _Evicted from None
+        length = BLOCK_HEADER + rec.nbytes
+        pinned = handed = False
         buf: PoolBuffer | None = None
         try:
-            length = BLOCK_HEADER + rec.nbytes
             if rec.offset < PAGE or rec.offset % PAGE or rec.offset + length > m.size:
                 raise BadRecord(f"block {rec.offset}+{length} outside its arena ({m.size})")
-            try:
-                fd = self.dir.open_arena(rec.arena)
-            except FileNotFoundError:
-                raise _Evicted from None
-            try:  # the read lock pins the block until the copy is done (closing drops it)
-                if os.fstat(fd).st_ino != m.ino or not range_lock(
-                        fd, fcntl.F_RDLCK, rec.offset, length):
-                    raise _Evicted
-                magic, gen, n, khash = m.header(rec.offset)
-                if magic != BLOCK_MAGIC or gen != rec.gen or n != rec.nbytes \
-                        or khash != key_hash(key):
-                    raise _Evicted
-                out, buf, addr, view = self._destination(rec.nbytes, max_bytes is None)
-                parts = copy_and_hash(addr, view, m.addr + rec.offset + BLOCK_HEADER,
-                                      rec.nbytes, rec.chunk, self.digest,
-                                      self._exec if max_bytes is None else None, self.threads)
-            finally:
-                os.close(fd)
+            # the read lock pins the block: the producer cannot evict or reuse it meanwhile
+            in_place = self.zero_copy and max_bytes is None and rec.nbytes >= _POOLED_MIN \
+                and m.pinned_bytes + length <= m.size // 2
+            if not m.pin(rec.offset, length):
+                raise _Evicted
+            pinned = True
+            magic, gen, n, khash = m.header(rec.offset)
+            if magic != BLOCK_MAGIC or gen != rec.gen or n != rec.nbytes \
+                    or khash != key_hash(key):
+                raise _Evicted
+            data = rec.offset + BLOCK_HEADER
+            ident = identity(self.scope, key, rec.dtype, rec.shape, rec.nbytes)
+            if in_place:
+                if self.config.shm_read_verify == "seal" and rec.seal:
+                    if not Digest.same(self._seal(ident, rec.arena, rec.offset, rec.gen,
+                                                  rec.chunk, rec.digest), rec.seal):
+                        raise BadRecord("seal mismatch: not stored under this deployment's "
+                                        "secret")
+                else:  # one read pass over the mapped bytes, hashed where they lie
+                    self._verify(ident, rec, copy_and_hash(
+                        0, m.view[data:data + rec.nbytes], None, rec.nbytes, rec.chunk,
+                        self.digest, self._exec, self.threads))
+                out = _pinned_view(self.maps, m, rec.offset, length)
+                handed = True
+                return out.view(dtype).reshape(shape)
+            out, buf, addr, view = self._destination(rec.nbytes, max_bytes is None)
+            parts = copy_and_hash(addr, view, m.addr + data, rec.nbytes, rec.chunk,
+                                  self.digest, self._exec if max_bytes is None else None,
+                                  self.threads)
+            self._verify(ident, rec, parts)
         except BaseException:
             if buf is not None:
                 buf.release()
             raise
         finally:
-            self.maps.release(m)
-        digest = self.digest.final(identity(self.scope, key, rec.dtype, rec.shape, rec.nbytes),
-                                   rec.chunk, parts)
-        if not Digest.same(digest, rec.digest):
-            if buf is not None:
-                buf.release()
-            raise BadRecord("digest mismatch: damaged, or not stored under this deployment's "
-                            "secret")
+            if not handed:  # the copy is done, or failed: the block may go
+                if pinned:
+                    m.unpin(rec.offset, length)
+                self.maps.release(m)
         if buf is not None:  # the block returns to the pool when vLLM drops the tensor
             import torch
 
             out = buf.hand_over(torch.uint8, (rec.nbytes,))
         return out.view(dtype).reshape(shape)
+
+    def _verify(self, ident: str, rec: Record, parts: list[bytes]) -> None:
+        if not Digest.same(self.digest.final(ident, rec.chunk, parts), rec.digest):
+            raise BadRecord("digest mismatch: damaged, or not stored under this deployment's "
+                            "secret")
 
     def _destination(self, nbytes: int, pooled: bool
                      ) -> tuple[torch.Tensor, PoolBuffer | None, int, memoryview]:
@@ -348,6 +376,43 @@ class ShmTransport(Transport):
         if self._dest is not None:
             self._dest.close()
         self.dir.close()
+
+
+def _cores() -> int:
+    """How many cores this process may run on.
+
+    A server pinned to one core copies on one thread: a second would only take turns."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+class _Pin:
+    """Holds a block's read lock and its mapping for a tensor that uses the block in place.
+
+    Lets go of both when the last tensor sharing the block's memory is collected."""
+
+    __slots__ = ("maps", "m", "offset", "length")
+
+    def __init__(self, maps: Mappings, m: Mapping, offset: int, length: int) -> None:
+        self.maps, self.m, self.offset, self.length = maps, m, offset, length
+
+    def __del__(self) -> None:
+        self.m.unpin(self.offset, self.length)
+        self.maps.release(self.m)
+
+
+def _pinned_view(maps: Mappings, m: Mapping, offset: int, length: int) -> torch.Tensor:
+    """A uint8 tensor over the block's payload in `m` (read-only memory: vLLM only reads
+    encoder outputs), whose storage owns the pin: no copy, and the block is neither evicted
+    nor unmapped while any view of it lives (vLLM's encoder cache included)."""
+    import torch
+
+    nbytes = length - BLOCK_HEADER
+    raw = (ctypes.c_uint8 * nbytes).from_address(m.addr + offset + BLOCK_HEADER)
+    raw._epd_pin = _Pin(maps, m, offset, length)  # dies with the last tensor on `raw`
+    return torch.frombuffer(raw, dtype=torch.uint8)
 
 
 def _prefault(storage: torch.Tensor) -> None:

@@ -363,10 +363,154 @@ def test_a_consumer_unmaps_an_arena_once_it_is_gone(root):
         y = cons.get("a", soon())
         assert y is not None and cons.health()["mapped_arenas"] == 1
         prod.close()
+        cons.reap()  # y is the producer's block in place: its mapping stays while y lives
+        assert cons.health()["mapped_arenas"] == 1
+        assert torch.equal(y, torch.ones(256, 256))
+        assert cons.get("a", soon(0.1)) is None
+        del y
         cons.reap()
         assert cons.health()["mapped_arenas"] == 0
-        assert torch.equal(y, torch.ones(256, 256))  # a loaded item is the consumer's own
-        assert cons.get("a", soon(0.1)) is None
+    finally:
+        cons.close()
+
+
+# -- in place: the producer's block, pinned while a tensor lives -----------------------------------
+def _evictable(root: str, item_id: str) -> bool:
+    """Whether the producer could evict the item's block now (its write lock test)."""
+    rec = _record(root, item_id)
+    fd = os.open(os.path.join(ns_dir(root), rec.arena), os.O_RDWR)
+    try:
+        ok = range_lock(fd, fcntl.F_WRLCK, rec.offset, BLOCK_HEADER + rec.nbytes)
+        if ok:
+            range_lock(fd, fcntl.F_UNLCK, rec.offset, BLOCK_HEADER + rec.nbytes)
+        return ok
+    finally:
+        os.close(fd)
+
+
+def test_a_loaded_item_is_the_producers_block_pinned_while_its_tensor_lives(root):
+    prod, cons = make(root, PRODUCER), make(root, CONSUMER)
+    try:
+        x = torch.randn(512, 1024).to(torch.bfloat16)  # 1 MiB
+        prod.put("a", x)
+        y = cons.get("a", soon())
+        assert torch.equal(y, x) and cons.health().get("pool_used_bytes", 0) == 0  # no copy
+        rec = _record(root, "a")
+        assert y.data_ptr() == cons.maps.acquire(rec.arena).addr + rec.offset + BLOCK_HEADER
+        cons.maps.release(cons.maps.acquire(rec.arena))
+        cons.maps.release(cons.maps.acquire(rec.arena))
+        rows = y[100:200]  # what vLLM's gather keeps: a slice, the whole gone
+        del y
+        assert not _evictable(root, "a") and not prod.delete("a")  # pinned by the slice
+        again = cons.get("a", soon())  # a second reader of the same block: counted
+        del rows
+        assert not _evictable(root, "a")
+        del again
+        assert _evictable(root, "a") and prod.delete("a")  # the last tensor let go
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_a_block_is_never_reused_under_a_live_tensor(root):
+    item = (torch.arange(3 * MiB // 2) % 251).to(torch.bfloat16)  # 3 MiB, no NaN
+    prod = make(root, PRODUCER, shm_arena_bytes=7 * MiB, shm_lease_ttl_s=0.01,
+                shm_lease_min_s=0.01, shm_put_timeout_s=0.2)
+    cons = make(root, CONSUMER)
+    try:
+        prod.put("a", item)
+        held = cons.get("a", soon())  # in place: at most half the arena is pinned
+        assert held is not None and cons.health().get("pool_used_bytes", 0) == 0
+        for i in range(4):  # every later put takes the other block, never "a"'s
+            time.sleep(0.02)
+            prod.put(f"b{i}", torch.full((3 * MiB // 2,), i, dtype=torch.bfloat16))
+            assert cons.exists("a") and torch.equal(held, item)
+        second = cons.get("b3", soon())  # over half the arena: copied, "b3" not pinned
+        assert second is not None and cons.health()["pool_used_bytes"] > 0
+        time.sleep(0.02)
+        prod.put("c", item)  # evicts "b3", whose copy the consumer holds
+        assert torch.equal(second, torch.full((3 * MiB // 2,), 3, dtype=torch.bfloat16))
+        assert torch.equal(held, item)
+        del held
+        time.sleep(0.02)
+        prod.put("d", item)
+        prod.put("e", item)  # "a" is evictable now: both blocks were reused
+        assert not cons.exists("a")
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_a_view_outlives_its_killed_producer(root, peers):
+    prod = peers.start(PRODUCER, **conf(root))
+    shape = [1024, 4096]  # 8 MiB
+    put(prod, "img", 9, shape)
+    cons = make(root, CONSUMER)
+    try:
+        y = cons.get("img", soon())
+        os.killpg(prod.proc.pid, signal.SIGKILL)
+        prod.proc.wait(10)
+        other = make(root, CONSUMER)  # another worker starts and sweeps the dead arena
+        other.close()
+        assert not any(n.endswith(".shm") for n in os.listdir(ns_dir(root)))
+        cons.reap()
+        assert cons.health()["mapped_arenas"] == 1  # still mapped under y
+        from ec_connectors.transports.base import checksum, tensor_bytes
+
+        assert checksum(tensor_bytes(y)) == expected(9, shape)  # the bytes stay whole
+        assert cons.get("img", soon(0.1)) is None  # the record went with the arena
+        del y
+        cons.reap()
+        assert cons.health()["mapped_arenas"] == 0  # unmapped: the memory is free
+    finally:
+        cons.close()
+
+
+def test_a_view_outlives_its_consumers_close(root):
+    prod, cons = make(root, PRODUCER), make(root, CONSUMER)
+    try:
+        x = torch.randn(256, 1024)
+        prod.put("a", x)
+        y = cons.get("a", soon())
+        cons.close()  # vLLM may still hold the tensor at shutdown: not unmapped under it
+        assert torch.equal(y, x) and not _evictable(root, "a")
+        del y
+        assert _evictable(root, "a")
+    finally:
+        prod.close()
+
+
+def test_a_sealed_read_checks_the_seal_not_the_bytes(root, tmp_path):
+    a, b = secret(tmp_path, "a"), secret(tmp_path, "b")
+    prod = make(root, PRODUCER, secret_file=a)
+    sealed = make(root, CONSUMER, secret_file=a, shm_read_verify="seal")
+    foreign = make(root, CONSUMER, secret_file=b, shm_read_verify="seal")
+    full = make(root, CONSUMER, secret_file=a)
+    try:
+        x = torch.randn(256, 1024)
+        prod.put("a", x)
+        assert torch.equal(sealed.get("a", soon()), x)
+        assert foreign.get("a", soon()) is None and foreign.events.corrupt == 1
+        rec = _record(root, "a")
+        _plant(root, "a", Record(**{**{f: getattr(rec, f) for f in rec.__struct_fields__},
+                                   "offset": rec.offset + 4096}))
+        assert sealed.get("a", soon()) is None  # the seal binds the block: moved, refused
+        _plant(root, "a", rec)
+        with open(os.path.join(ns_dir(root), rec.arena), "r+b") as f, \
+                mmap.mmap(f.fileno(), 0) as mm:
+            mm[rec.offset + BLOCK_HEADER + 7] ^= 0x01
+        assert full.get("a", soon()) is None and full.events.corrupt == 1  # bytes: a miss
+        # seal: the reader trusts the producer's hash of the bytes it wrote (documented)
+        assert sealed.get("a", soon()) is not None
+    finally:
+        for t in (prod, sealed, foreign, full):
+            t.close()
+
+
+def test_copy_threads_fit_the_cores_this_process_may_use(root):
+    cons = make(root, CONSUMER, shm_copy_threads=64)
+    try:
+        assert cons.threads == len(os.sched_getaffinity(0))
     finally:
         cons.close()
 
