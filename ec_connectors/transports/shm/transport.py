@@ -404,8 +404,9 @@ class _Pin:
 
 
 def _pinned_view(maps: Mappings, m: Mapping, offset: int, length: int) -> torch.Tensor:
-    """A uint8 tensor over the block's payload in `m` (read-only memory: vLLM only reads
-    encoder outputs), whose storage owns the pin: no copy, and the block is neither evicted
+    """A uint8 tensor over the block's payload in `m`, whose storage owns the block's pin.
+
+    Read-only memory (vLLM only reads encoder outputs), no copy; the block is neither evicted
     nor unmapped while any view of it lives (vLLM's encoder cache included)."""
     import torch
 
