@@ -9,7 +9,8 @@ handed covers the item); the gateway counts one handoff and no failure; a stream
 the same too. The same deployment runs with tracing on (a receiver in this process,
 local/trace_sink.py): one image request with a caller's traceparent is one trace across the
 gateway, the encoder's vLLM, the prefill instance's vLLM (and its connector's load) and the
-decode instance's vLLM; `epd top --once` lists every instance. Then the decode instance is
+decode instance's vLLM; `epd top --once` lists every instance; idle, the KV instances do not
+spin (NIXL's progress thread off: ec_connectors/plugin.py). Then the decode instance is
 killed mid-stream: the stream goes on, exact, on the prefill instance, which also answers
 the requests sent while the decode instance is down (it comes back: one restart). Last, the
 prefill instance is killed: the next request is still answered exactly, the decode instance
@@ -24,6 +25,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import psutil
@@ -62,15 +64,29 @@ def streamed(c, url: str, image: bytes) -> list[int]:
     return ids
 
 
-def kill_server(root: int, port: int) -> None:
-    """SIGKILL the session of the vLLM server under `root` that serves `port`."""
-    for pid in descendants(root):
+def server_pid(root: int, port: int) -> int:
+    """The vLLM server under `root` that serves `port` (its API server process)."""
+    for pid in sorted(descendants(root)):
         with contextlib.suppress(psutil.Error):
             cmd = psutil.Process(pid).cmdline()
             if "serve" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port):
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-                return
+                return pid
     raise AssertionError(f"no server on port {port} under {root}")
+
+
+def kill_server(root: int, port: int) -> None:
+    """SIGKILL the session of the vLLM server under `root` that serves `port`."""
+    os.killpg(os.getpgid(server_pid(root, port)), signal.SIGKILL)
+
+
+def tree_cpu_s(pids: set[int]) -> float:
+    """CPU seconds (user + system) the live processes of `pids` have used."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +201,23 @@ def test_epd_top_once_lists_every_instance(deployment):
     assert frame["totals"]["requests"] == sent >= 3
     assert rows[PREFILL]["requests"] >= 3 and rows[DECODE]["requests"] >= 3
     assert rows[PREFILL]["ttft_p50_s"] is not None and rows[DECODE]["ttft_p50_s"] is not None
+
+
+def test_idle_kv_instances_do_not_spin(deployment):
+    """NIXL's progress thread (on in vLLM's NixlConnector) busy-polled a core per idle KV
+    instance; ec_connectors/plugin.py creates the agent without it. After a moment idle,
+    each server with NixlConnector (its whole process tree) uses under 10% of a core."""
+    root = deployment["up"].pid
+    servers = {port: server_pid(root, port) for port in (BASE + 2, BASE + 3)}  # decode, prefill
+    trees = {port: {pid} | descendants(pid) for port, pid in servers.items()}
+    time.sleep(2)  # the earlier tests' stragglers (notifications, spans) settle
+    before = {port: tree_cpu_s(pids) for port, pids in trees.items()}
+    t0 = time.monotonic()
+    time.sleep(4)
+    wall = time.monotonic() - t0
+    pct = {port: round((tree_cpu_s(pids) - before[port]) / wall * 100, 1)
+           for port, pids in trees.items()}
+    assert all(p < 10 for p in pct.values()), f"idle CPU, % of a core by port: {pct}"
 
 
 def test_a_decode_instance_killed_mid_stream_goes_on_on_the_prefill_instance(deployment):
