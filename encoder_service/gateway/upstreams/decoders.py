@@ -18,23 +18,27 @@ path, a cancelled one included: until then the request counts in flight on its i
 stream whose first event is an error: vLLM streams a role chunk before the engine has run)
 from one that has begun.
 
-This hop uses aiohttp (a vLLM dependency) rather than httpx: it sits on every request's
-path and measured about 0.45 ms less per request here (see benchmarks/serve_bench.py).
+This hop uses the project's own lean HTTP/1.1 client (http1.py) rather than aiohttp or
+httpx: it sits on every request's path (docs/benchmarks.md, gateway hop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Set
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from encoder_service.gateway.config import PoolSection
 from encoder_service.gateway.telemetry import tracing
 from encoder_service.gateway.telemetry.metrics import DECODE, GatewayMetrics
+from encoder_service.gateway.upstreams.http1 import (
+    ConnectFailed,
+    Disconnected,
+    Http1Pool,
+    HttpError,
+    Response,
+)
 from encoder_service.gateway.upstreams.routing import Chooser, Hold, Members, rendezvous
 from encoder_service.gateway.wire import DecodeError, GatewayError, json_decode
 
@@ -45,7 +49,7 @@ class UpstreamError(Exception):
 
 @dataclass
 class Upstream:
-    response: aiohttp.ClientResponse
+    response: Response
     url: str
     retries: int
     sent_at: float
@@ -65,7 +69,7 @@ class Upstream:
     async def read(self) -> bytes:
         try:
             data = await self.response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (HttpError, TimeoutError) as exc:
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
         self._done = True
         return data
@@ -81,7 +85,7 @@ class Upstream:
             return False
         pending = b""
         try:
-            async for chunk in self.response.content.iter_any():
+            async for chunk in self.response.chunks():
                 self._held.append(chunk)
                 pending += chunk
                 *events, pending = pending.split(b"\n\n")
@@ -89,7 +93,7 @@ class Upstream:
                     verdict = _first_event_verdict(event)
                     if verdict is not None:
                         return verdict
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (HttpError, TimeoutError):
             return not self._held
         self._done = True
         return False
@@ -101,9 +105,9 @@ class Upstream:
         if self._done:
             return
         try:
-            async for chunk in self.response.content.iter_any():
+            async for chunk in self.response.chunks():
                 yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (HttpError, TimeoutError) as exc:
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
         self._done = True
 
@@ -118,10 +122,9 @@ class Upstream:
         if self._released:
             return
         self._released = True
-        if self._done:
-            self.response.release()  # keep-alive connection back to the pool
-        else:
-            self.response.close()  # drop the connection: the upstream request is aborted
+        # read to the end: the connection goes back to the pool; else it is closed and the
+        # upstream request aborted
+        self.response.release()
         self.hold.done()
 
 
@@ -161,24 +164,20 @@ class DecodePool(Members):
         super().__init__(self.urls, section.cooldown_s, {"requests": 0, "affinity": 0})
         self.chooser = Chooser(section.policy, section.load_factor)
         self.role = section.role  # in its errors: "no <role> instance answered"
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=section.connect_s,
-                                             sock_read=section.read_s)
-        self.session: aiohttp.ClientSession | None = None
-        self.headers = section.headers
+        self.section = section
+        self.session: Http1Pool | None = None
         self.metrics = metrics
 
     async def start(self) -> None:
         # connections kept alive for less than vLLM's own keep-alive (uvicorn's
         # timeout_keep_alive, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a request is never sent on one the
         # server is closing
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1024, ttl_dns_cache=60, keepalive_timeout=4),
-            timeout=self.timeout, auto_decompress=False, trust_env=False,
-            headers=self.headers)
+        s = self.section
+        self.session = Http1Pool(s.connect_s, s.read_s, keepalive_s=4, headers=s.headers)
 
     async def close(self) -> None:
         if self.session is not None:
-            await self.session.close()
+            self.session.close()
 
     def order(self, key: str | None = None, exclude: Set[str] = frozenset()) -> list[str]:
         """The instances to try for a request, best first.
@@ -257,18 +256,17 @@ class DecodePool(Members):
             hold = self.hold(url)  # taken off exactly once: here on failure, or at release()
             sent = time.perf_counter()
             try:
-                resp = await self.session.request(method, url + path, data=content,
-                                                  headers=headers)
-            except asyncio.TimeoutError:
+                resp = await self.session.request(method, url, path, content, headers)
+            except TimeoutError:
                 self._failed(hold)
                 last_error = f"{url}: no response within the deadline"
                 answered += 1
                 continue
-            except aiohttp.ClientConnectorError as exc:
+            except ConnectFailed as exc:
                 self._failed(hold)
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
                 continue
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            except Disconnected as exc:
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
                 if url not in dropped:  # the instance closed the connection as we sent on
                     dropped.add(url)    # it (a kept-alive one it had just timed out): once
@@ -278,7 +276,7 @@ class DecodePool(Members):
                 self._failed(hold)
                 answered += 1
                 continue
-            except aiohttp.ClientError as exc:
+            except HttpError as exc:
                 self._failed(hold)
                 last_error = f"{url}: {type(exc).__name__}: {exc}"
                 answered += 1
