@@ -7,6 +7,7 @@ Admission at the gateway's door, before any upstream call: a request id, a slot 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import re
 from typing import Any
@@ -19,10 +20,15 @@ from encoder_service.gateway.wire import GatewayError, json_decode, within
 _RID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+# Fresh ids: this process's random prefix and a counter (unique without a system call each).
+_PREFIX = os.urandom(8).hex()
+_COUNT = itertools.count(1)
+
+
 def request_id(request: Request) -> str:
     """The client's x-request-id when it is short and safe, else a fresh one."""
     rid = request.headers.get("x-request-id", "")
-    return rid if _RID.fullmatch(rid) else os.urandom(16).hex()
+    return rid if rid and _RID.fullmatch(rid) else f"{_PREFIX}{next(_COUNT):08x}"
 
 
 class Admission:

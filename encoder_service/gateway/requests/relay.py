@@ -28,7 +28,7 @@ from encoder_service.gateway.telemetry.tracing import RequestTrace
 from encoder_service.gateway.upstreams.decoders import Upstream, UpstreamError
 from encoder_service.gateway.upstreams.failover import ResumeMismatch, StreamTracker
 from encoder_service.gateway.upstreams.resume import Resumed, ResumeFn
-from encoder_service.gateway.wire import GatewayError, json_encode, ms, within
+from encoder_service.gateway.wire import GatewayError, json_encode, ms
 
 logger = logging.getLogger("epd.gateway")
 
@@ -223,8 +223,8 @@ class Relay:
 
     async def _read_once(self, up: Upstream) -> bytes:
         try:
-            return await within(up.read(), self.decode_timeout_s)
-        except asyncio.TimeoutError:
+            return await up.read(self.decode_timeout_s)
+        except TimeoutError:
             raise GatewayError(504, "the prefill/decode instance did not answer in time",
                                "decode_timeout") from None
 

@@ -66,10 +66,11 @@ class Upstream:
     def content_type(self) -> str | None:
         return self.response.headers.get("content-type")
 
-    async def read(self) -> bytes:
+    async def read(self, timeout_s: float | None = None) -> bytes:
+        """The whole answer, within `timeout_s`; raises UpstreamError or TimeoutError."""
         try:
-            data = await self.response.read()
-        except (HttpError, TimeoutError) as exc:
+            data = await self.response.read(timeout_s)
+        except HttpError as exc:
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
         self._done = True
         return data
