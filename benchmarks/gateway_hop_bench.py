@@ -1,9 +1,11 @@
 """The gateway's hop beside nginx's: the same small chat request sent straight to a stand-in
 decode instance, through nginx (`proxy_pass` to an upstream with a keepalive pool) and
-through `epd gateway --decoder` (no encoders, probes off), one kept-alive connection each,
-sequentially; rounds interleaved (direct, nginx, gateway, then rotated). Per stand-in delay:
-the direct p50, what each front adds (median over rounds of its round median minus the
-direct one), the ratio gateway/nginx and the verdict against the target (at most 2x).
+through `epd gateway --decoder` (no encoders, probes off) and through a bare Python proxy
+(bare_proxy.py: uvloop and httptools, no logic: what any Python hop costs here), one
+kept-alive connection each, sequentially; rounds interleaved (direct, nginx, gateway, bare,
+then rotated). Per stand-in delay: the direct p50, what each front adds (median over rounds
+of its round median minus the direct one), the ratio gateway/nginx and the verdict against
+the target (at most 2x).
 
 nginx comes from the system (Debian's `nginx-light`); where `nginx` is not on PATH it is
 skipped with a message and only the gateway's figures are printed.
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess, StandIn  # noqa: E402
 
-PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992
+PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993
 MODEL = "stand-in"
 TARGET = 2.0  # the gateway may add at most this many times what nginx adds
 
@@ -152,17 +154,11 @@ class Nginx:
         self.proc = subprocess.Popen([nginx, "-p", str(self.dir), "-c", str(conf),
                                       "-e", str(self.dir / "error.log")],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nginx exited: {self.proc.stderr.read().decode()}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("nginx did not listen")
+        try:
+            wait_listening(port, self.proc)
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"nginx: {exc}: {self.proc.stderr.read().decode()}") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -172,6 +168,19 @@ class Nginx:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the front for port {port} exited ({proc.returncode})")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
 
 
 def measure(ports: dict[str, int], rounds: int, requests: int, warmup: int) -> dict:
@@ -206,7 +215,7 @@ def measure(ports: dict[str, int], rounds: int, requests: int, warmup: int) -> d
 def summarize(delay_ms: float, rounds: dict[str, list[float]]) -> dict:
     direct = rounds["direct"]
     row: dict = {"delay_ms": delay_ms, "direct_p50_ms": statistics.median(direct) * 1e3}
-    for front in ("nginx", "gateway"):
+    for front in ("nginx", "gateway", "bare"):
         if front in rounds:
             row[f"{front}_added_ms"] = statistics.median(
                 f - d for f, d in zip(rounds[front], direct, strict=True)) * 1e3
@@ -219,7 +228,7 @@ def format_rows(rows: list[dict], rounds: int, requests: int) -> str:
     lines = [f"gateway hop beside nginx ({rounds} rounds x {requests} requests, "
              "medians; added = round median minus direct's)",
              f"{'stand-in delay':>14} {'direct p50':>11} {'nginx +':>9} {'gateway +':>10} "
-             f"{'gw/nginx':>9}  verdict"]
+             f"{'bare py +':>10} {'gw/nginx':>9}  verdict"]
     for r in rows:
         ng = f"{r['nginx_added_ms']:.3f}" if "nginx_added_ms" in r else "-"
         if "ratio" in r:
@@ -228,8 +237,9 @@ def format_rows(rows: list[dict], rounds: int, requests: int) -> str:
                        else f"over {TARGET:g}x")
         else:
             ratio, verdict = "-", "no nginx to compare"
+        bare = f"{r['bare_added_ms']:.3f}" if "bare_added_ms" in r else "-"
         lines.append(f"{r['delay_ms']:>11g} ms {r['direct_p50_ms']:>8.3f} ms {ng:>9} "
-                     f"{r['gateway_added_ms']:>10.3f} {ratio:>9}  {verdict}")
+                     f"{r['gateway_added_ms']:>10.3f} {bare:>10} {ratio:>9}  {verdict}")
     return "\n".join(lines)
 
 
@@ -237,6 +247,7 @@ def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: P
     stand_in = StandIn("stand-in", a.port, work, delay_ms=delay_ms).start()
     front: Nginx | None = None
     gw: GatewayProcess | None = None
+    bare: subprocess.Popen | None = None
     try:
         stand_in.wait(30)
         ports = {"direct": a.port}
@@ -246,8 +257,15 @@ def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: P
         gw = GatewayProcess(a.port + 2, [], [stand_in.url], None, work / "gateway.log",
                             config={"routing": {"probe_interval_s": 0}}, model=MODEL)
         ports["gateway"] = a.port + 2
+        bare = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bare_proxy.py"),
+                                 str(a.port + 3), str(a.port)])
+        wait_listening(a.port + 3, bare)
+        ports["bare"] = a.port + 3
         return summarize(delay_ms, measure(ports, a.rounds, a.requests, a.warmup))
     finally:
+        if bare is not None:
+            bare.terminate()
+            bare.wait(timeout=10)
         if gw is not None:
             gw.stop()
         if front is not None:

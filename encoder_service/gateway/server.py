@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import threading
 import time
 
@@ -15,17 +14,7 @@ import uvicorn
 
 from encoder_service.gateway.app import create_app
 from encoder_service.gateway.config import GatewayConfig
-
-
-def setup_logging(level: str = "info") -> None:
-    """Structured key=value lines on stderr for the gateway logger (idempotent)."""
-    log = logging.getLogger("epd.gateway")
-    log.setLevel(level.upper())
-    if not log.handlers:
-        h = logging.StreamHandler()
-        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s epd.gateway %(message)s"))
-        log.addHandler(h)
-        log.propagate = False
+from encoder_service.gateway.telemetry.log_lines import setup_logging
 
 
 def _uvicorn_config(cfg: GatewayConfig, app=None) -> uvicorn.Config:

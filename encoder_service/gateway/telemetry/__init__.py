@@ -5,4 +5,5 @@
   to every upstream; `otlp.py`: their OTLP/HTTP export (protobuf encoded here).
 - `top.py`: `epd top`, a live view of a deployment from its gateway's /metrics and
   /instances.
+- `log_lines.py`: the gateway's key=value log lines, written in batches.
 """

@@ -92,8 +92,10 @@ class _Conn(asyncio.Protocol):
         self.any_data = True
         try:
             self.parser.feed_data(data)
-        except (httptools.HttpParserError, ProtocolFailed) as exc:
-            self.error = ProtocolFailed(f"malformed answer: {exc}")
+        except httptools.HttpParserError as exc:  # a callback's own error rides inside
+            inner = exc.__context__
+            self.error = inner if isinstance(inner, ProtocolFailed) else ProtocolFailed(
+                f"malformed answer: {exc}")
             self.transport.close()
         self._wake()
 

@@ -1,0 +1,83 @@
+"""The gateway's log lines: key=value on stderr, written in batches.
+
+A request's line costs it a formatted string in memory: lines are written together when a
+warning or error comes (at once, so that nothing an operator acts on waits), when
+`FLUSH_BYTES` have gathered, `FLUSH_S` after the first pending line (a timer thread), and at
+exit. This is nginx's buffered access log; the time stamp is formatted once per second."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+
+FLUSH_S = 0.2
+FLUSH_BYTES = 64 << 10
+FORMAT = "%(asctime)s %(levelname)s epd.gateway %(message)s"
+
+
+class SecondsFormatter(logging.Formatter):
+    """`logging.Formatter` whose date part is formatted once per second, not per line."""
+
+    _second = -1
+    _stamp = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        second = int(record.created)
+        if second != self._second:
+            self._stamp = time.strftime(self.default_time_format, self.converter(second))
+            self._second = second
+        return f"{self._stamp},{int(record.msecs):03d}"
+
+
+class BatchedStreamHandler(logging.StreamHandler):
+    """A StreamHandler that writes its lines in batches (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: list[str] = []
+        self._size = 0
+        self._timer: threading.Timer | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+            return
+        with self.lock:
+            self._pending.append(line)
+            self._size += len(line)
+            urgent = record.levelno >= logging.WARNING or self._size >= FLUSH_BYTES
+            if not urgent and self._timer is None:
+                self._timer = threading.Timer(FLUSH_S, self.flush)
+                self._timer.daemon = True
+                self._timer.start()
+        if urgent:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            lines, self._pending, self._size = self._pending, [], 0
+            timer, self._timer = self._timer, None
+            if timer is not None and timer is not threading.current_thread():
+                timer.cancel()
+            if lines and self.stream is not None:
+                try:
+                    self.stream.write("".join(lines))
+                    self.stream.flush()
+                except (OSError, ValueError):  # stderr closed at exit: nothing to write to
+                    pass
+
+
+def setup_logging(level: str = "info") -> None:
+    """Structured key=value lines on stderr for the gateway logger (idempotent)."""
+    log = logging.getLogger("epd.gateway")
+    log.setLevel(level.upper())
+    if not log.handlers:
+        h = BatchedStreamHandler()
+        h.setFormatter(SecondsFormatter(FORMAT))
+        log.addHandler(h)
+        atexit.register(h.flush)
+        log.propagate = False
