@@ -23,6 +23,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
+from encoder_service.gateway.telemetry.log_lines import info_line
 from encoder_service.gateway.telemetry.metrics import DECODE, REFUSED, RESUMED, GatewayMetrics
 from encoder_service.gateway.telemetry.tracing import RequestTrace
 from encoder_service.gateway.upstreams.decoders import Upstream, UpstreamError
@@ -353,8 +354,8 @@ class Relay:
                                                                               str(status))
         counter.inc()
         if logger.isEnabledFor(logging.INFO):
-            logger.info("request rid=%s endpoint=%s status=%d stream=%s decoder=%s "
-                        "dec_retries=%d %s first_token_ms=%s total_ms=%s", ex.rid,
-                        ex.endpoint, status, stream, up.url, up.retries,
-                        " ".join(f"{k}={v}" for k, v in info.items()),
-                        ms(None if leg.first is None else leg.first - leg.sent_at), ms(total))
+            first = ms(None if leg.first is None else leg.first - leg.sent_at)
+            extra = " ".join(f"{k}={v}" for k, v in info.items())
+            info_line(logger, f"request rid={ex.rid} endpoint={ex.endpoint} status={status} "
+                      f"stream={stream} decoder={up.url} dec_retries={up.retries} {extra} "
+                      f"first_token_ms={first} total_ms={ms(total)}")

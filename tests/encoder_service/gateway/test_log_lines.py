@@ -16,7 +16,8 @@ def handler_on(stream: io.StringIO) -> logging.Logger:
     h = log_lines.BatchedStreamHandler()
     h.setStream(stream)
     h.setFormatter(log_lines.SecondsFormatter(log_lines.FORMAT))
-    log = logging.Logger("epd.gateway.test")
+    log = logging.getLogger(f"epd.test.log_lines.{id(stream)}")
+    log.propagate = False
     log.addHandler(h)
     log.setLevel(logging.INFO)
     return log
@@ -46,3 +47,19 @@ def test_the_stamp_is_the_records_own_to_the_millisecond():
         rec = logging.LogRecord("epd.gateway", logging.INFO, __file__, 1, "m", None, None)
         rec.created, rec.msecs = created, (created - int(created)) * 1000
         assert fmt.format(rec) == plain.format(rec)
+
+
+def test_the_request_line_without_a_record_reads_as_log_info_would_write_it():
+    out = io.StringIO()
+    log = handler_on(out)
+    log_lines.info_line(log, "request rid=z status=200")
+    log.info("request rid=%s status=%d", "y", 200)
+    log.warning("flush")
+    fast, slow, _ = out.getvalue().splitlines()
+    assert fast.split(" ", 2)[2] == "INFO epd.gateway request rid=z status=200"
+    assert slow.split(" ", 2)[2] == "INFO epd.gateway request rid=y status=200"
+    assert len(fast.split(" ", 2)[1]) == len(slow.split(" ", 2)[1])  # HH:MM:SS,mmm
+    log.setLevel(logging.WARNING)
+    log_lines.info_line(log, "request rid=x")
+    log.warning("flush")
+    assert "rid=x" not in out.getvalue()
