@@ -38,6 +38,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -65,6 +66,34 @@ def free_port(start: int, span: int = 1, step: int = 10) -> int:
                    for q in range(port, port + span) for p in (q, q + 1000, q + 2000)):
             return port
     raise RuntimeError(f"no free ports from {start}")
+
+
+def hashed_copy_s(nbytes: int, reps: int) -> float:
+    """The least a put that hashes every byte costs here: shm's own copy-and-hash pass.
+
+    The `shm` producer's pass (chunked copy, xxh3 of each chunk from cache, on its default
+    threads) between two warm in-process buffers: no arena, no record, no other process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from ec_connectors.config import EPDConfig
+    from ec_connectors.transports.shm.copy import Digest, copy_and_hash
+
+    cfg = EPDConfig()
+    threads = min(cfg.shm_copy_threads, len(os.sched_getaffinity(0)))
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    view = memoryview(dst.numpy()).cast("B")
+    digest = Digest("xxh3", None)
+    times = []
+    with ThreadPoolExecutor(max(1, threads - 1)) as pool:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            copy_and_hash(dst.data_ptr(), view, src.data_ptr(), nbytes, cfg.shm_chunk_bytes,
+                          digest, pool, threads)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 class Path_:
@@ -185,13 +214,15 @@ def main() -> int:
         Path(secret).write_bytes(os.urandom(32).hex().encode())
         os.chmod(secret, 0o600)
     result: dict[str, dict] = {label(mb): {"paths": {}} for mb in args.sizes_mb}
-    limits: dict[str, dict[str, list[float]]] = {label(mb): {"memcpy_ms": [], "raw_tcp_ms": []}
-                                                 for mb in args.sizes_mb}
+    limits: dict[str, dict[str, list[float]]] = {
+        label(mb): {"memcpy_ms": [], "raw_tcp_ms": [], "hashed_copy_ms": []}
+        for mb in args.sizes_mb}
     for name in args.paths:
         beside = {}
         for mb, n in zip(args.sizes_mb, sizes, strict=True):
             beside[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
-                                 "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3}
+                                 "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3,
+                                 "hashed_copy_ms": hashed_copy_s(n, args.reps) * 1e3}
             for k, v in beside[label(mb)].items():
                 limits[label(mb)][k].append(v)
         try:
@@ -218,6 +249,9 @@ def main() -> int:
     for mb, row in result.items():
         print(f"{mb:>5} {'memcpy':<18} {row['memcpy_ms']:>8.1f}  (median of the run)")
         print(f"{mb:>5} {'raw TCP':<18} {row['raw_tcp_ms']:>8.1f}  (median of the run)")
+        print(f"{mb:>5} {'hashed copy':<18} {row['hashed_copy_ms']:>8.1f} "
+              f"{row['hashed_copy_ms'] / row['memcpy_ms']:>9.2f}  (a put's floor: shm's copy "
+              "and xxh3 pass, in process)")
         for name, p in row["paths"].items():
             if "error" in p:
                 print(f"{mb:>5} {name:<18} not measured ({p['error'][:60]})")
