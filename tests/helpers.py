@@ -91,6 +91,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_up", HTTP): (18660, 13),
     ("tests.e2e.test_qwen_modalities", HTTP): (18680, 5),
     ("tests.e2e.test_epd_kv", HTTP): (18700, 8),  # gateway, 3 servers, 2 KV side channels, sink
+    ("tests.e2e.test_elastic", HTTP): (18920, 5),  # gateway, 2 encoders, 2 decode instances
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_up", MASTER): (19950, 3),
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
