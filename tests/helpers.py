@@ -100,7 +100,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;
     # the dashboard's `epd up` (gateway, pool, decode) and Prometheus
     ("tests.deploy.test_compose_stack", HTTP): (18900, 5),
-    ("tests.deploy.test_dashboard", HTTP): (18910, 4),
+    ("tests.deploy.test_dashboard", HTTP): (18910, 5),
 }
 
 
