@@ -71,6 +71,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.encoder_service.gateway.test_kv_handoff", HTTP): (18800, 20),
     ("tests.encoder_service.gateway.test_tracing", HTTP): (19200, 20),
     ("tests.encoder_service.gateway.test_top", HTTP): (19240, 20),
+    ("tests.encoder_service.gateway.test_member_cli", HTTP): (19260, 3),
     # fast lane: Mooncake Store masters (5 apart) and Transfer Engine producers (10 apart)
     ("tests.ec_connectors.transports.test_mooncake_store", MASTER): (19500, 300),
     ("tests.encoder_service.local.test_processes", MASTER): (19900, 40),

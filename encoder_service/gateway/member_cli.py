@@ -9,7 +9,9 @@ idle: nothing running or waiting in vLLM (`vllm:num_requests_running`, `_waiting
 queued in an encoder pool (`epd_pool_queue_depth`), so what reached it through a Service
 finishes too. Only then does the hook return and the kubelet send SIGTERM. Every wait has a
 deadline; a gateway that cannot be reached is said and the pod goes on (its own idle wait
-still runs on leave). The admin token and the servers' API key come from the deployment
+still runs on leave). `join` exits 0 whatever happened (a failed postStart hook kills the
+container: a pod that could not join is still reached through its Service); `leave` exits 1
+when the instance was still busy at the deadline. The admin token and the servers' API key come from the deployment
 secret ($EPD_SECRET_FILE), which never travels.
 """
 
@@ -54,18 +56,18 @@ def join(client: httpx.Client, admin: dict, gateway: str, role: str, url: str,
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.5)
     else:
         _say(f"{url} not healthy within {timeout_s:g} s: not joining {gateway}")
-        return 1
+        return 0
     try:
         r = client.post(gateway + "/admin/instances", headers=admin,
                         json={"role": role, "url": url, "action": "add"})
     except httpx.HTTPError as exc:
         _say(f"{gateway} unreachable ({exc}): {url} not joined")
-        return 1
+        return 0
     _say(f"joined {gateway} as {role} {url}: HTTP {r.status_code} {r.text[:200]}")
-    return 0 if r.status_code == 200 else 1
+    return 0
 
 
 def leave(client: httpx.Client, admin: dict, gateway: str, role: str, url: str,

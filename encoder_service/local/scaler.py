@@ -77,7 +77,7 @@ class Scaler:
             if hi is not None and hi > lo:
                 self.roles[name] = Role(name, active, Decider(name, lo, hi, policy, clock))
                 self.metrics.scaling_registered(name)
-                say(f"elastic {name}s: {lo} to {hi} ({_policy(policy)}; "
+                say(f"elastic {name} instances: {lo} to {hi} ({_policy(policy)}; "
                     f"scaling.{name} in the config)")
         self.events: deque[dict[str, Any]] = deque(maxlen=20)
         secret = read_secret(cfg.secret_path)

@@ -7,7 +7,9 @@ scaler.py reads from the gateway and the servers), it answers "up", "down" or no
 - up: the mean load per serving instance over the last `up_window_s` is above `target`, the
   role is below its maximum, and `up_cooldown_s` has passed since the role's last change;
 - down: every sample of the last `idle_window_s` is at or below `idle_below` per instance,
-  the role is above its minimum, and `down_cooldown_s` has passed since its last change;
+  the others would stay at or below `target` with that load shared among them (else the next
+  window would add the instance back), the role is above its minimum, and `down_cooldown_s`
+  has passed since its last change;
 - one change at a time: no decision while an instance of the role is starting or draining,
   and a change empties the window, so the next decision waits for a whole new one.
 So a role changes at most once per cooldown and never flaps between an up and a down inside
@@ -112,7 +114,9 @@ class Decider:
         if serving > self.lo and since_change >= p.down_cooldown_s \
                 and now - self.since >= p.idle_window_s:
             peak = max(v for t, v in self.samples if t >= now - p.idle_window_s)
-            if peak <= p.idle_below:
+            # and the others could take its share without going over the target: else the
+            # next window would grow the role again (flapping)
+            if peak <= p.idle_below and peak * serving / (serving - 1) <= p.target:
                 return self._change(now, DOWN, IDLE, (
                     f"idle: load at most {peak:.2f} per instance for {p.idle_window_s:g} s "
                     f"(scaling.{self.role}.idle_below {p.idle_below:g}); {serving} -> "

@@ -79,11 +79,20 @@ def test_shrinks_after_a_whole_idle_window_never_below_min():
 
 def test_one_busy_sample_restarts_the_idle_window():
     clock = Clock()
-    d = Decider("decode", 1, 2, POLICY.model_copy(update={"idle_below": 0.5}), clock)
+    d = Decider("decode", 1, 2, POLICY.model_copy(update={"idle_below": 1.0}), clock)
     run(d, clock, 0.0, 8, serving=2)
-    assert run(d, clock, 2.0, 1, serving=2) == []  # 1.0 per instance: not idle
-    assert run(d, clock, 1.0, 9, serving=2) == []  # 0.5 per instance counts idle
-    assert [x.direction for _, x in run(d, clock, 1.0, 2, serving=2)] == [DOWN]
+    assert run(d, clock, 4.0, 1, serving=2) == []  # 2.0 per instance: not idle
+    assert run(d, clock, 2.0, 9, serving=2) == []  # 1.0 per instance counts idle
+    assert [x.direction for _, x in run(d, clock, 2.0, 2, serving=2)] == [DOWN]
+
+
+def test_no_shrink_that_the_next_window_would_undo():
+    """Idle per instance, but one fewer would carry more than the target: it stays."""
+    clock = Clock()
+    p = POLICY.model_copy(update={"idle_below": 1.5, "target": 2.0})
+    d = Decider("decode", 1, 2, p, clock)
+    assert run(d, clock, 3.0, 30, serving=2) == []  # 1.5 each; 3.0 on one is above 2
+    assert [x.direction for _, x in run(d, clock, 2.0, 12, serving=2)] == [DOWN]
 
 
 def test_nothing_while_an_instance_starts_or_drains():
