@@ -11,8 +11,8 @@ finishes too. Only then does the hook return and the kubelet send SIGTERM. Every
 deadline; a gateway that cannot be reached is said and the pod goes on (its own idle wait
 still runs on leave). `join` exits 0 whatever happened (a failed postStart hook kills the
 container: a pod that could not join is still reached through its Service); `leave` exits 1
-when the instance was still busy at the deadline. The admin token and the servers' API key come from the deployment
-secret ($EPD_SECRET_FILE), which never travels.
+when the instance was still busy at the deadline. The admin token and the servers' API key
+come from the deployment secret ($EPD_SECRET_FILE), which never travels.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ class RoleScaling(BaseModel):
                           "for a shared call + items queued in encoder pools; decode: "
                           "requests in flight + vLLM's vllm:num_requests_waiting)")
     up_window_s: float = Field(5.0, gt=0, description="the mean over this window is compared")
-    idle_below: float = Field(0.0, ge=0, description="load per instance at or below which "
-                              "a sample counts as idle")
+    idle_below: float = Field(0.5, ge=0, description="load per instance at or below which "
+                              "a sample counts as idle (0: only no load at all; a quiet "
+                              "trickle then keeps every instance)")
     idle_window_s: float = Field(60.0, gt=0, description="idle this long: one instance goes")
     up_cooldown_s: float = Field(30.0, ge=0, description="after any change of the role, "
                                  "this long before it grows")
@@ -65,7 +66,8 @@ class ScalingConfig(BaseModel):
                                    "in flight get this long to finish (then the gateway "
                                    "continues broken streams elsewhere: failover)")
     encoder: RoleScaling = Field(default_factory=RoleScaling)
-    decode: RoleScaling = Field(default_factory=lambda: RoleScaling(target=4.0))
+    decode: RoleScaling = Field(default_factory=lambda: RoleScaling(target=4.0,
+                                                                     idle_below=1.0))
 
 
 @dataclass(frozen=True)
