@@ -111,7 +111,8 @@ class Deployment:
         cores = list(cfg.cpu_cores or [])
         n = cfg.servers
         if cores and len(cores) < n:
-            raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers")
+            raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers (elastic "
+                          "roles count at their maximum)")
         port = cfg.base_port + 1
         mooncake = cfg.uses_te or cfg.uses_store
         env = self.mooncake_env() if mooncake else {}

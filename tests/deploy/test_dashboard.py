@@ -102,7 +102,7 @@ def deployment(binary, client, tmp_path_factory):
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
     conf = {"model": str(model), "base_port": UP_PORT, "encoder_backend": "pool",
-            "transport": "safetensors", "cpu_cores": [0, 1], "secret_file": str(secret),
+            "transport": "safetensors", "cpu_cores": [0, 1, 0], "secret_file": str(secret),
             "pool": {"max_wait_ms": 1},
             # an elastic decode role (1 to 2; this light traffic keeps it at 1): the scaler's
             # series (epd_instances, epd_scale_events_total) for the "Elastic roles" panels
