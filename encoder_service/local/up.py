@@ -324,7 +324,7 @@ class Deployment:
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
-        alive = [s for s in self.servers if s.running]
+        alive = [s for s in [*self.servers, *self.spare] if s.running]
         if alive:
             progress(f"stopping {', '.join(s.name for s in alive)}")
         # in parallel; every server's session, also of one that died (what it left) or one
