@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ if str(ROOT) not in sys.path:
 from ec_connectors.config import EPDConfig  # noqa: E402
 from ec_connectors.protocol import ports  # noqa: E402
 from encoder_service.local.processes import SERVER_GUARD  # noqa: E402
+from encoder_service.local.scaling import ScalingConfig  # noqa: E402
 from encoder_service.local.testmodels import SPECS  # noqa: E402
 from encoder_service.local.up_config import kv_connector_config  # noqa: E402
 
@@ -93,6 +95,24 @@ def kv_side_channels(s: dict[str, Any]) -> dict[str, int]:
     return kv
 
 
+def autoscaling(s: dict[str, Any]) -> dict[str, str]:
+    """The HPAs' and lifecycle hooks' settings: [autoscaling], and per role `epd up`'s
+    scaling defaults (one rule for both), windows rounded up to whole seconds."""
+    a, sc = s["autoscaling"], ScalingConfig()
+    out = {"encoders_max": str(a["encoders_max"]), "decoders_max": str(a["decoders_max"]),
+           "drain_timeout_s": str(a["drain_timeout_s"]), "startup_s": str(a["startup_s"]),
+           "grace_s": str(int(a["drain_timeout_s"]) + 30),
+           "k8s_gateway_url": f"http://epd-gateway:{s['ports']['gateway']}",
+           "adapter_window": f"{max(1, math.ceil(sc.encoder.up_window_s))}s"}
+    for role, p in (("encoder", sc.encoder), ("decode", sc.decode)):
+        out.update({f"{role}_target": f"{p.target:g}",
+                    f"{role}_up_window_s": str(math.ceil(p.up_window_s)),
+                    f"{role}_idle_window_s": str(math.ceil(p.idle_window_s)),
+                    f"{role}_up_cooldown_s": str(max(1, math.ceil(p.up_cooldown_s))),
+                    f"{role}_down_cooldown_s": str(max(1, math.ceil(p.down_cooldown_s)))})
+    return out
+
+
 def values(s: dict[str, Any]) -> dict[str, str]:
     """Every {{name}} the templates may use."""
     spec = SPECS[s["model"]["spec"]]
@@ -128,6 +148,7 @@ def values(s: dict[str, Any]) -> dict[str, str]:
         "k8s_producer_config": ec_config(s, "ec_producer", "epd-mooncake-master",
                                          max_storage_bytes=s["k8s"]["max_storage_bytes"]),
         "k8s_consumer_config": ec_config(s, "ec_consumer", "epd-mooncake-master"),
+        **autoscaling(s),
     }
 
 

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
            "up": ("encoder_service.local.up_cli", "start a local deployment (encoders, "
                   "prefill/decode, gateway) from one config file; --demo sends a request and "
                   "stops"),
+           "member": ("encoder_service.gateway.member_cli", "join a gateway, or drain out of "
+                      "it: an instance's own lifecycle hooks (Kubernetes postStart / preStop)"),
            "top": ("encoder_service.gateway.telemetry.top", "live view of a deployment from its "
                    "gateway's /metrics and /instances (--once: one frame, for scripts)"),
            "bench": ("encoder_service.bench", "benchmarks: `epd bench serve` (multimodal "

@@ -71,6 +71,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.encoder_service.gateway.test_kv_handoff", HTTP): (18800, 20),
     ("tests.encoder_service.gateway.test_tracing", HTTP): (19200, 20),
     ("tests.encoder_service.gateway.test_top", HTTP): (19240, 20),
+    ("tests.encoder_service.gateway.test_member_cli", HTTP): (19260, 3),
     # fast lane: Mooncake Store masters (5 apart) and Transfer Engine producers (10 apart)
     ("tests.ec_connectors.transports.test_mooncake_store", MASTER): (19500, 300),
     ("tests.encoder_service.local.test_processes", MASTER): (19900, 40),
@@ -91,6 +92,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_up", HTTP): (18660, 13),
     ("tests.e2e.test_qwen_modalities", HTTP): (18680, 5),
     ("tests.e2e.test_epd_kv", HTTP): (18700, 8),  # gateway, 3 servers, 2 KV side channels, sink
+    ("tests.e2e.test_elastic", HTTP): (18920, 5),  # gateway, 2 encoders, 2 decode instances
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_up", MASTER): (19950, 3),
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
@@ -99,7 +101,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;
     # the dashboard's `epd up` (gateway, pool, decode) and Prometheus
     ("tests.deploy.test_compose_stack", HTTP): (18900, 5),
-    ("tests.deploy.test_dashboard", HTTP): (18910, 4),
+    ("tests.deploy.test_dashboard", HTTP): (18910, 5),
 }
 
 

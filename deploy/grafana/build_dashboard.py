@@ -176,6 +176,21 @@ ROWS: list[tuple[str, list[Panel]]] = [
                Q(rate("epd_restarts_total", "exported_instance"),
                  "restarts {{exported_instance}}")], unit="ops"),
     ]),
+    ("Elastic roles", [
+        Panel("Elastic roles: instances and load",
+              "`epd up --encoders MIN:MAX` / `--decoders MIN:MAX`: instances per role and "
+              "state (wanted, starting, serving, draining; epd_instances) and the gateway's "
+              "load per role (encode calls in flight + images waiting; decode requests in "
+              "flight; epd_gateway_load), what the scaler and a Kubernetes HPA compare with "
+              "the target per instance.",
+              [Q("sum by (role, state) (epd_instances)", "{{role}} {{state}}"),
+               Q("sum by (role) (epd_gateway_load)", "load {{role}}")]),
+        Panel("Elastic roles: scale events",
+              "Instances added (up, load_above_target) or drained and stopped (down, idle) "
+              "per role (epd_scale_events_total); each has a log line with its reason.",
+              [Q(rate("epd_scale_events_total", "role, direction, reason"),
+                 "{{role}} {{direction}} ({{reason}})")], unit="ops"),
+    ]),
 ]
 
 

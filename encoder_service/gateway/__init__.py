@@ -8,6 +8,8 @@ instances. Read `app.py`, then `requests/chat.py`.
 - `config.py`: every setting, validated, in sections. `auth.py`: API keys both ways.
   `wire.py`: the one JSON codec and the client-facing error.
 - `admin.py`: the control plane: /health, /instances, /admin/instances.
+  `member_cli.py`: `epd member join|leave`, an instance's own hooks (Kubernetes postStart /
+  preStop) into that admin API.
 - `requests/`: the request path: admission, one chat request, the answer relayed back.
 - `media/`: media checks, URL fetches and content-derived item ids.
 - `upstreams/`: encoders, prefill and decode instances: routing, clients, health, failover.

@@ -46,6 +46,9 @@ class Admin:
         self.admission = admission
         self.encoder_client = encoder_client
         self.prefills = prefills  # E/P/D: the prefill instances (kv_handoff.py)
+        # `epd up`'s scaler (local/scaler.py) sets it: its roles and recent decisions, under
+        # "scaling" in GET /instances (`epd top` shows them)
+        self.scaling: Callable[[], dict] | None = None
         keys = list(section.client_keys)
         self.readers = KeyCheck(keys) if keys else None  # who may GET /instances
 
@@ -91,6 +94,8 @@ class Admin:
                "routing": self.section.routing.model_dump()}
         if self.prefills is not None:
             out["prefills"] = self.prefills.describe()
+        if self.scaling is not None:
+            out["scaling"] = self.scaling()
         for entry in (*out["encoders"], *out.get("prefills", ()), *out["decoders"]):
             if entry["url"] in probes:
                 entry["probe"] = probes[entry["url"]].describe()

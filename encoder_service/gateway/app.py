@@ -89,6 +89,7 @@ class Gateway:
         prober = Prober(self.client, cfg.model, r.probe_interval_s, r.probe_timeout_s,
                         self.fleet.probe_targets, self.fleet.probed)
         self.fleet.prober = prober
+        self.metrics.watch_load(self.fleet.load)
         self.prober = prober if r.probe_interval_s > 0 else None  # None: no periodic probes
         self.outages = Outages(self.fleet.pools(), prober, self.fleet.probe_kind)
         self.flow = ChatFlow(cfg.chat, self.metrics, None, cfg.ids, self.router,

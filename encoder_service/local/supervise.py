@@ -113,6 +113,14 @@ class Supervisor:
     def state(self, name: str) -> str:
         return self.watches[name].state
 
+    def watch(self, proc: ManagedProcess) -> None:
+        """Supervise one more (started) process: an instance an elastic role added."""
+        self.watches[proc.name] = Watch(proc, since=self.clock())
+
+    def unwatch(self, name: str) -> None:
+        """Stop supervising `name` (it is about to be drained and stopped on purpose)."""
+        self.watches.pop(name, None)
+
     def poll(self) -> None:
         now = self.clock()
         for w in self.watches.values():
@@ -191,18 +199,17 @@ def supervise(dep: Any, policy: RestartPolicy, startup_timeout_s: float,
     and taken back, restarts counted."""
     gw = dep.gateway  # GatewayThread
     gateway = gw.gateway
-    served = {s.name: s.url for s in dep.servers}
     procs: list[ManagedProcess] = [*([dep.master] if dep.master else []), *dep.servers]
     for p in procs:
         gateway.metrics.instance_registered(p.name)  # its restarts at 0
 
     def down(p: ManagedProcess) -> None:
-        if p.name in served:
-            gw.call_soon(lambda: gateway.outages.down(served[p.name]))
+        if p is not dep.master:  # a server, also one an elastic role added (scaler.py)
+            gw.call_soon(lambda: gateway.outages.down(p.url))
 
     def back(p: ManagedProcess) -> None:
-        if p.name in served:
-            gw.call_soon(lambda: gateway.outages.back(served[p.name]))
+        if p is not dep.master:
+            gw.call_soon(lambda: gateway.outages.back(p.url))
 
     def restarted(p: ManagedProcess) -> None:
         gateway.metrics.restarts.labels(p.name).inc()

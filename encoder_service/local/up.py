@@ -50,6 +50,7 @@ from encoder_service.local.processes import (
     VllmServer,
     start_all,
 )
+from encoder_service.local.scaler import Scaler
 from encoder_service.local.supervise import supervise
 from encoder_service.local.up_config import (
     UpConfig,
@@ -84,6 +85,8 @@ class Deployment:
     encoders: list[ManagedProcess] = field(default_factory=list)  # VllmServer or PoolServer
     decoders: list[VllmServer] = field(default_factory=list)
     prefills: list[VllmServer] = field(default_factory=list)  # E/P/D (cfg.prefills)
+    # elastic roles (cfg.scaling): planned instances not running now, ports known (scaler.py)
+    spare: list[ManagedProcess] = field(default_factory=list)
     master: MasterServer | None = None  # the Mooncake Store master (mooncake_store, tiered)
     gateway: Any = None  # GatewayThread
     gateway_cfg: GatewayConfig | None = None
@@ -108,7 +111,8 @@ class Deployment:
         cores = list(cfg.cpu_cores or [])
         n = cfg.servers
         if cores and len(cores) < n:
-            raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers")
+            raise UpError(f"cpu_cores lists {len(cores)} cores for {n} vLLM servers (elastic "
+                          "roles count at their maximum)")
         port = cfg.base_port + 1
         mooncake = cfg.uses_te or cfg.uses_store
         env = self.mooncake_env() if mooncake else {}
@@ -129,7 +133,7 @@ class Deployment:
                       if cfg.media_io_kwargs else []) + self.trace_args  # and tracing
         for i in range(n):
             core = cores[i] if cores else i % ncpu
-            if i < cfg.encoders:
+            if i < cfg.planned_encoders:
                 extra = connector_extra(cfg, "ec_producer", i)
                 if cfg.encoder_backend == "pool":
                     self.encoders.append(PoolServer(
@@ -145,8 +149,10 @@ class Deployment:
                                env={**env, **self.trace_env(f"encoder-{i}")})
                 self.encoders.append(s)
             else:
-                self._lm_server(i - cfg.encoders, model, port + i, core, storage, env,
+                self._lm_server(i - cfg.planned_encoders, model, port + i, core, storage, env,
                                 media_args)
+        self.spare = [*self.encoders[cfg.encoders:], *self.decoders[cfg.decoders:]]
+        del self.encoders[cfg.encoders:], self.decoders[cfg.decoders:]
         for extra in ({"storage_path": str(storage), **connector_extra(cfg, "ec_producer")},
                       connector_extra(cfg, "ec_consumer")):
             try:  # fail now, not after minutes of vLLM start-up
@@ -186,8 +192,8 @@ class Deployment:
         Language-model instance j: decode instances, then (E/P/D) prefill instances;
         with prefill instances all of them get the KV connector and a side channel."""
         cfg = self.cfg
-        prefill = j >= cfg.decoders
-        name = f"prefill-{j - cfg.decoders}" if prefill else f"decode-{j}"
+        prefill = j >= cfg.planned_decoders
+        name = f"prefill-{j - cfg.planned_decoders}" if prefill else f"decode-{j}"
         # decode instances serve vLLM's token-in API (render + generate): the gateway
         # continues a broken stream there token for token (gateway/failover.py)
         args = list(cfg.vllm_args) + media_args + ([] if prefill else DECODE_ARGS)
@@ -269,7 +275,7 @@ class Deployment:
     def check_ports(self) -> None:
         """Fail fast (before minutes of vLLM start-up) when a port is taken."""
         wanted = [(self.cfg.host, self.cfg.base_port, "base_port"),
-                  *(("127.0.0.1", s.port, "base_port") for s in self.servers)]
+                  *(("127.0.0.1", s.port, "base_port") for s in [*self.servers, *self.spare])]
         if self.cfg.uses_te:
             for i in range(self.cfg.encoders):
                 port = ports.encoder_base_port(self.cfg.mooncake_base_port, i)
@@ -318,11 +324,12 @@ class Deployment:
         if self.gateway is not None:
             self.gateway.stop()
             self.gateway = None
-        alive = [s for s in self.servers if s.running]
+        alive = [s for s in [*self.servers, *self.spare] if s.running]
         if alive:
             progress(f"stopping {', '.join(s.name for s in alive)}")
-        # in parallel; every server's session, also of one that died (what it left)
-        threads = [threading.Thread(target=s.stop) for s in self.servers]
+        # in parallel; every server's session, also of one that died (what it left) or one
+        # an elastic role started and drained
+        threads = [threading.Thread(target=s.stop) for s in [*self.servers, *self.spare]]
         for t in threads:
             t.start()
         for t in threads:
@@ -386,8 +393,11 @@ def run_up(cfg: UpConfig, work_dir: Path,
             "what exits unasked is restarted (supervise.py)" if cfg.restart.enabled
             else "restarts are off"))
         supervisor = supervise(dep, cfg.restart, cfg.startup_timeout_s, say)
-        while True:  # on this thread: restarted servers die with it
+        scaler = Scaler.of(dep, supervisor, say)  # None: every role fixed
+        while True:  # on this thread: restarted (and added) servers die with it
             supervisor.poll()
+            if scaler is not None:
+                scaler.poll()
             time.sleep(0.5)
     except _Shutdown as exc:
         say(f"{exc} received")

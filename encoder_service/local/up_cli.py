@@ -18,6 +18,15 @@ from encoder_service.local.up import Deployment, run_up
 from encoder_service.local.up_config import TIERS, UpError, load_up_config
 
 
+def count(value: str) -> tuple[int, int | None]:
+    """A role's size on the command line: N (fixed) or MIN:MAX (elastic, scaler.py)."""
+    lo, sep, hi = value.partition(":")
+    try:
+        return (int(lo), int(hi) if sep else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give N or MIN:MAX") from None
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="epd up", description="start a local EPD deployment: "
                                 "encoder(s) + vLLM prefill/decode instance(s) + gateway")
@@ -27,11 +36,14 @@ def main(argv: list[str]) -> int:
                    " vLLM servers take the next ports")
     p.add_argument("--model", help="a test model built locally (tiny = LLaVA, qwen-vl, "
                    "qwen-omni, ...) or a model directory (default tiny; qwen-omni with --demo)")
-    p.add_argument("--encoders", type=int)
-    p.add_argument("--decoders", type=int, help="prefill/decode instances (E+PD)")
+    p.add_argument("--encoders", type=count, help="N, or MIN:MAX: elastic, added under load "
+                   "and drained when idle (the config's scaling table)")
+    p.add_argument("--decoders", type=count, help="prefill/decode instances (E+PD): N or "
+                   "MIN:MAX")
     p.add_argument("--prefill", type=int, help="E/P/D: prefill instances, whose KV cache "
                    "vLLM's NixlConnector hands to the --decode instances")
-    p.add_argument("--decode", type=int, help="E/P/D: decode instances (with --prefill)")
+    p.add_argument("--decode", type=count, help="E/P/D: decode instances (with --prefill): "
+                   "N or MIN:MAX")
     p.add_argument("--transport", choices=["auto", *TIERS],
                    help="auto (default) = shm, same-host shared memory, where /dev/shm is a "
                    "tmpfs, else safetensors; tiered = mooncake, then mooncake_store, then "
@@ -52,9 +64,13 @@ def main(argv: list[str]) -> int:
         p.error("--decode (E/P/D) and --decoders (E+PD) are two modes: give one")
     if args.decode is not None and not args.prefill:
         p.error("--decode needs --prefill N (N >= 1); E+PD: --decoders")
-    overrides = {k: v for k, v in (("base_port", args.base_port), ("encoders", args.encoders),
-                                   ("decoders", args.decoders if args.decode is None
-                                    else args.decode), ("prefills", args.prefill),
+    decoders = args.decoders if args.decode is None else args.decode
+    scaling = {f"{role}_max": given[1] for role, given in (("encoders", args.encoders),
+                                                           ("decoders", decoders)) if given}
+    overrides = {k: v for k, v in (("base_port", args.base_port),
+                                   ("encoders", args.encoders and args.encoders[0]),
+                                   ("decoders", decoders and decoders[0]),
+                                   ("scaling", scaling or None), ("prefills", args.prefill),
                                    ("transport", args.transport),
                                    ("encoder_backend", args.encoder_backend),
                                    ("master_port", args.master_port), ("model", args.model))

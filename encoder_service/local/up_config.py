@@ -49,6 +49,7 @@ from ec_connectors.protocol import ports
 from ec_connectors.protocol.secret import SECRET_ENV, read_secret
 from ec_connectors.protocol.stored import TIERED, TRANSPORT_NAMES, UpTransport
 from encoder_service.gateway.config import RoutingConfig
+from encoder_service.local.scaling import ScalingConfig
 from encoder_service.local.supervise import RestartPolicy
 from encoder_service.local.testmodels import SPECS, ModelSpec
 from epd_common.config_files import read_config_file, validate
@@ -119,6 +120,9 @@ class UpConfig(BaseModel):
     restart: RestartPolicy = Field(default_factory=RestartPolicy, description="restarts of "
                                    "servers (and the store master) that exit unasked: "
                                    "backoff, a cap per window (supervise.py)")
+    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="elastic "
+                                   "roles: encoders and decode instances added under load, "
+                                   "drained and stopped when idle (scaler.py)")
     clear_cache: bool = Field(True, description="empty the storage directory at start")
     gateway: dict[str, Any] = Field(default_factory=dict,
                                     description="GatewayConfig keys (limits, media, client "
@@ -142,9 +146,29 @@ class UpConfig(BaseModel):
 
     @model_validator(mode="after")
     def _kv_instances(self) -> UpConfig:
-        if self.prefills and self.decoders + self.prefills > 16:
+        if self.prefills and self.planned_decoders + self.prefills > 16:
             raise ValueError("decoders + prefills: at most 16 KV instances")
+        sc = self.scaling
+        for role, lo, hi in (("encoders", self.encoders, sc.encoders_max),
+                             ("decoders", self.decoders, sc.decoders_max)):
+            if hi is not None and not 1 <= lo <= hi:
+                raise ValueError(f"{role} MIN:MAX is {lo}:{hi}: need 1 <= MIN <= MAX")
+        if sc.encoders_max and sc.encoders_max > self.encoders and self.uses_te:
+            raise ValueError("elastic encoders need a transport whose consumers find a new "
+                             "producer by themselves (shm, safetensors, mooncake_store): "
+                             "with the Transfer Engine (mooncake, tiered) every decode "
+                             "instance subscribes at start to a fixed list of producers")
         return self
+
+    @property
+    def planned_encoders(self) -> int:
+        """Encoders planned (ports, cores): the maximum of an elastic role, else `encoders`."""
+        return max(self.encoders, self.scaling.encoders_max or 0)
+
+    @property
+    def planned_decoders(self) -> int:
+        """Decode instances planned: the maximum of an elastic role, else `decoders`."""
+        return max(self.decoders, self.scaling.decoders_max or 0)
 
     @field_validator("secret_file")
     @classmethod
@@ -183,7 +207,7 @@ class UpConfig(BaseModel):
         if self.transport != "auto":
             return self.transport, "as configured"
         arena = int(self.connector_extra.get("shm_arena_bytes", SHM_ARENA_BYTES))
-        why_not = shm_unusable(max(1, self.encoders) * arena)
+        why_not = shm_unusable(max(1, self.planned_encoders) * arena)
         if not why_not:
             return "shm", ("every server runs on this host (transport = \"safetensors\" "
                            "opts out)")
@@ -228,13 +252,16 @@ class UpConfig(BaseModel):
 
     @property
     def servers(self) -> int:
-        """vLLM servers and encoder pools: encoders, decoders, then prefill instances."""
-        return self.encoders + self.decoders + self.prefills
+        """vLLM servers and encoder pools planned: encoders, decoders, prefill instances.
+
+        Elastic roles count at their maximum: every instance that may join has its port,
+        core and side channel from the start."""
+        return self.planned_encoders + self.planned_decoders + self.prefills
 
     @property
     def kv_instances(self) -> int:
         """Servers with a KV connector (E/P/D: decode and prefill instances; else none)."""
-        return self.decoders + self.prefills if self.prefills else 0
+        return self.planned_decoders + self.prefills if self.prefills else 0
 
 
 class UpError(RuntimeError):
@@ -243,7 +270,9 @@ class UpError(RuntimeError):
 
 def load_up_config(path: Path | None, overrides: dict[str, Any] | None = None) -> UpConfig:
     data = read_config_file(path, error=UpError) if path else {}
-    data.update(overrides or {})
+    for key, value in (overrides or {}).items():  # a table's keys over the file's table
+        both = isinstance(value, dict) and isinstance(data.get(key), dict)
+        data[key] = {**data[key], **value} if both else value
     return validate(UpConfig, data, "invalid epd up configuration", UpError)
 
 

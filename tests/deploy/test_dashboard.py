@@ -32,7 +32,9 @@ from tests.deploy import engine
 from tests.helpers import ROOT, WORK, epd_up, port_block, wait_for
 
 BLOCK = port_block(__name__)
-UP_PORT, PROM_PORT = BLOCK[0], BLOCK[3]  # epd up: gateway, the pool +1, decode +2; Prometheus
+# epd up: gateway, the pool +1, decode +2 (and +3: an elastic decode role's second, never
+# started); Prometheus
+UP_PORT, PROM_PORT = BLOCK[0], BLOCK[4]
 PROM = f"http://127.0.0.1:{PROM_PORT}"
 DASHBOARD = ROOT / "deploy" / "grafana" / "epd-dashboard.json"
 WORK_DIR = WORK / "test-dashboard"
@@ -100,8 +102,11 @@ def deployment(binary, client, tmp_path_factory):
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
     conf = {"model": str(model), "base_port": UP_PORT, "encoder_backend": "pool",
-            "transport": "safetensors", "cpu_cores": [0, 1], "secret_file": str(secret),
-            "pool": {"max_wait_ms": 1}}
+            "transport": "safetensors", "cpu_cores": [0, 1, 0], "secret_file": str(secret),
+            "pool": {"max_wait_ms": 1},
+            # an elastic decode role (1 to 2; this light traffic keeps it at 1): the scaler's
+            # series (epd_instances, epd_scale_events_total) for the "Elastic roles" panels
+            "scaling": {"decoders_max": 2}}
     url = f"http://127.0.0.1:{UP_PORT}"
     t0 = time.monotonic()
     with epd_up(conf, WORK_DIR / "epd-up", also_ready=lambda: healthy(client, url),

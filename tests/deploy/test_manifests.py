@@ -489,3 +489,62 @@ def test_wait_for_starts_anyway_past_its_deadline_and_says_what_was_missing():
 def test_wait_for_without_a_command_is_a_usage_error():
     assert _wait_for(["--file", "/x"]).returncode == 2
     assert _wait_for(["--file", "/x", "--"]).returncode == 2
+
+
+def _member_args(command: list[str]) -> tuple[list[str], dict[str, str]]:
+    argv = shlex.split(command[2])  # ["sh", "-c", "epd member ..."]
+    return argv[:3], dict(zip(argv[3::2], argv[4::2], strict=True))
+
+
+def test_the_elastic_roles_autoscale_on_the_gateways_load_and_drain_before_they_stop():
+    """Issue 50: an autoscaling/v2 HPA per elastic Deployment on the gateway's
+    epd_gateway_load (external, through prometheus-adapter's rule below) with `epd up`'s
+    targets and windows; each pod joins the gateway once healthy (postStart) and drains out of
+    it through the admin API before SIGTERM (preStop), within its grace period."""
+    from encoder_service.gateway import member_cli
+    from encoder_service.local.scaling import ScalingConfig
+
+    settings = _render_module().load_settings()
+    docs = manifests()
+    hpas = {d["spec"]["scaleTargetRef"]["name"]: d["spec"] for d in docs
+            if d["kind"] == "HorizontalPodAutoscaler"}
+    assert set(hpas) == {"epd-encoder", "epd-prefill-decode"}
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    gateway_port = settings["ports"]["gateway"]
+    sc = ScalingConfig()
+    for name, role, member, policy, most in (
+            ("epd-encoder", "encoder", "encoder", sc.encoder, "encoders_max"),
+            ("epd-prefill-decode", "decode", "decoder", sc.decode, "decoders_max")):
+        hpa = hpas[name]
+        (metric,) = hpa["metrics"]
+        assert metric["external"]["metric"] == {"name": "epd_gateway_load",
+                                                "selector": {"matchLabels": {"role": role}}}
+        assert float(metric["external"]["target"]["averageValue"]) == policy.target
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (
+            1, settings["autoscaling"][most])
+        up, down = hpa["behavior"]["scaleUp"], hpa["behavior"]["scaleDown"]
+        assert down["stabilizationWindowSeconds"] >= policy.idle_window_s
+        assert up["policies"] == [{"type": "Pods", "value": 1,
+                                   "periodSeconds": max(1, int(policy.up_cooldown_s))}]
+        pod = deployments[name]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} \
+            in c["env"]
+        port = c["ports"][0]["containerPort"]
+        for hook, action in (("postStart", "join"), ("preStop", "leave")):
+            command = c["lifecycle"][hook]["exec"]["command"]
+            head, args = _member_args(command)
+            assert head == ["epd", "member", action]
+            assert args["--gateway"] == f"http://epd-gateway:{gateway_port}"
+            assert (args["--role"], args["--url"]) == (member, f"http://$POD_IP:{port}")
+            parsed = member_cli.parser().parse_args(  # `epd member` takes them
+                [action, *(x for kv in args.items() for x in kv)])
+            assert (parsed.action, parsed.role) == (action, member)
+        _, leave = _member_args(c["lifecycle"]["preStop"]["exec"]["command"])
+        assert pod["terminationGracePeriodSeconds"] > float(leave["--timeout-s"])
+    (adapter,) = [d for d in docs if d["kind"] == "ConfigMap"
+                  and d["metadata"]["name"] == "epd-prometheus-adapter"]
+    (rule,) = yaml.safe_load(adapter["data"]["config.yaml"])["externalRules"]
+    assert rule["name"] == {"as": "epd_gateway_load"}
+    assert rule["seriesQuery"].startswith("epd_gateway_load{")
+    assert "`epd_gateway_load`" in (ROOT / "docs" / "metrics.md").read_text()

@@ -112,6 +112,29 @@ class GatewayMetrics:
         self.restarts = Counter("epd_restarts", "Servers restarted after they exited unasked "
                                 "(epd up)", ["instance"], registry=r)
 
+        # each role's load (upstreams/fleet.py `load`): what a Kubernetes HPA scales on
+        self.load = Gauge("epd_gateway_load", "Each role's load: encoder calls in flight + "
+                          "images waiting for a shared call; decode requests in flight",
+                          ["role"], registry=r)
+        # `epd up`'s scaler (local/scaler.py), which runs the gateway; each elastic role's
+        # label sets at 0 once registered (`scaling_registered`)
+        self.scale_events = Counter("epd_scale_events", "Instances added (up) or drained "
+                                    "and stopped (down) by epd up's scaler, by role and "
+                                    "reason", ["role", "direction", "reason"], registry=r)
+        self.instances = Gauge("epd_instances", "Instances of an elastic role by state: "
+                               "wanted, starting, serving, draining (epd up's scaler)",
+                               ["role", "state"], registry=r)
+
+    def watch_load(self, load) -> None:
+        """Export `load()` (role -> load) as epd_gateway_load, read at scrape time."""
+        for role in load():
+            self.load.labels(role).set_function(lambda role=role: load().get(role, 0.0))
+
+    def scaling_registered(self, role: str) -> None:
+        """An elastic role's scale events exported at 0 before its first."""
+        for direction, reason in (("up", "load_above_target"), ("down", "idle")):
+            self.scale_events.labels(role, direction, reason)
+
     def instance_registered(self, name: str) -> None:
         """Export a supervised server's restart count, at 0 until it restarts.
 

@@ -3,7 +3,8 @@
 `epd top`: a live terminal view of a deployment, read from its gateway alone: `GET
 /metrics` (Prometheus text: totals, refusals, the first-token histograms) and `GET /instances`
 (each encoder, prefill and decode instance: state, in flight, what it was given, its last
-probe). One frame per `--interval` seconds, redrawn in place; `--once` prints one frame
+probe; with `epd up`'s elastic roles, each role and a line per recent scale decision). One
+frame per `--interval` seconds, redrawn in place; `--once` prints one frame
 without escape codes (scripts), `--json` the same data as JSON.
 
 Quantiles come from the histograms' buckets as Prometheus' `histogram_quantile` computes
@@ -170,6 +171,7 @@ class Frame:
     window: str  # what the quantiles cover: "all time" or "last N s"
     totals: dict[str, Any] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)
+    scaling: dict[str, Any] = field(default_factory=dict)  # `epd up`'s elastic roles
 
 
 def state_of(entry: dict[str, Any]) -> str:
@@ -228,7 +230,20 @@ def make_frame(cur: Snapshot, prev: Snapshot | None, url: str) -> Frame:
                 "ttft_p99_s": ttft(0.99, TTFT, instance=u) if timed else None,
                 "staged_bytes": None,
                 "probe": probe})
+    frame.scaling = cur.instances.get("scaling", {})
     return frame
+
+
+def scaling_lines(scaling: dict[str, Any], decisions: int = 5) -> list[str]:
+    """The elastic roles (`epd up`'s scaler), then a line per recent decision."""
+    lines = [f"elastic {role}: {r['serving']} serving ({r['min']}..{r['max']}), "
+             f"{r['starting']} starting, {r['draining']} draining, load {r['load']:.1f}"
+             for role, r in scaling.get("roles", {}).items()]
+    for d in scaling.get("decisions", [])[-decisions:]:
+        when = time.strftime("%H:%M:%S", time.localtime(d["at"]))
+        lines.append(f"scale {d['role']} {d['direction']} {when} {d['instance']} "
+                     f"({d['reason']}): {d['detail']}")
+    return lines
 
 
 # -- text -----------------------------------------------------------------------------------
@@ -275,12 +290,14 @@ def render(frame: Frame, clock: str | None = None) -> str:
             cells, COLUMNS, strict=True)).rstrip())
     if not frame.rows:
         lines.append("(no instances)")
+    if frame.scaling:
+        lines += ["", *scaling_lines(frame.scaling)]
     return "\n".join(lines) + "\n"
 
 
 def as_json(frame: Frame) -> str:
     return json.dumps({"gateway": frame.url, "window": frame.window, "totals": frame.totals,
-                       "instances": frame.rows}, sort_keys=True)
+                       "instances": frame.rows, "scaling": frame.scaling}, sort_keys=True)
 
 
 # -- the command ----------------------------------------------------------------------------

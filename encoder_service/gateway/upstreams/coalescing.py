@@ -78,6 +78,11 @@ class CoalescingClient:
         self._calls = 0
         self._tasks: set[asyncio.Task] = set()
 
+    @property
+    def waiting(self) -> int:
+        """Images waiting for a shared call (every call slot busy): a load signal."""
+        return sum(len(w.items) for w in self._queue)
+
     async def encode(self, items: Sequence[MediaPart], request_id: str) -> dict[str, Any]:
         waiter = _Waiter(items, request_id, asyncio.get_running_loop().create_future())
         if waiter.key is None or len(items) >= self.max_items:

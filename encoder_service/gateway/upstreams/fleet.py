@@ -35,6 +35,22 @@ class Fleet:
         """Decode instances, encoders, prefill instances (E/P/D)."""
         return [self.decoders, self.router, *([self.prefills] if self.prefills else [])]
 
+    def load(self) -> dict[str, float]:
+        """Each role's load now: what `epd up`'s scaler and a Kubernetes HPA grow a role on.
+
+        encoder: encode calls in flight (queued for a shared call or sent) plus the images
+        waiting for a shared call (coalescing.py), over the encoders that may get work;
+        decode (and prefill, E/P/D): requests in flight, streams included."""
+        r = self.router
+        out = {"encoder": float(sum(r.inflight.get(n, 0) for n in r.names())
+                                + sum(getattr(c, "waiting", 0) for c in r.clients.values())),
+               "decode": float(sum(self.decoders.inflight.get(u, 0)
+                                   for u in self.decoders.urls))}
+        if self.prefills is not None:
+            out["prefill"] = float(sum(self.prefills.inflight.get(u, 0)
+                                       for u in self.prefills.urls))
+        return out
+
     def probe_targets(self) -> list[tuple[str, str]]:
         """Every instance but those down (a supervisor probes them back: outages.py)."""
         return [(u, self.probe_kind(u)) for pool in self.pools() for u in pool.names()

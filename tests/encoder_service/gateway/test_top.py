@@ -266,3 +266,24 @@ def test_quantiles_follow_prometheus_and_a_live_frame_covers_only_its_interval()
     text = top.render(window, clock="12:00:00")
     assert table(text)[url][:6] == ["decode", url, "cooling", "2", "-", "20"]
     assert "20 (2xx 20)  5.0 req/s" in text
+
+
+def test_elastic_roles_and_each_scale_decision_get_a_line():
+    """`epd up`'s elastic roles (GET /instances' "scaling", scaler.py): a line per role, then
+    one per recent decision, newest last; in --json too; none without elastic roles."""
+    scaling = {"roles": {"decode": {"serving": 1, "starting": 0, "draining": 1, "wanted": 1,
+                                    "min": 1, "max": 2, "load": 0.5}},
+               "decisions": [{"at": 1000.0 + i, "role": "decode", "direction": d,
+                              "reason": r, "instance": "decode-1", "detail": f"why {i}"}
+                             for i, (d, r) in enumerate([("up", "load_above_target"),
+                                                         ("down", "idle")] * 4)]}
+    snap = top.Snapshot(0.0, {}, {"encoders": [], "decoders": [], "scaling": scaling})
+    frame = top.make_frame(snap, None, "http://gw")
+    text = top.render(frame, clock="12:00:00")
+    assert "elastic decode: 1 serving (1..2), 0 starting, 1 draining, load 0.5" in text
+    lines = [ln for ln in text.splitlines() if ln.startswith("scale ")]
+    assert len(lines) == 5 and lines[-1].startswith("scale decode down ")
+    assert lines[-1].endswith("decode-1 (idle): why 7")
+    assert json.loads(top.as_json(frame))["scaling"] == scaling
+    plain = top.make_frame(top.Snapshot(0.0, {}, {"encoders": [], "decoders": []}), None, "u")
+    assert "elastic" not in top.render(plain) and "scale " not in top.render(plain)

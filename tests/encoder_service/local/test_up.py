@@ -388,3 +388,39 @@ def test_auto_wires_shared_memory_one_directory_per_deployment(tmp_path):
     # the gateway (on this host) follows the shm records of the deployment's directory
     assert dep.gateway_cfg.availability.kind == "shm"
     assert dep.gateway_cfg.availability.shm_path == dep.cfg.shm_path
+
+
+def test_plan_elastic_roles_fixes_every_instance_up_to_the_maximum(tmp_path):
+    """`--encoders 1:2 --decode 1:2` under E/P/D: every instance up to the maximum has its
+    port, core and side channel from the start; the minimum starts and the gateway knows
+    only those; the rest wait in `spare` (scaler.py), each with its final command line."""
+    cfg = UpConfig(encoders=1, decoders=1, prefills=1, base_port=18510, transport="safetensors",
+                   scaling={"encoders_max": 2, "decoders_max": 2})
+    dep = Deployment(cfg, tmp_path)
+    dep.plan(tmp_path / "model")
+    assert [(s.name, s.port) for s in dep.servers] == [
+        ("encoder-0", 18511), ("decode-0", 18513), ("prefill-0", 18515)]
+    assert [(s.name, s.port) for s in dep.spare] == [("encoder-1", 18512), ("decode-1", 18514)]
+    kv = {s.name: s.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for s in [*dep.servers, *dep.spare]
+          if "VLLM_NIXL_SIDE_CHANNEL_PORT" in s.env}
+    assert kv == {"decode-0": "18516", "decode-1": "18517", "prefill-0": "18518"}
+    decode1 = dep.spare[1]
+    assert "--enable-scale-out" in decode1.extra_args
+    assert json.loads(decode1.extra_args[decode1.extra_args.index("--kv-transfer-config") + 1])[
+        "kv_load_failure_policy"] == "recompute"
+    g = dep.gateway_cfg
+    assert (g.encoders, g.decoders, g.prefills) == (
+        ["http://127.0.0.1:18511"], ["http://127.0.0.1:18513"], ["http://127.0.0.1:18515"])
+    assert set(range(18510, 18519)) <= set(cfg.fixed_ports)
+    with pytest.raises(UpError, match="elastic roles count at their maximum"):
+        Deployment(cfg.model_copy(update={"cpu_cores": [0, 1, 0]}), tmp_path / "c").plan(
+            tmp_path / "model")
+
+
+def test_up_cli_min_max_flags():
+    r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--encoders", "3:2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "encoders MIN:MAX is 3:2" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--decoders", "1-2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "give N or MIN:MAX" in r.stderr
