@@ -48,7 +48,6 @@ from benchmarks.rival_stacks import Stack
 from benchmarks.serve_measure import CpuMeter, warm
 from benchmarks.video_serve_bench import clip
 from encoder_service.bench import (
-    Answer,
     BenchSpec,
     image_sequence,
     item_part,
@@ -82,29 +81,6 @@ class Run:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-async def stream_text(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int) -> Answer:
-    """stream_greedy's request and checks with `prompt` alone (no media part)."""
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream_options": {"include_usage": True}, "temperature": 0.0,
-            "return_token_ids": True,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}]}
-    t0, ttft, tokens = time.perf_counter(), None, []
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            ids = ((json.loads(line[6:]).get("choices") or [{}])[0].get("token_ids")) or []
-            if ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens.extend(ids)
-    if ttft is None or len(tokens) != max_tokens:
-        raise RuntimeError(f"the answer held {len(tokens)} token ids, not {max_tokens}")
-    return Answer(ttft, time.perf_counter() - t0, tokens, 0)
-
-
 async def _load(url: str, model: str, parts: list[dict | None], prompt: str, concurrency: int,
                 max_tokens: int) -> list[tuple[float | None, Any, str]]:
     sem = asyncio.Semaphore(concurrency)
@@ -113,11 +89,8 @@ async def _load(url: str, model: str, parts: list[dict | None], prompt: str, con
         async def one(part: dict | None) -> tuple[float | None, Any, str]:
             async with sem:
                 try:
-                    if part is None:  # text only: the prompt as the one content part
-                        ans = await stream_text(client, url, model, prompt, max_tokens)
-                    else:
-                        ans = await stream_greedy(client, url, model, part, prompt,
-                                                  max_tokens)
+                    # part None: text only, the prompt as the one content part
+                    ans = await stream_greedy(client, url, model, part, prompt, max_tokens)
                 except (RuntimeError, httpx.HTTPError, ValueError) as exc:
                     return None, None, f"{type(exc).__name__}: {exc}"[:400]
                 return ans.ttft, ans.token_ids, ""

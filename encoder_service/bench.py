@@ -203,16 +203,18 @@ class Answer:
     prompt_tokens: int
 
 
-async def stream_greedy(client: httpx.AsyncClient, url: str, model: str, part: dict[str, Any],
-                        prompt: str, max_tokens: int) -> Answer:
+async def stream_greedy(client: httpx.AsyncClient, url: str, model: str,
+                        part: dict[str, Any] | None, prompt: str, max_tokens: int) -> Answer:
     """Stream one greedy chat completion and return its token ids.
 
-    `part` and `prompt` streamed greedily to `url` (exactly `max_tokens` tokens, their
-    ids returned: runs compare them). Raises RuntimeError on an error or a short answer."""
+    `part` (None: text only) and `prompt` streamed greedily to `url` (exactly `max_tokens`
+    tokens, their ids returned: runs compare them). Raises RuntimeError on an error or a
+    short answer."""
+    content = [{"type": "text", "text": prompt}] if part is None else [
+        part, {"type": "text", "text": prompt}]
     body = {"model": model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
             "stream_options": {"include_usage": True}, "temperature": 0.0,
-            "return_token_ids": True, "messages": [{"role": "user", "content": [
-                part, {"type": "text", "text": prompt}]}]}
+            "return_token_ids": True, "messages": [{"role": "user", "content": content}]}
     t0, ttft, tokens, prompt_tokens = time.perf_counter(), None, [], 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
