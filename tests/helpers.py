@@ -80,6 +80,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.ec_connectors.transports.test_mooncake_te_hosts", MOONCAKE): (21600, 300),
     ("tests.encoder_service.local.test_up", MOONCAKE): (21900, 10),
     ("tests.encoder_service.gateway.test_backends", MOONCAKE): (21950, 10),  # announcements
+    ("tests.ec_connectors.transports.test_nixl_pull", MOONCAKE): (26000, 50),
     # e2e lane: vLLM servers, pools and `epd up` (gateway, then its servers)
     ("tests.e2e.test_connector_safetensors", HTTP): (18300, 4),
     ("tests.e2e.test_connector_mooncake", HTTP): (18350, 3),
