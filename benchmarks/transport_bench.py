@@ -3,7 +3,8 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
-        [--paths shm shm_seal shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors]
+        [--paths shm shm_seal shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors
+                 nixl nixl_tcp]
         [--secret]
         [--json FILE]
 
@@ -12,7 +13,9 @@ Each path runs a producer and a consumer `peer_process` (ec_connectors/testing),
 producer's seal instead of hashing the bytes again, shm_read_verify "seal"; `shm_blake3`:
 shm verified with blake3 instead of xxh3; `mooncake_te`: the Transfer Engine transport over
 TCP with its default data path, a socket stream; `mooncake_te_engine`: the same with
-`te_data_path` engine, the engine's writes;
+`te_data_path` engine, the engine's writes; `nixl`: the NIXL transport, UCX picking its
+own transports (on one host: cma, a process_vm_readv by the reader); `nixl_tcp`: the same
+with UCX_TLS=tcp, UCX's TCP over loopback;
 `--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
 One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
 byte verified, the transport's own way); `ms` is put + get as each process timed it
@@ -42,6 +45,7 @@ import uuid
 from pathlib import Path
 
 from mooncake_bench import memcpy_s, raw_tcp_s
+from nixl_floor import nixl_read_s
 
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
@@ -51,7 +55,7 @@ from epd_common.net import port_open
 HIDDEN = 4096
 MiB = 1 << 20
 PATHS = ("shm", "shm_seal", "shm_blake3", "mooncake_te", "mooncake_te_engine", "mooncake_store",
-         "safetensors")
+         "safetensors", "nixl", "nixl_tcp")
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -73,6 +77,7 @@ class Path_:
     def __init__(self, name: str, max_bytes: int, reps: int, work: Path,
                  secret: str | None) -> None:
         self.name, self.master = name, None
+        self.env = dict(LOOPBACK)  # the peers' environment
         self.dirs: list[str] = []
         if name in ("shm", "shm_seal", "shm_blake3"):
             root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
@@ -90,6 +95,13 @@ class Path_:
                     "memory_pool_bytes": 3 * max_bytes + 16 * MiB,
                     "te_data_path": "engine" if name == "mooncake_te_engine" else "auto"}
             self.prod, self.cons = base, {**base, "producers": [f"127.0.0.1:{port}"]}
+        elif name in ("nixl", "nixl_tcp"):
+            port = free_port(23700)
+            base = {"transport": "nixl", "host": "127.0.0.1", "base_port": port,
+                    "lease_ttl_s": 0.05, "memory_pool_bytes": 3 * max_bytes + 16 * MiB}
+            self.prod, self.cons = base, {**base, "producers": [f"127.0.0.1:{port}"]}
+            if name == "nixl_tcp":
+                self.env["UCX_TLS"] = "tcp"
         elif name == "mooncake_store":
             from encoder_service.local.mooncake_master import master_server
 
@@ -129,9 +141,9 @@ def run_path(name: str, sizes: list[int], reps: int, work: Path,
     log = str(work / f"transport-bench-{name}.log")
     peers: list[PeerClient] = []
     try:
-        prod = PeerClient(env=LOOPBACK, log_path=log)
+        prod = PeerClient(env=path.env, log_path=log)
         peers.append(prod)
-        cons = PeerClient(env=LOOPBACK, log_path=log)
+        cons = PeerClient(env=path.env, log_path=log)
         peers.append(cons)
         prod.call({"op": "init", "config": path.prod, "placement": PRODUCER}, 120)
         cons.call({"op": "init", "config": path.cons, "placement": CONSUMER}, 120)
@@ -192,8 +204,11 @@ def main() -> int:
         for mb, n in zip(args.sizes_mb, sizes, strict=True):
             beside[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
                                  "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3}
+            if name.startswith("nixl"):  # NIXL's own READ, nothing of ours around it
+                tls = {"UCX_TLS": "tcp"} if name == "nixl_tcp" else {}
+                beside[label(mb)]["nixl_read_ms"] = nixl_read_s(n, args.reps, tls) * 1e3
             for k, v in beside[label(mb)].items():
-                limits[label(mb)][k].append(v)
+                limits[label(mb)].setdefault(k, []).append(v)
         try:
             timings = run_path(name, sizes, args.reps, work, secret)
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported
@@ -224,7 +239,9 @@ def main() -> int:
                 continue
             print(f"{mb:>5} {name:<18} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
                   f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f} "
-                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}")
+                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}"
+                  + (f"  NIXL's own READ {p['nixl_read_ms']:.1f}" if "nixl_read_ms" in p
+                     else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

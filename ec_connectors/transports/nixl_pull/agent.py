@@ -15,6 +15,7 @@ import contextlib
 import re
 import threading
 import time
+from collections.abc import Callable
 
 from ec_connectors.log import get_logger
 
@@ -113,17 +114,34 @@ class NixlAgent:
                     self._agent.remove_remote_agent(name)
 
     def read(self, local: tuple[int, int, str], remote: tuple[int, str, int], nbytes: int,
-             peer: str, notif: bytes, deadline: float) -> tuple[str, object | None]:
+             peer: str, notif: bytes, deadline: float, chunk: int = 0,
+             on_chunk: Callable[[int], None] | None = None) -> tuple[str, object | None]:
         """READ `nbytes` from the peer's `remote` (addr, mem, device) into `local`.
 
-        `local` is (addr, nbytes, location). Returns ("DONE", None), ("ERR", None), or
-        ("TIMEOUT", handle) when the deadline passed with the read still in flight and NIXL
-        could not cancel it: the local buffer may still be written, so the caller holds it
-        until `settled(handle)`."""
-        addr, _, location = local
-        mem, device = mem_kind(location)
+        `local` is (addr, nbytes, location). With `chunk`, the bytes come in reads of that
+        size one after another, `on_chunk(end)` called as each lands (the caller verifies
+        them while the next one is copied); the last carries `notif`. Returns ("DONE",
+        None), ("ERR", None), or ("TIMEOUT", handle) when the deadline passed with a read
+        still in flight and NIXL could not cancel it: the local buffer may still be written,
+        so the caller holds it until `settled(handle)`."""
+        step = chunk if 0 < chunk < nbytes else nbytes
+        for start in range(0, nbytes, step):
+            n = min(step, nbytes - start)
+            last = start + n == nbytes
+            state, live = self._read_one((local[0] + start, local[2]),
+                                         (remote[0] + start, remote[1], remote[2]), n, peer,
+                                         notif if last else b"", deadline)
+            if state != "DONE":
+                return state, live
+            if on_chunk is not None:
+                on_chunk(start + n)
+        return "DONE", None
+
+    def _read_one(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
+                  peer: str, notif: bytes, deadline: float) -> tuple[str, object | None]:
+        mem, device = mem_kind(local[1])
         try:
-            src = self._agent.get_xfer_descs([(addr, nbytes, device)], mem)
+            src = self._agent.get_xfer_descs([(local[0], nbytes, device)], mem)
             dst = self._agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote[1])
             handle = self._agent.initialize_xfer("READ", src, dst, peer, notif)
             state = self._agent.transfer(handle, notif)

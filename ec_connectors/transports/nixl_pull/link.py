@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import zmq
 
@@ -45,12 +46,15 @@ class NixlPeerLink(PeerLink):
 
     `location` is where this consumer's pool lives ("cpu", "cuda:0"); `scratch` a
     registered (addr, nbytes) of host memory the warming read lands in; `stats` the
-    transport's counters."""
+    transport's counters; `chunk` the size of the reads an item is moved in (0: one read),
+    each verified while the next is copied."""
 
     def __init__(self, endpoint: str, context: zmq.Context, curve: CurveKeys | None,
                  agent: NixlAgent, location: str, scratch: tuple[int, int],
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], chunk: int = 0) -> None:
         self.agent, self.location, self.scratch, self.stats = agent, location, scratch, stats
+        self.chunk = chunk
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="epd-nixl-verify")
         self.peer: NixlPeer | None = None
         self.peer_error = ""
         self._ready = threading.Event()
@@ -96,6 +100,7 @@ class NixlPeerLink(PeerLink):
                 pull_id=0, code="transfer", error=f"no NIXL agent from {self.endpoint}: "
                 f"{self.peer_error or 'none in time'}"))
         p = super().pull(key, "", buf, max(0.0, deadline - time.monotonic()), None, namespace)
+        # (chunks are verified as they land, on a thread of this link: one copies, one hashes)
         reply = p.reply
         if buf is None or p.buf is None or not isinstance(reply, Pulled) or reply.inline:
             return p
@@ -106,9 +111,14 @@ class NixlPeerLink(PeerLink):
                                  error=f"{self.endpoint} placed {n} bytes at "
                                        f"{reply.src_addr:#x}, outside its registered range")
             return p
+        hashed: list[Future] = []
+        hash_chunk = None if on_progress is None else \
+            (lambda end: hashed.append(self._hasher.submit(on_progress, end)))
         state, live = self.agent.read((buf.addr, n, self.location),
                                       (reply.src_addr, peer.mem, peer.device), n, peer.agent,
-                                      reply.token, deadline)
+                                      reply.token, deadline, self.chunk, hash_chunk)
+        for done in hashed:  # the verifier is the caller's again once this returns
+            done.result()
         self.stats["nixl_reads"] += 1
         if state == "DONE":
             return p
@@ -140,6 +150,10 @@ class NixlPeerLink(PeerLink):
     @property
     def quarantined(self) -> int:
         return super().quarantined + len(self._reading)
+
+    def close(self) -> None:
+        super().close()
+        self._hasher.shutdown(wait=False)
 
 
 def pool_location(device: str) -> str:

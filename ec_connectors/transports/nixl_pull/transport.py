@@ -56,7 +56,7 @@ class NixlTransport(MooncakeTransport):
 
         def make(endpoint: str) -> NixlPeerLink:
             return NixlPeerLink(endpoint, self._zmq, self.curve, self.agent, self.location,
-                                scratch, self.pull_stats)
+                                scratch, self.pull_stats, self.config.transfer_chunk_bytes)
         return make
 
     def _streams_wanted(self) -> bool:
