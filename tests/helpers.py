@@ -86,6 +86,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_connector_mooncake", HTTP): (18350, 3),
     ("tests.e2e.test_connector_store", HTTP): (18360, 3),
     ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
+    ("tests.e2e.test_connector_nixl", HTTP): (18380, 3),
     ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
     ("tests.prewarm", HTTP): (18395, 1),  # beside the fast lane (run.sh test)
     ("tests.e2e.test_gateway", HTTP): (18570, 27),
@@ -95,6 +96,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_up", MASTER): (19950, 3),
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
+    ("tests.e2e.test_connector_nixl", MOONCAKE): (26050, 10),
     ("tests.e2e.test_qwen3_deepstack", MOONCAKE): (21920, 10),
     ("tests.e2e.test_up", MOONCAKE): (21960, 30),
     # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;
