@@ -98,6 +98,8 @@ class Stack:
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
             "vllm_args": ["--trust-request-mm-kwargs"], "media_io_kwargs": media_io,
             **({"pool": POOL} if backend == "pool" else {}),
+            # nixl: every item a NIXL read, none inline in the side channel's reply
+            **({"connector_extra": {"inline_max_bytes": 0}} if transport == "nixl" else {}),
             "gateway": {"timeouts": {"encoder_s": 60}}}, self.work).start()
         self.url = self.up.url
         self.model = model
