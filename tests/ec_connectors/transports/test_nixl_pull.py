@@ -5,10 +5,12 @@ and the pieces a GPU host needs (VRAM registration) checked without one."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -81,10 +83,43 @@ def test_a_producer_killed_mid_transfer_is_a_miss(peers):
     assert wait_for(lambda: health(cons)["pool_used_bytes"] == 0, timeout=5), health(cons)
 
 
+def in_child(fn: str, *args) -> None:
+    """Run `fn` of this module in a spawned process, its failure raised here.
+
+    A process that made a NIXL agent segfaults at exit (NIXL 1.5.1's teardown, any agent): the
+    test process must not make one. The child leaves with os._exit once it reported."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child, args=(fn, args, q))
+    child.start()
+    try:
+        outcome = q.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert outcome == "ok", outcome
+
+
+def _child(fn: str, args: tuple, q) -> None:
+    try:
+        globals()[fn](*args)
+        q.put("ok")
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        q.put(traceback.format_exc())
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
 def test_damaged_or_misplaced_items_are_misses():
     """In one process: a byte changed in the producer's pool fails the checksum, and a reply
     that places the item outside the producer's registered range is refused unread."""
-    base = next(_ports)
+    in_child("_damaged_or_misplaced", next(_ports))
+
+
+def _damaged_or_misplaced(base: int) -> None:
     cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=32 * MiB))
     prod = make_transport(cfg, Placement(is_producer=True, is_consumer=False))
     cons = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
@@ -157,6 +192,10 @@ def test_gpu_pools_register_as_vram_and_peer_names_are_checked():
     fake._agent, fake._regs = _FakeAgent(), []
     fake.register(0x1000, 4096, "cuda:1")
     assert fake._agent.calls == [([(0x1000, 4096, 1, "")], "VRAM")]
+    in_child("_peer_names_checked")
+
+
+def _peer_names_checked() -> None:
     one = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-a")
     two = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-b")
     try:
