@@ -96,8 +96,8 @@ class NixlPeerLink(PeerLink):
         """Ask where the item lies, then READ it into `buf` by the deadline."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         if buf is not None and (not self._ready.wait(timeout_s) or self.peer is None):
-            return PendingPull(buf, finished=True, reply=PullFailed(
-                pull_id=0, code="transfer", error=f"no NIXL agent from {self.endpoint}: "
+            return PendingPull(buf, finished=True, reply=PullFailed(  # a miss now, not retried
+                pull_id=0, code="unregistered", error=f"no NIXL agent from {self.endpoint}: "
                 f"{self.peer_error or 'none in time'}"))
         p = super().pull(key, "", buf, max(0.0, deadline - time.monotonic()), None, namespace)
         # (chunks are verified as they land, on a thread of this link: one copies, one hashes)
@@ -154,6 +154,8 @@ class NixlPeerLink(PeerLink):
     def close(self) -> None:
         super().close()
         self._hasher.shutdown(wait=False)
+        if self.peer is not None:  # a restarted producer comes back as another agent
+            self.agent.forget(self.peer.agent)
 
 
 def pool_location(device: str) -> str:
