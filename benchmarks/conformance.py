@@ -5,7 +5,7 @@ server of the same model (encoder_service/local/conformance.py makes the cases).
 
 Starts the aggregated server once, then each stack in turn (`epd up` of a tiny test model,
 `--model`, by default the Qwen2.5-Omni thinker (image, video, audio): a vLLM encoder or the
-encoder pool, over safetensors or the Mooncake Transfer Engine;
+encoder pool, over safetensors, shared memory, the Mooncake Transfer Engine or NIXL;
 the decode instance gets metadata-only items), and runs every case on every path: first encode,
 cache hit and, on the stack with two decode instances, failover (a second gateway whose decode
 instances sit behind proxies that break streams off mid-answer). Prints one line per
@@ -44,6 +44,8 @@ STACKS = {  # name: (encoder backend, transport, decoders, prefill instances)
     "pool+safetensors": ("pool", "safetensors", 1, 0),
     "vllm+mooncake": ("vllm", "mooncake", 1, 0),
     "pool+mooncake": ("pool", "mooncake", 1, 0),
+    "vllm+nixl": ("vllm", "nixl", 1, 0),  # the TE's wiring, NIXL reads (UCX) for the bytes
+    "pool+nixl": ("pool", "nixl", 1, 0),
     "vllm+shm": ("vllm", "shm", 1, 0),  # what `epd up` picks on one host (transport auto)
     "pool+shm": ("pool", "shm", 1, 0),
     # E/P/D: a prefill instance hands each prompt's KV cache to one of two decode instances
@@ -96,6 +98,8 @@ class Stack:
             "storage_path": str(self.storage), "mooncake_base_port": 15600 + port % 100 * 20,
             "vllm_args": ["--trust-request-mm-kwargs"], "media_io_kwargs": media_io,
             **({"pool": POOL} if backend == "pool" else {}),
+            # nixl: every item a NIXL read, none inline in the side channel's reply
+            **({"connector_extra": {"inline_max_bytes": 0}} if transport == "nixl" else {}),
             "gateway": {"timeouts": {"encoder_s": 60}}}, self.work).start()
         self.url = self.up.url
         self.model = model

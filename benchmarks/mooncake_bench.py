@@ -47,9 +47,8 @@ def memcpy_s(nbytes: int, reps: int) -> float:
     return median_s(times)
 
 
-def _tcp_sink(port_q, nbytes: int, reps: int) -> None:
-    srv = socket.create_server(("127.0.0.1", 0))
-    port_q.put(srv.getsockname()[1])
+def tcp_sink(srv: socket.socket, nbytes: int, reps: int) -> None:
+    """Receive `reps + 1` items of `nbytes` on one connection to `srv`, acknowledging each."""
     conn, _ = srv.accept()
     buf = memoryview(bytearray(nbytes))
     for _ in range(reps + 1):
@@ -60,13 +59,10 @@ def _tcp_sink(port_q, nbytes: int, reps: int) -> None:
     conn.close()
 
 
-def raw_tcp_s(nbytes: int, reps: int) -> float:
-    """One TCP stream on loopback, into a preallocated buffer, acknowledged: the ceiling."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_tcp_sink, args=(q, nbytes, reps), daemon=True)
-    proc.start()
-    sock = socket.create_connection(("127.0.0.1", q.get(timeout=60)))
+def tcp_send_s(address: tuple[str, int], nbytes: int, reps: int) -> float:
+    """Median seconds to send `nbytes` to a `tcp_sink` and get its acknowledgement (the
+    first send is a warm-up)."""
+    sock = socket.create_connection(address)
     data = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())
     times = []
     for i in range(reps + 1):
@@ -76,8 +72,24 @@ def raw_tcp_s(nbytes: int, reps: int) -> float:
         if i:
             times.append(time.perf_counter() - t0)
     sock.close()
-    proc.join(10)
     return median_s(times)
+
+
+def _tcp_sink(port_q, nbytes: int, reps: int) -> None:
+    srv = socket.create_server(("127.0.0.1", 0))
+    port_q.put(srv.getsockname()[1])
+    tcp_sink(srv, nbytes, reps)
+
+
+def raw_tcp_s(nbytes: int, reps: int) -> float:
+    """One TCP stream on loopback, into a preallocated buffer, acknowledged: the ceiling."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_tcp_sink, args=(q, nbytes, reps), daemon=True)
+    proc.start()
+    seconds = tcp_send_s(("127.0.0.1", q.get(timeout=60)), nbytes, reps)
+    proc.join(10)
+    return seconds
 
 
 def _te_sink(q, nbytes: int) -> None:

@@ -14,6 +14,7 @@ machine's two cores, behind one front end, every server through the handoff prob
   ours_shm       `epd up`'s servers: vLLM encoder + vLLM prefill/decode with EPDConnector
                  over shared memory, our gateway as `epd up` configures it
   ours_te        the same over the Mooncake Transfer Engine transport (TCP, loopback)
+  ours_nixl      the same over the NIXL transport (UCX on loopback; not in the default run)
   ours_fs        the same over safetensors files (not in the default run: the setup of
                  issue 41's `vllm bench serve` figures)
   ours_pool_shm  the same as ours_shm with our encoder pool (`epd encoder`) on core 0
@@ -66,8 +67,9 @@ from encoder_service.local.up_config import UpConfig, gateway_routing
 ROOT = Path(__file__).resolve().parent.parent
 EPD = ("vllm_epd", "ours_epd", "vllm_pd_text")  # prefill and decode instances apart
 DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te", "ours_fs",
-               "ours_pool_shm", *EPD)
-DEFAULT_DEPLOYMENTS = tuple(d for d in DEPLOYMENTS if d != "ours_fs" and d not in EPD)
+               "ours_nixl", "ours_pool_shm", *EPD)
+DEFAULT_DEPLOYMENTS = tuple(d for d in DEPLOYMENTS
+                            if d not in ("ours_fs", "ours_nixl") and d not in EPD)
 RIVALS = ("ec_example", "ec_mooncake")  # vLLM's connectors; aggregated is the reference
 TEXT_ONLY = ("vllm_pd_text",)  # no encoder: text prompts only
 BASE_PORT = 20800  # front; servers +1, +2, +3; ECMooncake control ports +60, +61
@@ -274,7 +276,8 @@ def start_ours(name: str, g: Group, model: Path, work: Path, probe_dir: Path, sa
     the probe, the gateway as a process of its own."""
     sizes = {"memory_pool_bytes": g.buffer_bytes, "shm_arena_bytes": g.buffer_bytes,
              "shm_consumer_pool_bytes": g.buffer_bytes}
-    transport = {"ours_te": "mooncake", "ours_fs": "safetensors"}.get(name, "shm")
+    transport = {"ours_te": "mooncake", "ours_fs": "safetensors",
+                 "ours_nixl": "nixl"}.get(name, "shm")
     epd = name == "ours_epd"  # `epd up --prefill 1 --decode 1`: P and D on core 1 both
     cfg = UpConfig(model=g.spec.name, transport=transport,
                    encoder_backend="pool" if "pool" in name else "vllm",
@@ -395,7 +398,7 @@ def start(name: str, group: str, work: Path, models: Path, probe_dir: Path, say)
         return start_example(g, model, work, probe_dir, say)
     if name == "ec_mooncake":
         return start_mooncake(g, model, work, probe_dir, say)
-    if name in ("ours_shm", "ours_te", "ours_fs", "ours_pool_shm", "ours_epd"):
+    if name in ("ours_shm", "ours_te", "ours_fs", "ours_nixl", "ours_pool_shm", "ours_epd"):
         return start_ours(name, g, model, work, probe_dir, say)
     if name in ("vllm_epd", "vllm_pd_text"):
         return start_vllm_epd(name, g, model, work, probe_dir, say)

@@ -9,10 +9,11 @@ Deployments (rival_stacks.py): `aggregated` (plain vLLM, the reference for answe
 `ec_example` (E+PD, vLLM's ECExampleConnector), `ec_mooncake` (E+PD, vLLM's
 ECMooncakeConnector over TCP, driven by rival_front.py), `ours_shm`, `ours_te` (vLLM encoder
 + EPDConnector over shared memory / the Mooncake Transfer Engine) and `ours_pool_shm` (our
-encoder pool); not by default, E/P/D (`--epd` = `--deployments aggregated vllm_epd
-ours_epd vllm_pd_text`): `vllm_epd` (vLLM's disaggregated-encoder proxy flow:
-ECExampleConnector encoder, prefill and decode instances with NixlConnector,
-rival_epd_front.py in front), `ours_epd` (`epd up --prefill 1 --decode 1`, shm) and
+encoder pool); not by default, `ours_nixl` (the same over NIXL) and E/P/D (`--epd` =
+`--deployments aggregated vllm_epd ours_epd vllm_pd_text`): `vllm_epd` (vLLM's
+disaggregated-encoder proxy flow: ECExampleConnector encoder, prefill and decode
+instances with NixlConnector, rival_epd_front.py in front), `ours_epd` (`epd up --prefill 1
+--decode 1`, shm) and
 `vllm_pd_text` (vLLM's P/D alone on text prompts: cases light_text and distinct_text, which
 aggregated then runs too, for the answers). Workloads (rival_workloads.py): `light`,
 `distinct`, `video` (cases video_<frames>x<at once>) and `video_with_images`. Each round

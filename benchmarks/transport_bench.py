@@ -3,8 +3,9 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
-        [--paths shm shm_seal shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors]
-        [--secret]
+        [--paths shm shm_seal shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors
+                 nixl nixl_tcp]
+        [--secret] [--netns]
         [--json FILE]
 
 Each path runs a producer and a consumer `peer_process` (ec_connectors/testing), built with
@@ -12,8 +13,13 @@ Each path runs a producer and a consumer `peer_process` (ec_connectors/testing),
 producer's seal instead of hashing the bytes again, shm_read_verify "seal"; `shm_blake3`:
 shm verified with blake3 instead of xxh3; `mooncake_te`: the Transfer Engine transport over
 TCP with its default data path, a socket stream; `mooncake_te_engine`: the same with
-`te_data_path` engine, the engine's writes;
-`--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE).
+`te_data_path` engine, the engine's writes; `nixl`: the NIXL transport, UCX picking its
+own transports (on one host: cma, a process_vm_readv by the reader); `nixl_tcp`: the same
+with UCX_TLS=tcp, UCX's TCP over loopback;
+`--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE;
+`--netns`: producer and consumer in two network namespaces joined by a veth pair (two
+"hosts", netns_pair.py; root), with a secret (peers beyond loopback need one), raw TCP
+measured across the same pair; only the peer paths, mooncake_te and nixl[_tcp]).
 One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
 byte verified, the transport's own way); `ms` is put + get as each process timed it
 (median; the first rep of each size is a warm-up). memcpy and raw TCP are measured again
@@ -43,6 +49,8 @@ import uuid
 from pathlib import Path
 
 from mooncake_bench import memcpy_s, raw_tcp_s
+from netns_pair import ADDR_A, ADDR_B, NetnsPair, raw_tcp_netns_s
+from nixl_floor import nixl_read_s
 
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
@@ -52,7 +60,7 @@ from epd_common.net import port_open
 HIDDEN = 4096
 MiB = 1 << 20
 PATHS = ("shm", "shm_seal", "shm_blake3", "mooncake_te", "mooncake_te_engine", "mooncake_store",
-         "safetensors")
+         "safetensors", "nixl", "nixl_tcp")
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -100,8 +108,10 @@ class Path_:
     """One transport path: its configs, and what it needs started (a store master)."""
 
     def __init__(self, name: str, max_bytes: int, reps: int, work: Path,
-                 secret: str | None) -> None:
+                 secret: str | None, netns: NetnsPair | None = None) -> None:
         self.name, self.master = name, None
+        self.netns = netns
+        self.env = dict(LOOPBACK)  # the peers' environment
         self.dirs: list[str] = []
         if name in ("shm", "shm_seal", "shm_blake3"):
             root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
@@ -119,6 +129,13 @@ class Path_:
                     "memory_pool_bytes": 3 * max_bytes + 16 * MiB,
                     "te_data_path": "engine" if name == "mooncake_te_engine" else "auto"}
             self.prod, self.cons = base, {**base, "producers": [f"127.0.0.1:{port}"]}
+        elif name in ("nixl", "nixl_tcp"):
+            port = free_port(23700)
+            base = {"transport": "nixl", "host": "127.0.0.1", "base_port": port,
+                    "lease_ttl_s": 0.05, "memory_pool_bytes": 3 * max_bytes + 16 * MiB}
+            self.prod, self.cons = base, {**base, "producers": [f"127.0.0.1:{port}"]}
+            if name == "nixl_tcp":
+                self.env["UCX_TLS"] = "tcp"
         elif name == "mooncake_store":
             from encoder_service.local.mooncake_master import master_server
 
@@ -141,6 +158,13 @@ class Path_:
             self.prod, self.cons = base, base
         else:
             raise ValueError(f"unknown path {name!r} (known: {', '.join(PATHS)})")
+        if netns is not None:  # the producer on "host" a, the consumer on b
+            if "producers" not in self.cons:
+                raise ValueError(f"{name} has no peers to put in two namespaces")
+            port = self.prod["base_port"]
+            self.prod = {**self.prod, "host": ADDR_A}
+            self.cons = {**self.cons, "host": ADDR_B, "producers": [f"{ADDR_A}:{port}"]}
+            self.env = {k: v for k, v in self.env.items() if k != "MC_TCP_BIND_ADDRESS"}
         for cfg in (self.prod, self.cons):
             cfg.update(namespace="bench", secret_file=secret)
 
@@ -152,15 +176,16 @@ class Path_:
 
 
 def run_path(name: str, sizes: list[int], reps: int, work: Path,
-             secret: str | None) -> dict[int, dict]:
+             secret: str | None, netns: NetnsPair | None = None) -> dict[int, dict]:
     """{nbytes: {"put_ms": .., "get_ms": .., "ms": ..}} (medians) for one path."""
-    path = Path_(name, max(sizes), reps, work, secret)
+    path = Path_(name, max(sizes), reps, work, secret, netns)
+    where = (netns.prefix(netns.a), netns.prefix(netns.b)) if netns else (None, None)
     log = str(work / f"transport-bench-{name}.log")
     peers: list[PeerClient] = []
     try:
-        prod = PeerClient(env=LOOPBACK, log_path=log)
+        prod = PeerClient(prefix=where[0], env=path.env, log_path=log)
         peers.append(prod)
-        cons = PeerClient(env=LOOPBACK, log_path=log)
+        cons = PeerClient(prefix=where[1], env=path.env, log_path=log)
         peers.append(cons)
         prod.call({"op": "init", "config": path.prod, "placement": PRODUCER}, 120)
         cons.call({"op": "init", "config": path.cons, "placement": CONSUMER}, 120)
@@ -202,8 +227,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     ap.add_argument("--secret", action="store_true", help="a deployment secret for every path")
+    ap.add_argument("--netns", action="store_true", help="producer and consumer in two "
+                    "network namespaces (root)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.netns:
+        args.secret = True
+        with NetnsPair() as pair:
+            return run(args, pair)
+    return run(args, None)
+
+
+def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
     os.environ.update(LOOPBACK)
     work = default_work_dir(Path(__file__).resolve().parent.parent)
     work.mkdir(parents=True, exist_ok=True)
@@ -220,13 +255,18 @@ def main() -> int:
     for name in args.paths:
         beside = {}
         for mb, n in zip(args.sizes_mb, sizes, strict=True):
+            tcp = raw_tcp_netns_s(netns, n, args.reps) if netns else raw_tcp_s(n, args.reps)
             beside[label(mb)] = {"memcpy_ms": memcpy_s(n, args.reps) * 1e3,
-                                 "raw_tcp_ms": raw_tcp_s(n, args.reps) * 1e3,
+                                 "raw_tcp_ms": tcp * 1e3,
                                  "hashed_copy_ms": hashed_copy_s(n, args.reps) * 1e3}
+            if name.startswith("nixl"):  # NIXL's own READ, nothing of ours around it
+                tls = {"UCX_TLS": "tcp"} if name == "nixl_tcp" else {}
+                beside[label(mb)]["nixl_read_ms"] = nixl_read_s(n, args.reps, tls,
+                                                                netns) * 1e3
             for k, v in beside[label(mb)].items():
-                limits[label(mb)][k].append(v)
+                limits[label(mb)].setdefault(k, []).append(v)
         try:
-            timings = run_path(name, sizes, args.reps, work, secret)
+            timings = run_path(name, sizes, args.reps, work, secret, netns)
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported
             print(f"{name}: not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
             for mb in args.sizes_mb:
@@ -241,7 +281,8 @@ def main() -> int:
     for mb, row in result.items():
         row.update({k: statistics.median(v) if v else float("nan")
                     for k, v in limits[mb].items()})
-    print(f"producer process -> consumer process, verified; bf16 [rows, {HIDDEN}]; median "
+    print(f"producer process -> consumer process{' across two namespaces' if netns else ''}, "
+          f"verified; bf16 [rows, {HIDDEN}]; median "
           f"of {args.reps}; {'with' if secret else 'no'} deployment secret; load "
           f"{os.getloadavg()[0]:.2f}")
     print(f"{'MiB':>5} {'path':<18} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
@@ -258,7 +299,9 @@ def main() -> int:
                 continue
             print(f"{mb:>5} {name:<18} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
                   f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f} "
-                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}")
+                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}"
+                  + (f"  NIXL's own READ {p['nixl_read_ms']:.1f}" if "nixl_read_ms" in p
+                     else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0

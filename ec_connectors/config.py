@@ -105,6 +105,9 @@ class CommonSettings(_Settings):
     def _tiers_unique(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and (not value or len(set(value)) != len(value)):
             raise ValueError("transport tiers must be a non-empty list without repeats")
+        if isinstance(value, list) and {"mooncake", "nixl"} <= set(value):
+            raise ValueError("tiers 'mooncake' and 'nixl' would serve on the same ports: "
+                             "pick one of them")
         return value
 
     @property

@@ -81,11 +81,13 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.ec_connectors.transports.test_mooncake_te_hosts", MOONCAKE): (21600, 300),
     ("tests.encoder_service.local.test_up", MOONCAKE): (21900, 10),
     ("tests.encoder_service.gateway.test_backends", MOONCAKE): (21950, 10),  # announcements
+    ("tests.ec_connectors.transports.test_nixl_pull", MOONCAKE): (26000, 50),
     # e2e lane: vLLM servers, pools and `epd up` (gateway, then its servers)
     ("tests.e2e.test_connector_safetensors", HTTP): (18300, 4),
     ("tests.e2e.test_connector_mooncake", HTTP): (18350, 3),
     ("tests.e2e.test_connector_store", HTTP): (18360, 3),
     ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
+    ("tests.e2e.test_connector_nixl", HTTP): (18380, 3),
     ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
     ("tests.prewarm", HTTP): (18395, 1),  # beside the fast lane (run.sh test)
     ("tests.e2e.test_gateway", HTTP): (18570, 27),
@@ -96,6 +98,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_up", MASTER): (19950, 3),
     ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
+    ("tests.e2e.test_connector_nixl", MOONCAKE): (26050, 10),
     ("tests.e2e.test_qwen3_deepstack", MOONCAKE): (21920, 10),
     ("tests.e2e.test_up", MOONCAKE): (21960, 30),
     # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;

@@ -36,7 +36,7 @@ class ItemInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     location: str = ""  # transport-specific (file path, endpoint)
 
 
-TransportName = Literal["safetensors", "mooncake", "mooncake_store", "shm"]
+TransportName = Literal["safetensors", "mooncake", "mooncake_store", "shm", "nixl"]
 TRANSPORT_NAMES: tuple[TransportName, ...] = get_args(TransportName)
 UpTransport = Literal[TransportName, "tiered", "auto"]
 TIERED: tuple[TransportName, ...] = ("mooncake", "mooncake_store", "safetensors")

@@ -8,6 +8,7 @@ a config names.
 - safetensors_fs.py: the shared-directory backend, one safetensors file per item;
 - shm/: the same-host shared-memory backend (its own map);
 - mooncake_te/: the Mooncake Transfer Engine backend, pulls from producers' pools (its map);
+- nixl_pull/: NIXL reads out of producers' registered pools, on mooncake_te/'s machinery;
 - mooncake_store/: the Mooncake Store backend, a distributed store (its map);
 - tiered.py: TieredTransport, several backends behind one (save to all, load in order);
 - leases.py: the lease book, the one keep/evict policy of the stores that hold items for
@@ -46,6 +47,14 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
         from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
 
         return MooncakeTransport(config, placement)
+    if name == "nixl":
+        if placement.role == "scheduler":
+            from ec_connectors.transports.mooncake_te.catalog import NixlCatalog
+
+            return NixlCatalog(config, placement)
+        from ec_connectors.transports.nixl_pull.transport import NixlTransport
+
+        return NixlTransport(config, placement)
     if name == "mooncake_store":
         from ec_connectors.transports.mooncake_store import MooncakeStoreTransport
 

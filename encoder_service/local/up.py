@@ -234,7 +234,9 @@ class Deployment:
         except ValueError as exc:
             raise UpError(str(exc)) from None
         self.engine_ports = (engine[ports.ENGINE_MIN_ENV], engine[ports.ENGINE_MAX_ENV])
-        return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", **engine}
+        # NIXL's UCX: only loopback's interface (every server of `epd up` runs on this host)
+        ucx = {"UCX_NET_DEVICES": "lo"} if "nixl" in self.cfg.tiers else {}
+        return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", **ucx, **engine}
 
     def trust_lines(self) -> list[str]:
         """What `epd up` says about keys and listeners at start (never a key itself)."""
@@ -255,7 +257,7 @@ class Deployment:
                    "in the config, or $EPD_GATEWAY_API_KEY")
         lines = [servers, clients]
         engines = [name for name, used in (
-            ("Transfer Engine", cfg.uses_te and not EPDConfig.from_dict(
+            ("Transfer Engine", "mooncake" in cfg.tiers and not EPDConfig.from_dict(
                 connector_extra(cfg, "ec_consumer")).te_socket),
             ("Store clients", cfg.uses_store)) if used]
         if engines and self.engine_ports:  # Mooncake cannot be told their address

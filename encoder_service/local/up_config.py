@@ -22,6 +22,8 @@ Transports (`transport`):
   segment to it, decode instances only use it (segment 0), so any instance loads what any
   encoder made; the gateway has no catalog of the store (availability "none": every item goes
   to an encoder, which skips the encode when the store already holds it);
+- `nixl`: the same wiring as `mooncake` (side channels, announcements, the gateway's
+  availability), the bytes moved by NIXL reads (UCX) instead (transports/nixl_pull/);
 - `tiered`: tiers ["mooncake", "mooncake_store", "safetensors"] (loads try them in that
   order, saves write all): the Transfer Engine wiring, the master and the shared directory
   together; the gateway's availability follows the Mooncake announcements.
@@ -228,8 +230,8 @@ class UpConfig(BaseModel):
 
     @property
     def uses_te(self) -> bool:
-        """Whether the Mooncake Transfer Engine tier (side channels per encoder) is used."""
-        return "mooncake" in self.tiers
+        """Whether a peer-pull tier (side channels per encoder) is used: mooncake or nixl."""
+        return bool({"mooncake", "nixl"} & set(self.tiers))
 
     @property
     def uses_store(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import xxhash
@@ -66,10 +67,12 @@ class Puller:
 
     def __init__(self, config: EPDConfig, pool: MemoryPool, session: str, namespace: str,
                  hello: Register | None, context: zmq.Context, curve: CurveKeys | None,
-                 events: TransportEvents, stats: dict[str, int]) -> None:
+                 events: TransportEvents, stats: dict[str, int],
+                 make_link: Callable[[str], PeerLink] | None = None) -> None:
         self.config, self.pool, self.session, self.namespace = config, pool, session, namespace
         self._hello, self._zmq, self._curve = hello, context, curve
         self.events, self.stats = events, stats
+        self._make_link = make_link
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
 
@@ -79,7 +82,9 @@ class Puller:
             if link is not None and link.broken:  # dropped after a failure: rebuild it
                 link.close()
                 link = None
-            if link is None:
+            if link is None and self._make_link is not None:
+                link = self._links[endpoint] = self._make_link(endpoint)
+            elif link is None:
                 link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self._curve,
                                                         hello=self._hello,
                                                         stream=self.config.te_socket)

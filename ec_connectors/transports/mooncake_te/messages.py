@@ -65,11 +65,41 @@ class Register(msgspec.Struct, tag=True):
 
 
 class Pulled(msgspec.Struct, tag=True):
-    """producer -> consumer: the item is in your buffer (or in the next frame, `inline`)."""
+    """producer -> consumer: the item is in your buffer (or in the next frame, `inline`).
+
+    On the NIXL data path (nixl_pull/) the item is not moved yet: it lies pinned at
+    `src_addr` of the producer's registered pool, for the consumer to READ, and `token` is
+    the notification that ends the read (the producer then drops its pin)."""
 
     pull_id: int
     info: ItemInfo
     inline: bool = False
+    src_addr: int = 0
+    token: bytes = b""
+
+
+class NixlHello(msgspec.Struct, tag=True):
+    """consumer -> producer, on every (re)connection of a NIXL side channel: send your agent."""
+
+    agent: str
+
+
+class NixlPeer(msgspec.Struct, tag=True):
+    """A NIXL producer's agent, sent over the authenticated side channel only.
+
+    producer -> consumer, the answer to `NixlHello`: the agent's name and metadata (what
+    `add_remote_agent` loads), its registered pool [`base`, `base` + `length`) of memory
+    type `mem` on device `device`, and `warm`, the notification of a first small read the
+    consumer makes at once (UCX sets up the connection on the first transfer: off the
+    request path)."""
+
+    agent: str
+    metadata: bytes
+    base: int
+    length: int
+    mem: str
+    device: int
+    warm: bytes
 
 
 class PullFailed(msgspec.Struct, tag=True):
@@ -130,7 +160,7 @@ class Snapshot(msgspec.Struct, tag=True):
 
 
 PeerMessage = (Pull | Register | StreamOpen | Pulled | PullFailed | Progress | Announce | Evicted
-               | Snapshot)
+               | Snapshot | NixlHello | NixlPeer)
 
 _peer_decoder = msgspec.msgpack.Decoder(PeerMessage)
 

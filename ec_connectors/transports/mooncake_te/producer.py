@@ -268,24 +268,35 @@ class PullServer:
                 self._reply(peer, PullFailed(pull_id=msg.pull_id, code="too_small", info=info,
                                              error=f"needs {info.nbytes} bytes"))
                 return
-            if self.engine is None or not msg.session:
-                self.stats["unregistered"] += 1
-                self._reply(peer, PullFailed(
-                    pull_id=msg.pull_id, code="unregistered", error=f"{self.endpoint} writes "
-                    f"nothing: {'it' if self.engine is None else 'the consumer'} runs no "
-                    "transfer engine (te_data_path socket); set te_data_path alike everywhere"))
-                return
-            refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
-                                        min(expires, time.monotonic() + _REGISTER_WAIT_S))
-            if refused:
-                self.stats["unregistered"] += 1
-                self._reply(peer, PullFailed(pull_id=msg.pull_id, code="unregistered",
-                                             error=f"{self.endpoint} writes nothing: {refused}"))
-                return
-            if self._write(msg, peer, held, expires):
-                self._reply(peer, Pulled(pull_id=msg.pull_id, info=info))
+            if self._serve_held(msg, peer, held, expires):
+                held = None  # the data path keeps the pin until the consumer is done
         finally:
-            self.store.unpin(held)
+            if held is not None:
+                self.store.unpin(held)
+
+    def _serve_held(self, msg: Pull, peer: bytes, held: PinnedItem, expires: float) -> bool:
+        """Move a pinned item to the puller and answer; True when the pin is kept.
+
+        The engine path: write it into the range the pull's connection proved, then answer
+        `Pulled`; the pin is dropped by the caller. nixl_pull/ serves it its own way."""
+        info = held.info
+        if self.engine is None or not msg.session:
+            self.stats["unregistered"] += 1
+            self._reply(peer, PullFailed(
+                pull_id=msg.pull_id, code="unregistered", error=f"{self.endpoint} writes "
+                f"nothing: {'it' if self.engine is None else 'the consumer'} runs no "
+                "transfer engine (te_data_path socket); set te_data_path alike everywhere"))
+            return False
+        refused = self.ranges.check(peer, msg.session, msg.dst_addr, info.nbytes,
+                                    min(expires, time.monotonic() + _REGISTER_WAIT_S))
+        if refused:
+            self.stats["unregistered"] += 1
+            self._reply(peer, PullFailed(pull_id=msg.pull_id, code="unregistered",
+                                         error=f"{self.endpoint} writes nothing: {refused}"))
+            return False
+        if self._write(msg, peer, held, expires):
+            self._reply(peer, Pulled(pull_id=msg.pull_id, info=info))
+        return False
 
     def _serve_connection(self, conn: socket.socket) -> None:
         """Serve the pulls of one data connection until it ends.

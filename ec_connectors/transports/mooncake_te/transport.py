@@ -41,6 +41,7 @@ import os
 import time
 from collections.abc import Iterable
 
+import msgspec
 import torch
 import zmq
 
@@ -99,8 +100,7 @@ class MooncakeTransport(Transport):
                            "not %s; give every EPD process the same secret to serve other "
                            "hosts", SECRET_ENV, resolve_host(config.host))
         self.namespace = config.scope  # one model (name and fingerprint) per producer process
-        # none on the socket data path: its listeners would bind every interface for nothing
-        self.engine = start_engine(config, self.host) if needs_engine(config) else None
+        self.engine = self._start_engine()
         self._zmq = zmq.Context()  # ours alone, so close() can terminate it
         self.session = f"{self.host}:{self.engine.get_rpc_port()}" if self.engine else ""
         self.pool = MemoryPool(config.memory_pool_bytes, config.memory_pool_device,
@@ -120,17 +120,40 @@ class MooncakeTransport(Transport):
                            "transfer_errors": 0, "expired": 0, "unregistered": 0,
                            "streamed": 0, "stream_errors": 0,
                            "stream_connections": 0}
-        hello = Register(session=self.session, base=self.pool.base_addr,
-                         length=self.pool.capacity, proof_addr=self._own.data_ptr(),
-                         nonce=nonce) if self.engine else None  # no engine: nothing to write
-        self.puller = Puller(config, self.pool, self.session, self.namespace, hello, self._zmq,
-                             self.curve, self.events, self.pull_stats)
+        self.puller = Puller(config, self.pool, self.session, self.namespace,
+                             self._hello(nonce), self._zmq, self.curve, self.events,
+                             self.pull_stats, make_link=self._make_link())
         if placement.is_producer:
             self._start_producer()
 
     @property
     def endpoint(self) -> str:
         return self._endpoint
+
+    # -- the data path's hooks (nixl_pull/ overrides them) -----------------------------------
+    def _start_engine(self):
+        """The transfer engine, or None where items do not move through it.
+
+        None on the socket data path: its listeners would bind every interface for nothing."""
+        return start_engine(self.config, self.host) if needs_engine(self.config) else None
+
+    def _hello(self, nonce: bytes) -> msgspec.Struct | None:
+        """What opens every side-channel connection: the range pulls may be written into."""
+        if self.engine is None:  # no engine: nothing is written into us
+            return None
+        return Register(session=self.session, base=self.pool.base_addr,
+                        length=self.pool.capacity, proof_addr=self._own.data_ptr(),
+                        nonce=nonce)
+
+    def _make_link(self):
+        """How the puller builds its link to one producer (None: the plain PeerLink)."""
+        return None
+
+    def _streams_wanted(self) -> bool:
+        return self.config.te_socket
+
+    def _make_server(self, *args, **kwargs) -> PullServer:
+        return PullServer(*args, **kwargs)
 
     def _register(self, addr: int, size: int, location: str = "") -> None:
         if self.engine is None:
@@ -155,11 +178,12 @@ class MooncakeTransport(Transport):
         ranges = ConsumerRanges(read, memoryview(self._own.numpy()), self._own.data_ptr())
         streams = None
         try:
-            if c.te_socket:  # first: a port taken fails the start before any thread runs
+            if self._streams_wanted():  # first: a port taken fails before any thread runs
                 streams = StreamServer(self.host, ports[2])
-            self.server = PullServer(f"tcp://{self.host}:{ports[0]}", self.endpoint, self.store,
-                                     ranges, self.engine, c, self.namespace, self.pull_stats,
-                                     self._zmq, curve=self.curve, streams=streams)
+            self.server = self._make_server(f"tcp://{self.host}:{ports[0]}", self.endpoint,
+                                            self.store, ranges, self.engine, c,
+                                            self.namespace, self.pull_stats, self._zmq,
+                                            curve=self.curve, streams=streams)
             self.announcer = Announcer(f"tcp://{self.host}:{ports[1]}", self.endpoint,
                                        self.store, c.announce_interval_s, self._zmq,
                                        self.namespace, curve=self.curve)

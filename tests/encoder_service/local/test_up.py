@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from ec_connectors.config import EPDConfig
 from ec_connectors.protocol import ports
 from encoder_service.local import up_config
 from encoder_service.local.up import Deployment
@@ -98,6 +99,23 @@ def test_a_taken_port_fails_fast_with_no_server_started():
     assert r.returncode == 1
     assert f"port {UP + 7}" in r.stdout and "not free" in r.stdout
     assert "starting encoder" not in r.stdout
+
+
+def test_plan_nixl_is_wired_as_mooncake_with_ucx_on_loopback(tmp_path):
+    """`--transport nixl` and a tier list with it: side channels, producers and the gateway's
+    availability as for mooncake; NIXL's UCX kept on loopback."""
+    dep = Deployment(UpConfig(encoders=1, decoders=1, base_port=18630, transport="nixl",
+                              mooncake_base_port=16670), tmp_path)
+    dep.plan(tmp_path / "model")
+    extra = [s.ec_config["ec_connector_extra_config"] for s in dep.servers]
+    assert [e["transport"] for e in extra] == ["nixl"] * 2
+    assert extra[0]["base_port"] == 16670 and extra[1]["producers"] == ["127.0.0.1:16670"]
+    assert all(s.env["UCX_NET_DEVICES"] == "lo" for s in dep.servers)
+    assert dep.gateway_cfg.availability.kind == "mooncake"
+    assert EPDConfig.from_dict({"transport": ["shm", "nixl", "safetensors"]}).tiers == \
+        ["shm", "nixl", "safetensors"]
+    with pytest.raises(ValueError, match="same ports"):
+        EPDConfig.from_dict({"transport": ["mooncake", "nixl"]})
 
 
 def test_plan_mooncake_wires_a_side_channel_per_encoder_and_all_to_every_decoder(tmp_path):

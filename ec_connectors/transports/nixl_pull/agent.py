@@ -1,0 +1,191 @@
+"""One process's NIXL agent: registration, metadata, reads with deadlines, notifications.
+
+A thin, checked wrapper over `nixl._api.nixl_agent` (UCX back end): the agent runs without
+NIXL's progress thread (it busy-polls a core), so progress happens when we poll a transfer's
+state or the notifications, which the callers do with short sleeps while anything is in
+flight. The agent is thread-safe (NIXL's strict sync mode): a worker both serves reads
+(notifications) and makes them (its loader threads). Nothing a peer sends is trusted: its
+metadata must name the agent it claims to be, and every read is checked against the range
+the peer said it registered before NIXL sees it (NIXL checks it again against the metadata).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Callable
+
+from ec_connectors.log import get_logger
+
+logger = get_logger(__name__)
+
+_POLL_S = 0.0002  # between checks of a read in flight
+_NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class NixlUnavailable(RuntimeError):
+    """NIXL cannot be imported or started in this process."""
+
+
+def mem_kind(location: str) -> tuple[str, int]:
+    """NIXL's memory type and device id for a torch location ("cpu", "cpu:0", "cuda:1").
+
+    Host memory is DRAM (device id 0); a GPU's is VRAM on that GPU, so a pool on the GPU is
+    registered as VRAM and read there by a NIXL back end that moves device memory."""
+    kind, _, index = location.partition(":")
+    if kind == "cpu":
+        return "DRAM", 0
+    if kind == "cuda" and (index == "" or index.isdigit()):
+        return "VRAM", int(index or 0)
+    raise ValueError(f"NIXL cannot register memory on {location!r}")
+
+
+def valid_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
+class NixlAgent:
+    """This process's agent (see the module docstring)."""
+
+    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        except ImportError as exc:
+            raise NixlUnavailable(
+                "transport 'nixl' needs NIXL: pip install --no-deps nixl nixl-cu12 (what "
+                f"scripts/setup_env.py does). Import failed: {exc}") from exc
+        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends),
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        try:
+            self._agent = nixl_agent(name, config)
+        except Exception as exc:  # noqa: BLE001 - the bindings raise their own types
+            raise NixlUnavailable(f"cannot start NIXL agent {name} ({backends}): {exc}") from exc
+        if not self._agent.backends:
+            raise NixlUnavailable(f"NIXL has none of the back ends {backends} here")
+        self.name = name
+        self._regs: list[object] = []
+        self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
+        self._lock = threading.Lock()
+
+    def register(self, addr: int, nbytes: int, location: str) -> None:
+        mem, device = mem_kind(location)
+        descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem)
+        try:
+            self._regs.append(self._agent.register_memory(descs))
+        except Exception as exc:  # noqa: BLE001
+            raise NixlUnavailable(f"NIXL register_memory of {nbytes} bytes of {mem} "
+                                  f"failed: {exc}") from exc
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, claimed: str, metadata: bytes) -> str:
+        """Load a peer's metadata; returns its name, or raises ValueError.
+
+        The metadata must name the agent it is sent as; a name already loaded with other
+        metadata is refused (a peer cannot take another producer's name)."""
+        if not valid_name(claimed) or claimed == self.name:
+            raise ValueError(f"bad NIXL agent name {claimed[:64]!r}")
+        with self._lock:
+            known = self._peers.get(claimed)
+            if known is not None:
+                if known != metadata:
+                    raise ValueError(f"NIXL agent {claimed} is known with other metadata")
+                return claimed
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception as exc:  # noqa: BLE001
+                raise ValueError(f"bad NIXL metadata for {claimed}: {exc}") from exc
+            if isinstance(name, bytes):
+                name = name.decode(errors="replace")
+            if name != claimed:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+                raise ValueError(f"NIXL metadata names {name!r}, sent as {claimed!r}")
+            self._peers[claimed] = metadata
+            return claimed
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            if self._peers.pop(name, None) is not None:
+                with contextlib.suppress(Exception):
+                    self._agent.remove_remote_agent(name)
+
+    def read(self, local: tuple[int, int, str], remote: tuple[int, str, int], nbytes: int,
+             peer: str, notif: bytes, deadline: float, chunk: int = 0,
+             on_chunk: Callable[[int], None] | None = None) -> tuple[str, object | None]:
+        """READ `nbytes` from the peer's `remote` (addr, mem, device) into `local`.
+
+        `local` is (addr, nbytes, location). With `chunk`, the bytes come in reads of that
+        size one after another, `on_chunk(end)` called as each lands (the caller verifies
+        them while the next one is copied); the last carries `notif`. Returns ("DONE",
+        None), ("ERR", None), or ("TIMEOUT", handle) when the deadline passed with a read
+        still in flight and NIXL could not cancel it: the local buffer may still be written,
+        so the caller holds it until `settled(handle)`."""
+        step = chunk if 0 < chunk < nbytes else nbytes
+        for start in range(0, nbytes, step):
+            n = min(step, nbytes - start)
+            last = start + n == nbytes
+            state, live = self._read_one((local[0] + start, local[2]),
+                                         (remote[0] + start, remote[1], remote[2]), n, peer,
+                                         notif if last else b"", deadline)
+            if state != "DONE":
+                return state, live
+            if on_chunk is not None:
+                on_chunk(start + n)
+        return "DONE", None
+
+    def _read_one(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
+                  peer: str, notif: bytes, deadline: float) -> tuple[str, object | None]:
+        mem, device = mem_kind(local[1])
+        try:
+            src = self._agent.get_xfer_descs([(local[0], nbytes, device)], mem)
+            dst = self._agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote[1])
+            handle = self._agent.initialize_xfer("READ", src, dst, peer, notif)
+            state = self._agent.transfer(handle, notif)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("EPD nixl: read of %d bytes from %s failed to start: %s", nbytes,
+                           peer, exc)
+            return "ERR", None
+        while state == "PROC":
+            if time.monotonic() >= deadline:
+                return "TIMEOUT", (None if self.release(handle) else handle)
+            time.sleep(_POLL_S)
+            state = self._agent.check_xfer_state(handle)
+        self.release(handle)
+        return ("DONE" if state == "DONE" else "ERR"), None
+
+    def settled(self, handle: object) -> bool:
+        """Whether a read given up on has ended (its handle is then released)."""
+        if self._agent.check_xfer_state(handle) == "PROC":
+            return False
+        return self.release(handle)
+
+    def release(self, handle: object) -> bool:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception:  # noqa: BLE001 - still active and not cancellable
+            return False
+        return True
+
+    def notifications(self) -> list[bytes]:
+        """New notifications from any peer (polling them also makes UCX progress)."""
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("EPD nixl: reading notifications failed: %s", exc)
+            return []
+        return [m for msgs in notifs.values() for m in msgs]
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers), {}
+        for name in peers:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(name)
+        for reg in self._regs:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(reg)
+        self._regs.clear()

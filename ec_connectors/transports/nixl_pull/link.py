@@ -1,0 +1,169 @@
+"""Consumer side of the NIXL transport: a producer's agent, and pulls as NIXL reads.
+
+`NixlPeerLink` is the Mooncake TE consumer's link to one producer (mooncake_te/peer_link.py:
+the authenticated side channel, pulls with deadlines, replies) whose connections open with
+`NixlHello`. The producer's answer (`NixlPeer`: its agent's metadata and registered range)
+is checked and loaded, and a first small read warms the UCX connection, on a thread of its
+own, off the request path. A pull then asks the producer over the side channel where the
+item lies (`Pulled` with `src_addr` and a token), checks that the place lies inside the
+range the producer registered and fits our block, and READs it into our own registered pool
+block with the pull's deadline, the token as the read's notification (the producer drops its
+pin). The Puller above verifies the bytes (checksum) as for every data path. A read still in
+flight at its deadline keeps its block out of the pool until NIXL says it ended.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import zmq
+
+from ec_connectors.log import get_logger
+from ec_connectors.protocol.secret import CurveKeys
+from ec_connectors.transports.memory import PoolBuffer
+from ec_connectors.transports.mooncake_te.messages import (
+    NixlHello,
+    NixlPeer,
+    PeerMessage,
+    Pulled,
+    PullFailed,
+)
+from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, mem_kind
+from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
+
+logger = get_logger(__name__)
+
+_WARM_BYTES = 64
+_WARM_S = 5.0
+
+
+class NixlPeerLink(PeerLink):
+    """A consumer's link to one NIXL producer (see the module docstring).
+
+    `location` is where this consumer's pool lives ("cpu", "cuda:0"); `scratch` a
+    registered (addr, nbytes) of host memory the warming read lands in; `stats` the
+    transport's counters; `chunk` the size of the reads an item is moved in (0: one read),
+    each verified while the next is copied."""
+
+    def __init__(self, endpoint: str, context: zmq.Context, curve: CurveKeys | None,
+                 agent: NixlAgent, location: str, scratch: tuple[int, int],
+                 stats: dict[str, int], chunk: int = 0) -> None:
+        self.agent, self.location, self.scratch, self.stats = agent, location, scratch, stats
+        self.chunk = chunk
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="epd-nixl-verify")
+        self.peer: NixlPeer | None = None
+        self.peer_error = ""
+        self._ready = threading.Event()
+        self._reading: list[tuple[object, PoolBuffer]] = []  # reads given up on, still live
+        super().__init__(endpoint, context, curve, hello=NixlHello(agent=agent.name))
+
+    def _on_message(self, msg: PeerMessage, peer: bytes | None, payload: list[bytes]) -> None:
+        if isinstance(msg, NixlPeer):
+            if self.peer is None:  # a reconnection sends it again: the first one stands
+                threading.Thread(target=self._learn, args=(msg,), daemon=True,
+                                 name="epd-nixl-peer").start()
+            return
+        super()._on_message(msg, peer, payload)
+
+    def _learn(self, msg: NixlPeer) -> None:
+        """Check and load a producer's agent, then warm the connection with a small read."""
+        try:
+            if msg.base <= 0 or msg.length <= 0 or msg.mem not in ("DRAM", "VRAM") \
+                    or msg.device < 0 or len(msg.warm) != TOKEN_BYTES:
+                raise ValueError("a malformed registered range")
+            self.agent.add_peer(msg.agent, msg.metadata)
+            self.peer = msg
+            n = min(_WARM_BYTES, msg.length, self.scratch[1])
+            state, _ = self.agent.read((self.scratch[0], n, "cpu"),
+                                       (msg.base, msg.mem, msg.device), n, msg.agent,
+                                       msg.warm, time.monotonic() + _WARM_S)
+            if state != "DONE":
+                logger.warning("EPD nixl: the first read from %s (%s) came to %s",
+                               self.endpoint, msg.agent, state)
+        except ValueError as exc:
+            self.peer_error = str(exc)
+            logger.warning("EPD nixl: refused the agent of producer %s: %s", self.endpoint, exc)
+        finally:
+            self._ready.set()
+
+    def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
+             on_progress: Callable[[int], None] | None = None, namespace: str = ""
+             ) -> PendingPull:
+        """Ask where the item lies, then READ it into `buf` by the deadline."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        if buf is not None and (not self._ready.wait(timeout_s) or self.peer is None):
+            return PendingPull(buf, finished=True, reply=PullFailed(  # a miss now, not retried
+                pull_id=0, code="unregistered", error=f"no NIXL agent from {self.endpoint}: "
+                f"{self.peer_error or 'none in time'}"))
+        p = super().pull(key, "", buf, max(0.0, deadline - time.monotonic()), None, namespace)
+        # (chunks are verified as they land, on a thread of this link: one copies, one hashes)
+        reply = p.reply
+        if buf is None or p.buf is None or not isinstance(reply, Pulled) or reply.inline:
+            return p
+        peer, n = self.peer, reply.info.nbytes
+        if not (0 < n <= buf.nbytes and peer.base <= reply.src_addr
+                and reply.src_addr + n <= peer.base + peer.length):
+            p.reply = PullFailed(pull_id=reply.pull_id, code="corrupt",
+                                 error=f"{self.endpoint} placed {n} bytes at "
+                                       f"{reply.src_addr:#x}, outside its registered range")
+            return p
+        hashed: list[Future] = []
+        hash_chunk = None if on_progress is None else \
+            (lambda end: hashed.append(self._hasher.submit(on_progress, end)))
+        state, live = self.agent.read((buf.addr, n, self.location),
+                                      (reply.src_addr, peer.mem, peer.device), n, peer.agent,
+                                      reply.token, deadline, self.chunk, hash_chunk)
+        for done in hashed:  # the verifier is the caller's again once this returns
+            done.result()
+        self.stats["nixl_reads"] += 1
+        if state == "DONE":
+            return p
+        p.reply = None
+        if state == "TIMEOUT":
+            self.stats["nixl_read_timeouts"] += 1
+            p.error = f"NIXL read from {self.endpoint} took longer than {timeout_s:.2f} s"
+            if live is not None:  # still writing into buf: hold it until it ends
+                with self._lock:
+                    self._reading.append((live, buf))
+                p.buf = None
+        else:
+            self.stats["nixl_read_errors"] += 1
+            p.reply = PullFailed(pull_id=reply.pull_id, code="transfer",
+                                 error=f"NIXL read from {self.endpoint} failed")
+        return p
+
+    def reap(self, ttl_s: float) -> None:
+        super().reap(ttl_s)
+        with self._lock:
+            live, self._reading = self._reading, []
+        for handle, buf in live:
+            if self.agent.settled(handle):
+                buf.release()
+            else:
+                with self._lock:
+                    self._reading.append((handle, buf))
+
+    @property
+    def quarantined(self) -> int:
+        return super().quarantined + len(self._reading)
+
+    def close(self) -> None:
+        super().close()
+        self._hasher.shutdown(wait=False)
+        if self.peer is not None:  # a restarted producer comes back as another agent
+            self.agent.forget(self.peer.agent)
+
+
+def pool_location(device: str) -> str:
+    """The torch location of a consumer pool on `device` ("cpu" or "cuda"), for mem_kind."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    location = f"cuda:{torch.cuda.current_device()}"
+    mem_kind(location)
+    return location

@@ -1,0 +1,129 @@
+"""Producer side of the NIXL transport: the agent handshake, and pins held for reads.
+
+`NixlPullServer` is the Mooncake TE side channel (mooncake_te/producer.py: CURVE with the
+deployment secret, queued pulls, expiry, namespaces, inline small items) with another data
+path: a consumer's `NixlHello` is answered with this producer's agent metadata
+(`NixlPeer`), and a pull of a large item is answered at once with where it lies in the
+registered pool and a one-time token; the item stays pinned (never evicted or reused)
+until the consumer's READ ends with that token as its NIXL notification, or until the
+pull's deadline. Nothing is written into a consumer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from ec_connectors.log import get_logger
+from ec_connectors.transports.mooncake_te.messages import (
+    NixlHello,
+    NixlPeer,
+    PeerMessage,
+    Pull,
+    Pulled,
+)
+from ec_connectors.transports.mooncake_te.producer import PullServer
+from ec_connectors.transports.mooncake_te.producer_store import PinnedItem, ProducerStore
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, mem_kind
+
+logger = get_logger(__name__)
+
+_POLL_S = 0.0005  # between polls of notifications while reads are in flight
+_WARM_S = 10.0  # a consumer's first (warming) read is awaited this long
+TOKEN_BYTES = 16
+
+
+class ReadPins:
+    """Items pinned for consumers' reads, each dropped on its token's notification or deadline.
+
+    Its thread polls the agent's notifications (which also makes UCX progress) only while
+    pins are held; idle, it waits on a condition."""
+
+    def __init__(self, agent: NixlAgent, store: ProducerStore | None) -> None:
+        self._agent, self._store = agent, store
+        self._pins: dict[bytes, tuple[PinnedItem | None, float]] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+        self.done = self.expired = 0
+        self._thread = threading.Thread(target=self._run, name="epd-nixl-pins", daemon=True)
+        self._thread.start()
+
+    def hold(self, held: PinnedItem | None, until: float) -> bytes:
+        """Keep `held` pinned until its read's notification or `until`; returns the token."""
+        token = os.urandom(TOKEN_BYTES)
+        with self._cond:
+            self._pins[token] = (held, until)
+            self._cond.notify_all()
+        return token
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pins or self._stop)
+                if self._stop:
+                    return
+            ended = [(m, False) for m in self._agent.notifications()]
+            now = time.monotonic()
+            with self._cond:
+                ended += [(t, True) for t, (_, until) in self._pins.items() if until < now]
+                dropped = [(self._pins.pop(t, (None, 0.0))[0], late) for t, late in ended
+                           if t in self._pins]
+            for held, late in dropped:
+                if late:
+                    self.expired += 1
+                else:
+                    self.done += 1
+                if held is not None and self._store is not None:
+                    self._store.unpin(held)
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            pins, self._pins = list(self._pins.values()), {}
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+        for held, _ in pins:
+            if held is not None and self._store is not None:
+                self._store.unpin(held)
+
+
+class NixlPullServer(PullServer):
+    """The side channel with the NIXL data path (see the module docstring)."""
+
+    def __init__(self, address: str, endpoint: str, store: ProducerStore, *args,
+                 agent: NixlAgent, pool_location: str, **kwargs) -> None:
+        self.agent = agent
+        self.pins = ReadPins(agent, store)
+        self._mem, self._device = mem_kind(pool_location)
+        self._metadata = agent.metadata()
+        super().__init__(address, endpoint, store, *args, **kwargs)
+
+    def _on_message(self, msg: PeerMessage, peer: bytes | None, payload: list[bytes]) -> None:
+        if isinstance(msg, NixlHello):
+            if peer is not None:
+                pool = self.store.pool
+                warm = self.pins.hold(None, time.monotonic() + _WARM_S)
+                self._reply(peer, NixlPeer(agent=self.agent.name, metadata=self._metadata,
+                                           base=pool.base_addr, length=pool.capacity,
+                                           mem=self._mem, device=self._device, warm=warm))
+            return
+        super()._on_message(msg, peer, payload)
+
+    def _serve_held(self, msg: Pull, peer: bytes, held: PinnedItem, expires: float) -> bool:
+        """Answer where the item lies; it stays pinned for the consumer's READ."""
+        cap = time.monotonic() + self.config.transfer_timeout_base_s + \
+            held.info.nbytes / self.config.min_transfer_bytes_per_s
+        token = self.pins.hold(held, min(expires, cap))
+        self.stats["nixl_served"] = self.stats.get("nixl_served", 0) + 1
+        self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info, src_addr=held.buf.addr,
+                                 token=token))
+        return True
+
+    def close(self) -> None:
+        super().close()
+        self.pins.close()

@@ -1,0 +1,74 @@
+"""NIXL transport: consumers READ items out of producers' NIXL-registered pools.
+
+The Mooncake TE transport's machinery (mooncake_te/: the producer's pool and pins under the
+lease book, announcements, the scheduler's catalog, the CURVE-authenticated side channel,
+the consumer's pulls with deadlines and retries, checksum verification) with NIXL as the
+data path: every worker runs one NIXL agent (UCX; no progress thread) with its pool (and a
+small scratch page) registered once, as DRAM or, for a pool on a GPU, VRAM. A consumer
+learns a producer's agent over the side channel (link.py), a pull's reply says where the
+item lies, and the consumer READs it into its own pool block (server.py has the producer's
+end). Reads, not producer writes: nothing is ever written into a consumer's memory from
+outside, so there is no range to prove (the engine path's `Register`) and nothing to
+quarantine after a frozen producer; docs/transports.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.transports.base import Placement
+from ec_connectors.transports.mooncake_te.messages import NixlHello
+from ec_connectors.transports.mooncake_te.producer import PullServer
+from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
+from ec_connectors.transports.nixl_pull.agent import NixlAgent
+from ec_connectors.transports.nixl_pull.link import NixlPeerLink, pool_location
+from ec_connectors.transports.nixl_pull.server import NixlPullServer
+
+
+class NixlTransport(MooncakeTransport):
+    """Worker-role NIXL transport (see the module docstring). One per worker process."""
+
+    name = "nixl"
+
+    def __init__(self, config: EPDConfig, placement: Placement) -> None:
+        self.location = pool_location(config.memory_pool_device)
+        self.agent = NixlAgent(f"epd-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            super().__init__(config, placement)
+        except BaseException:
+            self.agent.close()
+            raise
+        for key in ("nixl_reads", "nixl_read_errors", "nixl_read_timeouts", "nixl_served"):
+            self.pull_stats.setdefault(key, 0)
+
+    def _start_engine(self):
+        return None
+
+    def _register(self, addr: int, size: int, location: str = "") -> None:
+        self.agent.register(addr, size, location or self.location)
+
+    def _hello(self, nonce: bytes) -> NixlHello:
+        return NixlHello(agent=self.agent.name)
+
+    def _make_link(self):
+        scratch = (self._own.data_ptr(), self._own.numel())
+
+        def make(endpoint: str) -> NixlPeerLink:
+            return NixlPeerLink(endpoint, self._zmq, self.curve, self.agent, self.location,
+                                scratch, self.pull_stats, self.config.transfer_chunk_bytes)
+        return make
+
+    def _streams_wanted(self) -> bool:
+        return False
+
+    def _make_server(self, *args, **kwargs) -> PullServer:
+        return NixlPullServer(*args, agent=self.agent, pool_location=self.location, **kwargs)
+
+    def health(self) -> dict[str, object]:
+        pins = len(self.server.pins) if isinstance(self.server, NixlPullServer) else 0
+        return {**super().health(), "agent": self.agent.name, "read_pins": pins}
+
+    def close(self) -> None:
+        super().close()
+        self.agent.close()

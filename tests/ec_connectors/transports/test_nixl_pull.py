@@ -1,0 +1,209 @@
+"""The NIXL transport (ec_connectors/transports/nixl_pull/): consumers READ items out of
+producers' registered pools with real NIXL agents (UCX) in two processes, over loopback; a
+producer that dies mid-transfer is a miss, a damaged or misplaced item is never handed over;
+and the pieces a GPU host needs (VRAM registration) checked without one."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from ec_connectors.config import EPDConfig
+from ec_connectors.transports import Placement, make_transport
+from tests.ec_connectors.transports import forked_peers
+from tests.ec_connectors.transports.mooncake_te_helpers import (
+    CONSUMER,
+    PRODUCER,
+    MiB,
+    base_ports,
+    health,
+)
+from tests.helpers import expected, wait_for
+
+pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
+                                        "nixl nixl-cu12 (scripts/setup_env.py does)")
+from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
+from ec_connectors.transports.nixl_pull.server import ReadPins  # noqa: E402
+
+peers = forked_peers.fixture()
+_ports = base_ports(__name__)
+
+
+def nx_config(base_port: int, **extra) -> dict:
+    return {"transport": "nixl", "host": "127.0.0.1", "base_port": base_port,
+            "memory_pool_bytes": 160 * MiB, **extra}
+
+
+def test_items_move_by_nixl_reads_and_pins_end_with_the_notification(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **nx_config(base))
+    cons = peers.start(CONSUMER, **nx_config(base))
+    endpoint = prod.info["endpoint"]
+    big = [2048, 2048]  # 8 MiB: a NIXL read; the small one rides inline in the reply
+    prod.call({"op": "put", "id": "big", "seed": 3, "shape": big, "dtype": "bfloat16"})
+    prod.call({"op": "put", "id": "small", "seed": 4, "shape": [64, 64], "dtype": "bfloat16"})
+    for _ in range(2):
+        got = cons.call({"op": "get", "id": "big", "timeout_s": 10, "location": endpoint})
+        assert got["found"] and got["checksum"] == expected(3, big)
+    small = cons.call({"op": "get", "id": "small", "timeout_s": 5, "location": endpoint})
+    assert small["found"] and small["checksum"] == expected(4, [64, 64])
+    h = health(cons)
+    assert (h["nixl_reads"], h["inline"], h["nixl_read_errors"]) == (2, 1, 0)
+    assert h["transport"] == "nixl" and h["pool_used_bytes"] == 0
+    # the reads' notifications (and the warming read's) dropped every pin at once
+    assert wait_for(lambda: health(prod)["read_pins"] == 0, timeout=2), health(prod)
+    miss = cons.call({"op": "get", "id": "never", "timeout_s": 5, "location": endpoint})
+    assert not miss["found"]
+
+
+def test_a_producer_killed_mid_transfer_is_a_miss(peers):
+    base = next(_ports)
+    prod = peers.start(PRODUCER, **nx_config(base))
+    cons = peers.start(CONSUMER, **nx_config(base))
+    endpoint = prod.info["endpoint"]
+    shape = [4096, 4096]  # 32 MiB
+    prod.call({"op": "put", "id": "k", "seed": 9, "shape": shape, "dtype": "bfloat16"})
+    t0 = time.monotonic()
+    cons.send({"op": "get", "id": "k", "timeout_s": 4.0, "location": endpoint,
+               "nbytes": 4096 * 4096 * 2})
+    threading.Timer(0.01, os.killpg, (prod.proc.pid, signal.SIGKILL)).start()
+    got = cons.result(30)
+    assert time.monotonic() - t0 < 4.5
+    if got["found"]:  # the read won the race: then it must be the right bytes
+        assert got["checksum"] == expected(9, shape)
+    again = cons.call({"op": "get", "id": "k", "timeout_s": 2.0, "location": endpoint})
+    assert not again["found"]
+    assert wait_for(lambda: health(cons)["pool_used_bytes"] == 0, timeout=5), health(cons)
+
+
+def in_child(fn: str, *args) -> None:
+    """Run `fn` of this module in a spawned process, its failure raised here.
+
+    A process that made a NIXL agent segfaults at exit (NIXL 1.5.1's teardown, any agent): the
+    test process must not make one. The child leaves with os._exit once it reported."""
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child, args=(fn, args, q))
+    child.start()
+    try:
+        outcome = q.get(timeout=60)
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert outcome == "ok", outcome
+
+
+def _child(fn: str, args: tuple, q) -> None:
+    try:
+        globals()[fn](*args)
+        q.put("ok")
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        q.put(traceback.format_exc())
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def test_damaged_or_misplaced_items_are_misses():
+    """In one process: a byte changed in the producer's pool fails the checksum, and a reply
+    that places the item outside the producer's registered range is refused unread."""
+    in_child("_damaged_or_misplaced", next(_ports))
+
+
+def _damaged_or_misplaced(base: int) -> None:
+    cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=32 * MiB))
+    prod = make_transport(cfg, Placement(is_producer=True, is_consumer=False))
+    cons = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
+    try:
+        item = torch.arange(1 << 20, dtype=torch.int32)
+        info = prod.put("x", item)
+        got = cons.get("x", time.monotonic() + 10, location=prod.endpoint)
+        assert got is not None and torch.equal(got, item)
+        held = prod.store.get(info.key)
+        held.buf.as_tensor(torch.uint8, (info.nbytes,))[100] ^= 0xFF
+        assert cons.get("x", time.monotonic() + 5, location=prod.endpoint) is None
+        assert cons.events.corrupt == 1
+        held.buf.as_tensor(torch.uint8, (info.nbytes,))[100] ^= 0xFF
+        link = cons.puller._link(prod.endpoint)
+        link.peer = type(link.peer)(**{**{f: getattr(link.peer, f) for f in
+                                          link.peer.__struct_fields__},
+                                       "length": 4096})  # as if it registered less
+        assert cons.get("x", time.monotonic() + 5, location=prod.endpoint) is None
+        assert cons.health()["transfer_errors"] >= 1 and cons.health()["nixl_reads"] == 2
+    finally:
+        cons.close()
+        prod.close()
+
+
+class _FakeAgent:
+    def __init__(self) -> None:
+        self.notes: list[bytes] = []
+        self.calls: list[tuple] = []
+        self._agent = self
+
+    def notifications(self) -> list[bytes]:
+        notes, self.notes = self.notes, []
+        return notes
+
+    def get_reg_descs(self, descs, mem):
+        self.calls.append((descs, mem))
+        return (descs, mem)
+
+    def register_memory(self, descs):
+        return descs
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.unpinned: list[object] = []
+
+    def unpin(self, held) -> None:
+        self.unpinned.append(held)
+
+
+def test_read_pins_end_on_their_notification_or_their_deadline():
+    agent, store = _FakeAgent(), _Store()
+    pins = ReadPins(agent, store)
+    try:
+        token = pins.hold("a", time.monotonic() + 30)
+        pins.hold("b", time.monotonic() + 0.05)
+        agent.notes = [b"not a token", token]
+        assert wait_for(lambda: len(pins) == 0, timeout=2)
+        assert sorted(store.unpinned) == ["a", "b"] and (pins.done, pins.expired) == (1, 1)
+    finally:
+        pins.close()
+
+
+def test_gpu_pools_register_as_vram_and_peer_names_are_checked():
+    assert nixl_agent.mem_kind("cpu") == ("DRAM", 0)
+    assert nixl_agent.mem_kind("cuda:1") == ("VRAM", 1)
+    with pytest.raises(ValueError):
+        nixl_agent.mem_kind("mps")
+    fake = nixl_agent.NixlAgent.__new__(nixl_agent.NixlAgent)
+    fake._agent, fake._regs = _FakeAgent(), []
+    fake.register(0x1000, 4096, "cuda:1")
+    assert fake._agent.calls == [([(0x1000, 4096, 1, "")], "VRAM")]
+    in_child("_peer_names_checked")
+
+
+def _peer_names_checked() -> None:
+    one = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-a")
+    two = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-b")
+    try:
+        with pytest.raises(ValueError, match="names"):
+            one.add_peer("someone-else", two.metadata())
+        with pytest.raises(ValueError, match="bad NIXL agent name"):
+            one.add_peer("../x y", two.metadata())
+        assert one.add_peer(two.name, two.metadata()) == two.name
+    finally:
+        one.close()
+        two.close()
