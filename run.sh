@@ -29,7 +29,7 @@ case "${1:-}" in
     "${PYTEST[@]}" "${FAST[@]}"
     wait $warm || echo "prewarm left a cache cold (.work/prewarm.log); the e2e lane warms it"
     trap - EXIT
-    exec "${PYTEST[@]}" -m e2e ;;
+    exec "${PYTEST[@]}" -m e2e --durations=12 ;;
   fast) shift; .venv/bin/ruff check .; exec "${PYTEST[@]}" "${FAST[@]}" "$@" ;;
   test-deploy)
     shift
