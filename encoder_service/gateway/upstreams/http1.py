@@ -197,10 +197,6 @@ class Response:
         parts = [chunk async for chunk in self.chunks(deadline)]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    @property
-    def complete(self) -> bool:
-        return self._conn.done and not self._conn.body
-
     def release(self) -> None:
         """Back to the pool when read to the end (and kept alive), else closed; idempotent."""
         if self._released:
