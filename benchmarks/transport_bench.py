@@ -3,14 +3,15 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python benchmarks/transport_bench.py [--sizes-mb 30 125] [--reps 7]
-        [--paths shm shm_seal shm_blake3 mooncake_te mooncake_te_engine mooncake_store safetensors
-                 nixl nixl_tcp]
+        [--paths shm shm_seal shm_nohash shm_blake3 mooncake_te mooncake_te_engine
+                 mooncake_store safetensors nixl nixl_tcp]
         [--secret] [--netns]
         [--json FILE]
 
 Each path runs a producer and a consumer `peer_process` (ec_connectors/testing), built with
 `make_transport` as a vLLM worker would be (`shm_seal`: shm whose reader checks the
-producer's seal instead of hashing the bytes again, shm_read_verify "seal"; `shm_blake3`:
+producer's seal instead of hashing the bytes again, shm_read_verify "seal"; `shm_nohash`:
+shm_verify "none", no byte hashed by either side, the seal and header checked; `shm_blake3`:
 shm verified with blake3 instead of xxh3; `mooncake_te`: the Transfer Engine transport over
 TCP with its default data path, a socket stream; `mooncake_te_engine`: the same with
 `te_data_path` engine, the engine's writes; `nixl`: the NIXL transport, UCX picking its
@@ -22,7 +23,11 @@ with UCX_TLS=tcp, UCX's TCP over loopback;
 measured across the same pair; only the peer paths, mooncake_te and nixl[_tcp]).
 One rep: the producer `put`s a bf16 [rows, 4096] item, then the consumer `get`s it (every
 byte verified, the transport's own way); `ms` is put + get as each process timed it
-(median; the first rep of each size is a warm-up). memcpy and raw TCP are measured again
+(median; the first rep of each size is a warm-up). `memcpy@put`: before each put the
+producer makes the same tensor the same way and copies it into warm memory, timed (the copy
+a put makes, in the state a put finds the process in: the item just written on one core,
+the other idle; on this VM that copy takes about twice the tight-loop memcpy's time, and a
+put can do no better); `x m@put` is put + get over it. memcpy and raw TCP are measured again
 right before each path, and each path's ratios are to those (a busy machine's load drifts
 over a run: ratios to figures taken minutes earlier would drift with it).
 Budgets: shm and Mooncake TE evict older items (short leases: the steady state of a busy
@@ -30,7 +35,8 @@ producer); the store and safetensors keep every rep's item (the store refuses pu
 full segment, safetensors' eviction scans and frees files inside put).
 
 JSON (`--json`): {"<MiB>": {"memcpy_ms": m, "raw_tcp_ms": t, "paths": {"<name>": {"ms": x,
-"x_memcpy": x/m, "x_raw_tcp": x/t, "put_ms": .., "get_ms": .., "memcpy_ms": m',
+"x_memcpy": x/m, "x_raw_tcp": x/t, "put_ms": .., "get_ms": .., "memcpy_at_put_ms": c,
+"x_memcpy_at_put": x/c, "memcpy_ms": m',
 "raw_tcp_ms": t'}}}}: m and t are medians over the whole run, m' and t' the ones measured
 beside the path (its ratios use those); a path that cannot run here has {"error": why}.
 """
@@ -59,8 +65,8 @@ from epd_common.net import port_open
 
 HIDDEN = 4096
 MiB = 1 << 20
-PATHS = ("shm", "shm_seal", "shm_blake3", "mooncake_te", "mooncake_te_engine", "mooncake_store",
-         "safetensors", "nixl", "nixl_tcp")
+PATHS = ("shm", "shm_seal", "shm_nohash", "shm_blake3", "mooncake_te", "mooncake_te_engine",
+         "mooncake_store", "safetensors", "nixl", "nixl_tcp")
 PRODUCER = {"is_producer": True, "is_consumer": False}
 CONSUMER = {"is_producer": False, "is_consumer": True}
 LOOPBACK = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
@@ -113,11 +119,12 @@ class Path_:
         self.netns = netns
         self.env = dict(LOOPBACK)  # the peers' environment
         self.dirs: list[str] = []
-        if name in ("shm", "shm_seal", "shm_blake3"):
+        if name in ("shm", "shm_seal", "shm_nohash", "shm_blake3"):
             root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
             self.dirs.append(root)
             base = {"transport": "shm", "shm_path": root, "shm_lease_ttl_s": 0.05,
-                    "shm_verify": "blake3" if name == "shm_blake3" else "xxh3",
+                    "shm_verify": {"shm_blake3": "blake3", "shm_nohash": "none"}.get(
+                        name, "xxh3"),
                     "shm_read_verify": "seal" if name == "shm_seal" else "bytes",
                     "shm_arena_bytes": 3 * max_bytes + 16 * MiB,
                     "shm_consumer_pool_bytes": 2 * max_bytes + 16 * MiB}
@@ -193,9 +200,11 @@ def run_path(name: str, sizes: list[int], reps: int, work: Path,
         for n in sizes:
             shape = [n // (HIDDEN * 2), HIDDEN]
             want = checksum(tensor_bytes(seeded_tensor(n, shape, "bfloat16")))
-            puts, gets = [], []
+            puts, gets, copies = [], [], []
             for rep in range(reps + 1):
                 item_id = f"{name}-{n}-{rep}"
+                copied = prod.call({"op": "memcpy", "seed": n, "shape": shape,
+                                    "dtype": "bfloat16"}, 120)
                 stored = prod.call({"op": "put", "id": item_id, "seed": n, "shape": shape,
                                     "dtype": "bfloat16"}, 120)
                 got = cons.call({"op": "get", "id": item_id, "timeout_s": 30,
@@ -207,9 +216,11 @@ def run_path(name: str, sizes: list[int], reps: int, work: Path,
                 if rep:  # the first is a warm-up (mappings, pools, connections)
                     puts.append(stored["put_s"] * 1e3)
                     gets.append(got["get_s"] * 1e3)
+                    copies.append(copied["memcpy_s"] * 1e3)
             put_ms, get_ms = statistics.median(puts), statistics.median(gets)
             totals = [p + g for p, g in zip(puts, gets, strict=True)]
-            out[n] = {"ms": statistics.median(totals), "put_ms": put_ms, "get_ms": get_ms}
+            out[n] = {"ms": statistics.median(totals), "put_ms": put_ms, "get_ms": get_ms,
+                      "memcpy_at_put_ms": statistics.median(copies)}
         return out
     finally:
         for peer in peers:
@@ -276,6 +287,8 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
             t, lim = timings[n], beside[label(mb)]
             result[label(mb)]["paths"][name] = {
                 "ms": t["ms"], "x_memcpy": t["ms"] / lim["memcpy_ms"],
+                "memcpy_at_put_ms": t["memcpy_at_put_ms"],
+                "x_memcpy_at_put": t["ms"] / t["memcpy_at_put_ms"],
                 "x_raw_tcp": t["ms"] / lim["raw_tcp_ms"], "put_ms": t["put_ms"],
                 "get_ms": t["get_ms"], **lim}
     for mb, row in result.items():
@@ -286,7 +299,8 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
           f"of {args.reps}; {'with' if secret else 'no'} deployment secret; load "
           f"{os.getloadavg()[0]:.2f}")
     print(f"{'MiB':>5} {'path':<18} {'ms':>8} {'x memcpy':>9} {'x raw TCP':>10} "
-          f"{'put ms':>8} {'get ms':>8} {'(memcpy':>8} {'raw TCP)':>8}")
+          f"{'put ms':>8} {'get ms':>8} {'(memcpy':>8} {'raw TCP)':>8} "
+          f"{'memcpy@put':>10} {'x m@put':>8}")
     for mb, row in result.items():
         print(f"{mb:>5} {'memcpy':<18} {row['memcpy_ms']:>8.1f}  (median of the run)")
         print(f"{mb:>5} {'raw TCP':<18} {row['raw_tcp_ms']:>8.1f}  (median of the run)")
@@ -299,7 +313,8 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
                 continue
             print(f"{mb:>5} {name:<18} {p['ms']:>8.1f} {p['x_memcpy']:>9.2f} "
                   f"{p['x_raw_tcp']:>10.2f} {p['put_ms']:>8.1f} {p['get_ms']:>8.1f} "
-                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f}"
+                  f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f} "
+                  f"{p['memcpy_at_put_ms']:>10.1f} {p['x_memcpy_at_put']:>8.2f}"
                   + (f"  NIXL's own READ {p['nixl_read_ms']:.1f}" if "nixl_read_ms" in p
                      else ""))
     if args.json:

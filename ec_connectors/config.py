@@ -245,8 +245,9 @@ class ShmSettings(_Settings):
     # on every item); an item that does not fit gets a fresh allocation.
     shm_consumer_pool_bytes: int = Field(default=512 * MiB, ge=0)
     # Keyed under the deployment secret when there is one: xxh3 (fast checksum) or blake3
-    # (a MAC).
-    shm_verify: Literal["xxh3", "blake3"] = "xxh3"
+    # (a MAC); "none": no byte is hashed, readers check the record's keyed seal and the
+    # block's header only (every reader of the deployment must say "none" too).
+    shm_verify: Literal["xxh3", "blake3", "none"] = "xxh3"
     # Consumer workers use a large item in the producer's block, without a copy (pinned
     # until vLLM drops the tensor; at most half an arena pinned per consumer, the rest is
     # copied into the pool). "bytes": the reader hashes every byte once, when it maps the

@@ -9,6 +9,8 @@
         (+ "to_device": "cuda": then copied to the GPU, timed apart as to_device_s)
     {"op": "get_many", "ids": ["img-1", "img-2"], "timeout_s": 5}
     {"op": "get_small", "id": "img-1", "max_bytes": 262144}   (a consumer scheduler's read)
+    {"op": "memcpy", "seed": 1, "shape": [4096, 4096], "dtype": "bfloat16"}   (the put's
+        tensor, made the same way, copied into warm memory: a put's yardstick)
     {"op": "probe", "id": "img-1"}          (scheduler-style lookup, polled until it answers)
     {"op": "tamper", "id": "img-1"}         (mooncake_store: flip one stored payload byte)
     {"op": "save_failed", "id": "img-1"}    (announce a failed save, as the worker does)
@@ -100,6 +102,15 @@ def handle(state: dict[str, Any], cmd: dict[str, Any]) -> dict[str, Any]:
         state["transport"] = transport
         return {"endpoint": transport.endpoint,
                 "session": getattr(transport, "session", "")}
+    if op == "memcpy":  # a put's yardstick: the same fresh tensor, copied into warm memory
+        tensor = seeded_tensor(cmd["seed"], cmd["shape"], cmd["dtype"]).reshape(-1)
+        raw = tensor.view(torch.uint8)
+        dst = state.setdefault("memcpy_dst", {}).get(raw.numel())
+        if dst is None:
+            dst = state["memcpy_dst"][raw.numel()] = torch.ones_like(raw)
+        t0 = time.perf_counter()
+        dst.copy_(raw)
+        return {"memcpy_s": time.perf_counter() - t0}
     if transport is None:
         raise RuntimeError("send init first")
     if op == "put":

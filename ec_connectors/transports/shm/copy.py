@@ -27,7 +27,7 @@ from concurrent.futures import Executor
 import blake3
 import xxhash
 
-ALGOS = ("xxh3", "blake3")
+ALGOS = ("xxh3", "blake3", "none")
 
 
 def derive_key(secret: bytes | None) -> bytes | None:
@@ -42,7 +42,10 @@ def derive_key(secret: bytes | None) -> bytes | None:
 
 
 class Digest:
-    """Chunk digests and their combination for one algorithm and key."""
+    """Chunk digests and their combination for one algorithm and key.
+
+    "none" hashes no bytes (`chunk` is None): its digests bind an item's identity and
+    block only, MACed with keyed blake3 under a secret (a few dozen bytes, not the item)."""
 
     def __init__(self, algo: str, key: bytes | None) -> None:
         if algo not in ALGOS:
@@ -50,17 +53,24 @@ class Digest:
         self.algo = algo
         self.keyed = key is not None
         self._final: Callable[[bytes], str]
+        self.chunk: Callable[[memoryview], bytes] | None
         if algo == "xxh3":
             seed = int.from_bytes(key[:8], "little") if key else 0
-            self.chunk: Callable[[memoryview], bytes] = (
-                lambda view: xxhash.xxh3_64_digest(view, seed=seed))
+            self.chunk = lambda view: xxhash.xxh3_64_digest(view, seed=seed)
             self._final = lambda data: xxhash.xxh3_128_hexdigest(data, seed=seed)
-        elif key is not None:
-            self.chunk = lambda view: blake3.blake3(view, key=key).digest()
-            self._final = lambda data: blake3.blake3(data, key=key).hexdigest()
         else:
-            self.chunk = lambda view: blake3.blake3(view).digest()
-            self._final = lambda data: blake3.blake3(data).hexdigest()
+            self.chunk = None
+            if algo == "blake3":
+                self.chunk = ((lambda view: blake3.blake3(view, key=key).digest())
+                              if key is not None else
+                              (lambda view: blake3.blake3(view).digest()))
+            self._final = ((lambda data: blake3.blake3(data, key=key).hexdigest())
+                           if key is not None else
+                           (lambda data: blake3.blake3(data).hexdigest()))
+
+    @property
+    def hashes_bytes(self) -> bool:
+        return self.chunk is not None
 
     def final(self, identity: str, chunk: int, parts: list[bytes]) -> str:
         return self._final(b"%s\0%d\0%s" % (identity.encode(), chunk, b"".join(parts)))
@@ -78,9 +88,11 @@ def copy_and_hash(dst_addr: int, dst: memoryview, src_addr: int | None, nbytes: 
     Copy `nbytes` from `src_addr` to `dst_addr` (`dst`: a byte view of the destination)
     and return the digests of its chunks, hashed from the destination. `src_addr` None:
     hash `dst` only (the bytes are already there). Contiguous runs of chunks go to
-    `threads` threads (this one and `pool`'s)."""
+    `threads` threads (this one and `pool`'s). A digest that hashes no bytes ("none"):
+    the copy alone, and no chunk digests."""
     count = -(-nbytes // chunk)
-    parts: list[bytes] = [b""] * count
+    hash_chunk = digest.chunk
+    parts: list[bytes] = [b""] * count if hash_chunk is not None else []
 
     def run(lo: int, hi: int) -> None:
         for i in range(lo, hi):
@@ -88,7 +100,8 @@ def copy_and_hash(dst_addr: int, dst: memoryview, src_addr: int | None, nbytes: 
             n = min(chunk, nbytes - off)
             if src_addr is not None:
                 ctypes.memmove(dst_addr + off, src_addr + off, n)
-            parts[i] = digest.chunk(dst[off:off + n])
+            if hash_chunk is not None:
+                parts[i] = hash_chunk(dst[off:off + n])
 
     t = max(1, min(threads, count)) if pool is not None else 1
     bounds = [count * j // t for j in range(t + 1)]

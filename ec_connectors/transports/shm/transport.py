@@ -132,9 +132,14 @@ class ShmTransport(Transport):
         data = offset + BLOCK_HEADER
         committed = False
         try:
-            src = tensor.reshape(-1).view(torch.uint8).data_ptr() if nbytes else None
-            parts = copy_and_hash(arena.addr + data, arena.view[data:data + nbytes], src,
-                                  nbytes, self.chunk, self.digest, self._exec, self.threads)
+            flat = tensor.reshape(-1).view(torch.uint8)
+            if self.digest.hashes_bytes or not nbytes:
+                parts = copy_and_hash(arena.addr + data, arena.view[data:data + nbytes],
+                                      flat.data_ptr() if nbytes else None, nbytes,
+                                      self.chunk, self.digest, self._exec, self.threads)
+            else:  # torch's intra-op threads: the ones the encoder just ran on, still awake
+                torch.frombuffer(arena.view[data:data + nbytes], dtype=torch.uint8).copy_(flat)
+                parts = []
             ident = identity(self.scope, key, dtype, shape, nbytes)
             digest = self.digest.final(ident, self.chunk, parts)
             arena.commit(key, offset, gen, nbytes)
@@ -253,13 +258,14 @@ class ShmTransport(Transport):
                 raise _Evicted
             data = rec.offset + BLOCK_HEADER
             ident = identity(self.scope, key, rec.dtype, rec.shape, rec.nbytes)
+            # the seal instead of the bytes: nothing was hashed ("none"), or the reader
+            # trusts the producer's hash of a block it uses in place
+            sealed = not self.digest.hashes_bytes or (
+                in_place and self.config.shm_read_verify == "seal" and bool(rec.seal))
+            if sealed:
+                self._check_seal(ident, rec)
             if in_place:
-                if self.config.shm_read_verify == "seal" and rec.seal:
-                    if not Digest.same(self._seal(ident, rec.arena, rec.offset, rec.gen,
-                                                  rec.chunk, rec.digest), rec.seal):
-                        raise BadRecord("seal mismatch: not stored under this deployment's "
-                                        "secret")
-                else:  # one read pass over the mapped bytes, hashed where they lie
+                if not sealed:  # one read pass over the mapped bytes, hashed where they lie
                     self._verify(ident, rec, copy_and_hash(
                         0, m.view[data:data + rec.nbytes], None, rec.nbytes, rec.chunk,
                         self.digest, self._exec, self.threads))
@@ -285,6 +291,12 @@ class ShmTransport(Transport):
 
             out = buf.hand_over(torch.uint8, (rec.nbytes,))
         return out.view(dtype).reshape(shape)
+
+    def _check_seal(self, ident: str, rec: Record) -> None:
+        if not rec.seal or not Digest.same(
+                self._seal(ident, rec.arena, rec.offset, rec.gen, rec.chunk, rec.digest),
+                rec.seal):
+            raise BadRecord("seal mismatch: not stored under this deployment's secret")
 
     def _verify(self, ident: str, rec: Record, parts: list[bytes]) -> None:
         if not Digest.same(self.digest.final(ident, rec.chunk, parts), rec.digest):

@@ -516,6 +516,36 @@ def test_copy_threads_fit_the_cores_this_process_may_use(root):
 
 
 # -- the copy ----------------------------------------------------------------------------------
+def test_unhashed_items_are_checked_by_their_seal_and_refused_by_hashing_readers(
+        root, tmp_path):
+    a, b = secret(tmp_path, "a"), secret(tmp_path, "b")
+    prod = make(root, PRODUCER, secret_file=a, shm_verify="none")
+    reader = make(root, CONSUMER, secret_file=a, shm_verify="none")
+    foreign = make(root, CONSUMER, secret_file=b, shm_verify="none")
+    hashing = make(root, CONSUMER, secret_file=a)
+    try:
+        items = {"large": torch.randn(256, 1024),  # used in place (pinned view)
+                 "small": torch.arange(100, dtype=torch.bfloat16),  # copied
+                 "empty": torch.empty(0, 16)}
+        got = {}
+        for name, x in items.items():
+            prod.put(name, x)
+            got[name] = reader.get(name, soon())
+            assert got[name] is not None and torch.equal(got[name], x), name
+        assert not _evictable(root, "large")  # the producer's block, pinned: no copy
+        assert foreign.get("large", soon()) is None and foreign.events.corrupt == 1
+        # a reader that hashes bytes cannot verify an unhashed item: a counted miss
+        assert hashing.get("large", soon()) is None and hashing.events.corrupt == 1
+        rec = _record(root, "small")
+        assert rec.algo == "none"
+        _plant(root, "small", Record(**{**{f: getattr(rec, f) for f in rec.__struct_fields__},
+                                       "offset": rec.offset + 4096}))
+        assert reader.get("small", soon()) is None  # moved: the seal binds the block
+    finally:
+        for t in (prod, reader, foreign, hashing):
+            t.close()
+
+
 @pytest.mark.parametrize("algo", ["xxh3", "blake3"])
 def test_copy_and_hash_agree_for_any_thread_count(algo):
     from concurrent.futures import ThreadPoolExecutor
@@ -533,6 +563,18 @@ def test_copy_and_hash_agree_for_any_thread_count(algo):
             results.append(digest.final("id", MiB, parts))
     assert len(set(results)) == 1
     assert Digest(algo, os.urandom(32)).final("id", MiB, parts) != results[0]  # keyed
+
+
+def test_an_unhashed_copy_copies_every_byte_and_hashes_none():
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = 3 * MiB + 77
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    with ThreadPoolExecutor(1) as pool:
+        parts = copy_and_hash(dst.data_ptr(), memoryview(dst.numpy()), src.data_ptr(), n,
+                              MiB, Digest("none", None), pool, 2)
+    assert torch.equal(dst, src) and parts == []
 
 
 @pytest.mark.parametrize("what", ["memmove", "xxh3", "blake3"])
