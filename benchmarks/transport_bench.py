@@ -92,7 +92,7 @@ def hashed_copy_s(nbytes: int, reps: int) -> float:
     import torch
 
     from ec_connectors.config import EPDConfig
-    from ec_connectors.transports.shm.copy import Digest, copy_and_hash
+    from ec_connectors.transports.hashed_copy import Digest, copy_and_hash
 
     cfg = EPDConfig()
     threads = min(cfg.shm_copy_threads, len(os.sched_getaffinity(0)))

@@ -1,7 +1,7 @@
 """The `shm` transport: producer and consumers on one host, one copy each way.
 
 put (producer worker, rank 0): reserve a block in this process's arena (evicting or waiting
-for room), copy the tensor in and hash it in the same pass (copy.py), stamp the block,
+for room), copy the tensor in and hash it in the same pass (hashed_copy.py), stamp the block,
 publish the record. get (any process of the host): read the record, check every field of it
 against this deployment and the arena (names, offsets, sizes: a record is a peer's word),
 take a read lock on the block (the producer cannot reuse it meanwhile), copy it into warm
@@ -13,7 +13,6 @@ evicted, foreign or damaged item is a miss (the caller encodes locally), never w
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 import time
 from collections.abc import Iterable
@@ -32,6 +31,12 @@ from ec_connectors.transports.base import (
     host_copy,
 )
 from ec_connectors.transports.dir_watch import DirWatch
+from ec_connectors.transports.hashed_copy import (
+    Digest,
+    copy_and_hash,
+    derive_key,
+    usable_cores,
+)
 from ec_connectors.transports.shm.arena import (
     BLOCK_HEADER,
     BLOCK_MAGIC,
@@ -42,7 +47,6 @@ from ec_connectors.transports.shm.arena import (
     key_hash,
     sweep,
 )
-from ec_connectors.transports.shm.copy import Digest, copy_and_hash, derive_key
 from ec_connectors.transports.shm.layout import (
     RECORD_SUFFIX,
     BadRecord,
@@ -94,7 +98,7 @@ class ShmTransport(Transport):
         # workers map whole arenas pre-faulted (large copies); the scheduler reads small
         # items and maps lazily
         self.maps = Mappings(self.dir, populate=worker)
-        self.threads = min(config.shm_copy_threads, _cores()) if worker else 1
+        self.threads = min(config.shm_copy_threads, usable_cores()) if worker else 1
         # workers use large items in the producer's block (the scheduler copies small ones)
         self.zero_copy = worker and config.shm_zero_copy
         self._exec = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="epd-shm-copy")
@@ -388,16 +392,6 @@ class ShmTransport(Transport):
         if self._dest is not None:
             self._dest.close()
         self.dir.close()
-
-
-def _cores() -> int:
-    """How many cores this process may run on.
-
-    A server pinned to one core copies on one thread: a second would only take turns."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 class _Pin:

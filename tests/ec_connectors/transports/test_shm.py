@@ -21,8 +21,8 @@ import torch
 from ec_connectors.config import EPDConfig
 from ec_connectors.protocol.keys import item_key, namespace_key
 from ec_connectors.transports import Placement, make_transport
+from ec_connectors.transports.hashed_copy import Digest, copy_and_hash
 from ec_connectors.transports.shm.arena import BLOCK_HEADER, ArenaFull, range_lock
-from ec_connectors.transports.shm.copy import Digest, copy_and_hash
 from ec_connectors.transports.shm.layout import RECORD_MAGIC, Record, ShmError
 from tests.helpers import expected, wait_for
 
