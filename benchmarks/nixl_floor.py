@@ -7,14 +7,17 @@ the item's size registered once; the reader loads the other's metadata and READs
 buffer into its own, polling the transfer's state, median of `reps` after one warm-up (UCX
 sets up its connection on the first transfer). No checksum, no side channel, no pool: what
 UCX itself costs for the bytes, beside which `transport_bench.py`'s `nixl` rows are read
-(there is no `ucx_perftest` in the wheels). `transport_bench.py` calls `nixl_read_s` for
-its `nixl` paths.
+(there is no `ucx_perftest` in the wheels: where Debian's `ucx-utils` is installed, UCX's own
+`ucx_perftest -t ucp_get` of the same size is printed beside, `ucx_get_s`; a distribution's
+UCX, not the wheel's). `transport_bench.py` calls both for its `nixl` paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -101,6 +104,40 @@ def nixl_read_s(nbytes: int, reps: int, env: dict[str, str] | None = None,
     return float(out.strip().splitlines()[-1])
 
 
+def ucx_get_s(nbytes: int, reps: int, env: dict[str, str] | None = None,
+              netns=None) -> float | None:
+    """Median seconds of one `ucp_get` of `nbytes` by UCX's own `ucx_perftest`, or None where
+    it is not installed (Debian's `ucx-utils`; its UCX is the distribution's, not the one
+    NIXL's wheel bundles). The server side runs in namespace a with `netns`, as the holder."""
+    exe = shutil.which("ucx_perftest")
+    if exe is None:
+        return None
+    env = {**os.environ, **(env or {})}
+    where = (netns.prefix(netns.a), netns.prefix(netns.b)) if netns else ([], [])
+    host = "10.79.0.1" if netns else "127.0.0.1"  # netns_pair.ADDR_A
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([*where[0], exe, "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(20):  # until the server listens
+            time.sleep(0.25)
+            run = subprocess.run([*where[1], exe, host, "-p", str(port), "-t", "ucp_get",
+                                  "-s", str(nbytes), "-n", str(reps), "-w", "1"], env=env,
+                                 capture_output=True, text=True, timeout=300)
+            final = [line for line in run.stdout.splitlines() if line.startswith("Final:")]
+            if final:
+                return float(final[-1].split()[2]) / 1e6  # the 50th percentile, in us
+            if server.poll() is not None:
+                break
+        raise RuntimeError(f"ucx_perftest gave no result: {run.stderr.strip()[-300:]}")
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait(10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[125])
@@ -111,6 +148,9 @@ def main() -> int:
     for mb in args.sizes_mb:
         ms = nixl_read_s(int(mb * MiB), args.reps, env) * 1e3
         print(f"{mb:g} MiB NIXL READ ({args.ucx_tls or 'UCX default'}): {ms:.1f} ms")
+        ucx = ucx_get_s(int(mb * MiB), args.reps, env)
+        print(f"{mb:g} MiB ucx_perftest ucp_get: " + (f"{ucx * 1e3:.1f} ms" if ucx else
+              "not installed (apt install ucx-utils)"))
     return 0
 
 

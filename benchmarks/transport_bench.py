@@ -56,7 +56,7 @@ from pathlib import Path
 
 from mooncake_bench import memcpy_s, raw_tcp_s
 from netns_pair import ADDR_A, ADDR_B, NetnsPair, raw_tcp_netns_s
-from nixl_floor import nixl_read_s
+from nixl_floor import nixl_read_s, ucx_get_s
 
 from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
@@ -274,6 +274,9 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
                 tls = {"UCX_TLS": "tcp"} if name == "nixl_tcp" else {}
                 beside[label(mb)]["nixl_read_ms"] = nixl_read_s(n, args.reps, tls,
                                                                 netns) * 1e3
+                ucx = ucx_get_s(n, args.reps, tls, netns)
+                if ucx is not None:
+                    beside[label(mb)]["ucx_get_ms"] = ucx * 1e3
             for k, v in beside[label(mb)].items():
                 limits[label(mb)].setdefault(k, []).append(v)
         try:
@@ -316,6 +319,8 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
                   f"{p['memcpy_ms']:>8.1f} {p['raw_tcp_ms']:>8.1f} "
                   f"{p['memcpy_at_put_ms']:>10.1f} {p['x_memcpy_at_put']:>8.2f}"
                   + (f"  NIXL's own READ {p['nixl_read_ms']:.1f}" if "nixl_read_ms" in p
+                     else "")
+                  + (f", ucx_perftest get {p['ucx_get_ms']:.1f}" if "ucx_get_ms" in p
                      else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
