@@ -12,19 +12,16 @@ import time
 from collections.abc import Callable
 
 import torch
-import zmq
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.base import TransportEvents, describe
 from ec_connectors.transports.hashed_copy import PEER_CHUNK, PeerChecksum, peer_checksum
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te.messages import (
     Pulled,
     PullFailed,
-    Register,
 )
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
 
@@ -66,17 +63,16 @@ class StreamVerifier:
 class Puller:
     """A consumer's pulls from producers, with retries and verification.
 
-    A consumer's pulls: one PeerLink per producer (rebuilt after a failure), each pull into
+    A consumer's pulls: one link per producer (`make_link(endpoint)`, the transport's;
+    rebuilt after a failure), each pull into
     a block of the consumer's own pool with a size-scaled deadline, retries across producers
     until the caller's deadline, and verification of what landed. `events` and `stats` are
     the transport's counters."""
 
     def __init__(self, config: EPDConfig, pool: MemoryPool, session: str, namespace: str,
-                 hello: Register | None, context: zmq.Context, curve: CurveKeys | None,
-                 events: TransportEvents, stats: dict[str, int],
-                 make_link: Callable[[str], PeerLink] | None = None) -> None:
+                 make_link: Callable[[str], PeerLink], events: TransportEvents,
+                 stats: dict[str, int]) -> None:
         self.config, self.pool, self.session, self.namespace = config, pool, session, namespace
-        self._hello, self._zmq, self._curve = hello, context, curve
         self.events, self.stats = events, stats
         self._make_link = make_link
         self._links: dict[str, PeerLink] = {}
@@ -88,12 +84,8 @@ class Puller:
             if link is not None and link.broken:  # dropped after a failure: rebuild it
                 link.close()
                 link = None
-            if link is None and self._make_link is not None:
+            if link is None:
                 link = self._links[endpoint] = self._make_link(endpoint)
-            elif link is None:
-                link = self._links[endpoint] = PeerLink(endpoint, self._zmq, self._curve,
-                                                        hello=self._hello,
-                                                        stream=self.config.te_socket)
             return link
 
     def _sources(self, location: str) -> list[str]:

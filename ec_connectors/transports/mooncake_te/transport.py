@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -77,7 +77,8 @@ from ec_connectors.transports.mooncake_te.engine import (
     needs_engine,
     start_engine,
 )
-from ec_connectors.transports.mooncake_te.messages import Register
+from ec_connectors.transports.mooncake_te.messages import PeerMessage, Register
+from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import ConsumerRanges, PullServer
 from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
 from ec_connectors.transports.mooncake_te.stream_server import StreamServer
@@ -128,8 +129,7 @@ class MooncakeTransport(Transport):
                            "streamed": 0, "stream_errors": 0,
                            "stream_connections": 0}
         self.puller = Puller(config, self.pool, self.session, self.namespace,
-                             self._hello(nonce), self._zmq, self.curve, self.events,
-                             self.pull_stats, make_link=self._make_link())
+                             self._make_link(self._hello(nonce)), self.events, self.pull_stats)
         if placement.is_producer:
             self._start_producer()
 
@@ -152,9 +152,12 @@ class MooncakeTransport(Transport):
                         length=self.pool.capacity, proof_addr=self._own.data_ptr(),
                         nonce=nonce)
 
-    def _make_link(self):
-        """How the puller builds its link to one producer (None: the plain PeerLink)."""
-        return None
+    def _make_link(self, hello: PeerMessage) -> Callable[[str], PeerLink]:
+        """How the puller builds its link to one producer, opened with `hello`."""
+        def make(endpoint: str) -> PeerLink:
+            return PeerLink(endpoint, self._zmq, self.curve, hello=hello,
+                            stream=self.config.te_socket)
+        return make
 
     def _streams_wanted(self) -> bool:
         return self.config.te_socket

@@ -15,10 +15,12 @@ quarantine after a frozen producer; docs/transports.md has the measurements.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports.base import Placement
-from ec_connectors.transports.mooncake_te.messages import NixlHello
+from ec_connectors.transports.mooncake_te.messages import NixlHello, PeerMessage
+from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
 from ec_connectors.transports.nixl_pull.agent import NixlAgent
@@ -51,12 +53,14 @@ class NixlTransport(MooncakeTransport):
     def _hello(self, nonce: bytes) -> NixlHello:
         return NixlHello(agent=self.agent.name)
 
-    def _make_link(self):
+    def _make_link(self, hello: PeerMessage) -> Callable[[str], PeerLink]:
         scratch = (self._own.data_ptr(), self._own.numel())
+        assert isinstance(hello, NixlHello)
 
         def make(endpoint: str) -> NixlPeerLink:
             return NixlPeerLink(endpoint, self._zmq, self.curve, self.agent, self.location,
-                                scratch, self.pull_stats, self.config.transfer_chunk_bytes)
+                                scratch, self.pull_stats, self.config.transfer_chunk_bytes,
+                                hello)
         return make
 
     def _streams_wanted(self) -> bool:
