@@ -5,15 +5,25 @@ client connection, each answer written in one piece: nothing but the two hops' r
 and wake-ups. What `epd gateway` adds above this is its own work (admission, the chat flow,
 routing, metrics, the request's log line) and its HTTP stack's.
 
-    python benchmarks/bare_proxy.py PORT UPSTREAM_PORT"""
+With a third argument, one of the gateway's layers in turn on top of it (where the gateway's
+time goes, docs/benchmarks.md): `http1`, the same front relaying through the gateway's
+upstream client (`upstreams/http1.py`); `uvicorn`, uvicorn as the gateway runs it (httptools,
+uvloop, its proxy-headers middleware) and a raw ASGI app relaying through that client.
+
+    python benchmarks/bare_proxy.py PORT UPSTREAM_PORT [http1|uvicorn]"""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import httptools
 import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from encoder_service.gateway.upstreams.http1 import Http1Pool  # noqa: E402
 
 
 class Upstream(asyncio.Protocol):
@@ -50,11 +60,49 @@ class Upstream(asyncio.Protocol):
         return await self.answer
 
 
+class Http1Relay:
+    """The gateway's upstream client in place of `Upstream` (modes http1 and uvicorn)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.url = f"http://127.0.0.1:{upstream_port}"
+        self.pool = Http1Pool(5.0, 60.0)
+
+    async def post(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+        r = await self.pool.request("POST", self.url, path.decode(), body,
+                                    {"content-type": "application/json"})
+        try:
+            return r.status, await r.read(60.0)
+        finally:
+            r.release()
+
+
+def asgi_app(relay: Http1Relay):
+    """A raw ASGI app: each request's body relayed, its answer sent back (mode uvicorn)."""
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        status, answer = await relay.post(scope["path"].encode(), body)
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
+
+    return app
+
+
 class Front(asyncio.Protocol):
     """A client connection: each whole request is passed on, its answer passed back."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, relay: Http1Relay | None = None) -> None:
         self.upstream_port = upstream_port
+        self.relay_to = relay
         self.parser = httptools.HttpRequestParser(self)
         self.body: list[bytes] = []
         self.url = b"/"
@@ -77,19 +125,29 @@ class Front(asyncio.Protocol):
         asyncio.get_running_loop().create_task(self.relay(self.url, body))
 
     async def relay(self, url: bytes, body: bytes) -> None:
-        if self.up is None or self.up.closed:
-            _, self.up = await asyncio.get_running_loop().create_connection(
-                Upstream, "127.0.0.1", self.upstream_port)
-        status, answer = await self.up.post(url, body)
+        if self.relay_to is not None:
+            status, answer = await self.relay_to.post(url, body)
+        else:
+            if self.up is None or self.up.closed:
+                _, self.up = await asyncio.get_running_loop().create_connection(
+                    Upstream, "127.0.0.1", self.upstream_port)
+            status, answer = await self.up.post(url, body)
         self.transport.write(b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\n"
                              b"content-length: %d\r\n\r\n%s" % (status, len(answer), answer))
 
 
-async def serve(port: int, upstream_port: int) -> None:
+async def serve(port: int, upstream_port: int, mode: str) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Front(upstream_port), "127.0.0.1", port)
+    relay = Http1Relay(upstream_port) if mode == "http1" else None
+    server = await loop.create_server(lambda: Front(upstream_port, relay), "127.0.0.1", port)
     await server.serve_forever()
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(int(sys.argv[1]), int(sys.argv[2])))
+    port, upstream, mode = int(sys.argv[1]), int(sys.argv[2]), (sys.argv[3:] or ["bare"])[0]
+    if mode == "uvicorn":
+        import uvicorn
+        uvicorn.run(asgi_app(Http1Relay(upstream)), host="127.0.0.1", port=port,
+                    log_level="warning", access_log=False, lifespan="off")
+    else:
+        uvloop.run(serve(port, upstream, mode))

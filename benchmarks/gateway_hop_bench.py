@@ -12,6 +12,12 @@ skipped with a message and only the gateway's figures are printed.
 
     python benchmarks/gateway_hop_bench.py [--delays-ms 0 20] [--rounds 5] [--requests 200]
 
+`--layers` adds two fronts to the rounds, the gateway's layers one by one on the bare proxy
+(bare_proxy.py's modes): `http1` (the bare front relaying through the gateway's upstream
+client) and `uvicorn` (uvicorn as the gateway runs it, a raw ASGI app, that client); what the
+gateway adds above `uvicorn` is its own request path (admission, the chat flow, the relay,
+metrics, the log line).
+
 On a shared machine: `flock /tmp/epd-vllm.lock python benchmarks/gateway_hop_bench.py`."""
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess, StandIn  # noqa: E402
 
-PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993
+PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993, layers 20994-5
+LAYERS = ("http1", "uvicorn")  # bare_proxy.py's modes, with --layers
 MODEL = "stand-in"
 TARGET = 2.0  # the gateway may add at most this many times what nginx adds
 
@@ -215,7 +222,7 @@ def measure(ports: dict[str, int], rounds: int, requests: int, warmup: int) -> d
 def summarize(delay_ms: float, rounds: dict[str, list[float]]) -> dict:
     direct = rounds["direct"]
     row: dict = {"delay_ms": delay_ms, "direct_p50_ms": statistics.median(direct) * 1e3}
-    for front in ("nginx", "gateway", "bare"):
+    for front in ("nginx", "gateway", "bare", *LAYERS):
         if front in rounds:
             row[f"{front}_added_ms"] = statistics.median(
                 f - d for f, d in zip(rounds[front], direct, strict=True)) * 1e3
@@ -238,8 +245,10 @@ def format_rows(rows: list[dict], rounds: int, requests: int) -> str:
         else:
             ratio, verdict = "-", "no nginx to compare"
         bare = f"{r['bare_added_ms']:.3f}" if "bare_added_ms" in r else "-"
+        layers = "".join(f"  {m} +{r[m + '_added_ms']:.3f}" for m in LAYERS
+                         if m + "_added_ms" in r)
         lines.append(f"{r['delay_ms']:>11g} ms {r['direct_p50_ms']:>8.3f} ms {ng:>9} "
-                     f"{r['gateway_added_ms']:>10.3f} {bare:>10} {ratio:>9}  {verdict}")
+                     f"{r['gateway_added_ms']:>10.3f} {bare:>10} {ratio:>9}  {verdict}{layers}")
     return "\n".join(lines)
 
 
@@ -247,7 +256,7 @@ def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: P
     stand_in = StandIn("stand-in", a.port, work, delay_ms=delay_ms).start()
     front: Nginx | None = None
     gw: GatewayProcess | None = None
-    bare: subprocess.Popen | None = None
+    bare: list[subprocess.Popen] = []
     try:
         stand_in.wait(30)
         ports = {"direct": a.port}
@@ -257,15 +266,18 @@ def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: P
         gw = GatewayProcess(a.port + 2, [], [stand_in.url], None, work / "gateway.log",
                             config={"routing": {"probe_interval_s": 0}}, model=MODEL)
         ports["gateway"] = a.port + 2
-        bare = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bare_proxy.py"),
-                                 str(a.port + 3), str(a.port)])
-        wait_listening(a.port + 3, bare)
-        ports["bare"] = a.port + 3
+        for i, mode in enumerate(("bare", *LAYERS) if a.layers else ("bare",)):
+            port = a.port + 3 + i
+            bare.append(subprocess.Popen([sys.executable, str(ROOT / "benchmarks" /
+                                                              "bare_proxy.py"),
+                                          str(port), str(a.port), mode]))
+            wait_listening(port, bare[-1])
+            ports[mode] = port
         return summarize(delay_ms, measure(ports, a.rounds, a.requests, a.warmup))
     finally:
-        if bare is not None:
-            bare.terminate()
-            bare.wait(timeout=10)
+        for proc in bare:
+            proc.terminate()
+            proc.wait(timeout=10)
         if gw is not None:
             gw.stop()
         if front is not None:
@@ -282,6 +294,8 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=50, help="per front, before the rounds")
     p.add_argument("--port", type=int, default=PORT,
                    help="the stand-in's; nginx the next, the gateway the one after")
+    p.add_argument("--layers", action="store_true",
+                   help="also the gateway's layers on the bare proxy (http1, uvicorn)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args()
     nginx = shutil.which("nginx")

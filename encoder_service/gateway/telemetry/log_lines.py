@@ -2,11 +2,13 @@
 
 A request's line costs it a formatted string in memory: lines are written together when a
 warning or error comes (at once, so that nothing an operator acts on waits), when
-`FLUSH_BYTES` have gathered, `FLUSH_S` after the first pending line (a timer thread), and at
+`FLUSH_BYTES` have gathered, `FLUSH_S` after the first pending line (a timer on the event loop
+that logs it, or a timer thread off one: no thread to start every `FLUSH_S` on a loop), and at
 exit. This is nginx's buffered access log; the time stamp is formatted once per second."""
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
@@ -41,7 +43,8 @@ class BatchedStreamHandler(logging.StreamHandler):
         super().__init__()
         self._pending: list[str] = []
         self._size = 0
-        self._timer: threading.Timer | None = None
+        self._timer: threading.Timer | asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None  # a loop timer's loop
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -57,17 +60,16 @@ class BatchedStreamHandler(logging.StreamHandler):
             self._pending.append(line)
             self._size += len(line)
             urgent = levelno >= logging.WARNING or self._size >= FLUSH_BYTES
-            if not urgent and self._timer is None:
-                self._timer = threading.Timer(FLUSH_S, self.flush)
-                self._timer.daemon = True
-                self._timer.start()
+            if not urgent and (self._timer is None or self._timer_loop is not None
+                               and self._timer_loop.is_closed()):  # its loop ended first
+                self._timer, self._timer_loop = _flush_later(self.flush)
         if urgent:
             self.flush()
 
     def flush(self) -> None:
         with self.lock:
             lines, self._pending, self._size = self._pending, [], 0
-            timer, self._timer = self._timer, None
+            timer, self._timer, self._timer_loop = self._timer, None, None
             if timer is not None and timer is not threading.current_thread():
                 timer.cancel()
             if lines and self.stream is not None:
@@ -76,6 +78,21 @@ class BatchedStreamHandler(logging.StreamHandler):
                     self.stream.flush()
                 except (OSError, ValueError):  # stderr closed at exit: nothing to write to
                     pass
+
+
+def _flush_later(flush) -> tuple[threading.Timer | asyncio.TimerHandle,  # noqa: ANN001
+                                  asyncio.AbstractEventLoop | None]:
+    """`flush()` in `FLUSH_S`: on the caller's event loop, else on a timer thread.
+
+    Returns the timer and its loop (None: a thread)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop in this thread
+        timer = threading.Timer(FLUSH_S, flush)
+        timer.daemon = True
+        timer.start()
+        return timer, None
+    return loop.call_later(FLUSH_S, flush), loop
 
 
 def info_line(log: logging.Logger, message: str) -> None:
