@@ -36,9 +36,11 @@ full segment, safetensors' eviction scans and frees files inside put).
 
 JSON (`--json`): {"<MiB>": {"memcpy_ms": m, "raw_tcp_ms": t, "paths": {"<name>": {"ms": x,
 "x_memcpy": x/m, "x_raw_tcp": x/t, "put_ms": .., "get_ms": .., "memcpy_at_put_ms": c,
-"x_memcpy_at_put": x/c, "memcpy_ms": m',
-"raw_tcp_ms": t'}}}}: m and t are medians over the whole run, m' and t' the ones measured
-beside the path (its ratios use those); a path that cannot run here has {"error": why}.
+"x_memcpy_at_put": x/c, "memcpy_ms": m', "raw_tcp_ms": t'}}}}: m and t are medians over
+the whole run, m' and t' the ones measured beside the path (its ratios use those); `nixl`
+paths also have "nixl_read_ms" (nixl_floor.py's bare READ) and, where Debian's ucx-utils is
+installed, "ucx_get_ms" (`ucx_perftest -t ucp_get`); a path that cannot run here has
+{"error": why}.
 """
 
 from __future__ import annotations
