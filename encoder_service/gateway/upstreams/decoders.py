@@ -205,6 +205,8 @@ class DecodePool(Members):
     def _forget(self, url: str) -> None:
         with contextlib.suppress(ValueError):
             self.urls.remove(url)
+        if self.session is not None:  # its kept-alive connections, closed now
+            self.session.forget(url)
 
     def _failed(self, hold: Hold) -> None:
         hold.done()

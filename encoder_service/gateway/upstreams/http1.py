@@ -223,6 +223,7 @@ class Http1Pool:
                                for k, v in (headers or {}).items())
         self._idle: dict[tuple, list[_Conn]] = {}
         self._origins: dict[str, tuple] = {}
+        self._live: dict[tuple, int] = {}  # origin -> how many of the URLs above name it
 
     def _origin(self, url: str) -> tuple:
         """(scheme, host, port, host header) of a base URL, cached."""
@@ -234,6 +235,7 @@ class Http1Pool:
             port = u.port or (443 if u.scheme == "https" else 80)
             key = (u.scheme, u.hostname, port, u.netloc.encode("idna"))
             self._origins[url] = key
+            self._live[key] = self._live.get(key, 0) + 1
         return key
 
     async def _connect(self, key: tuple) -> _Conn:
@@ -261,6 +263,10 @@ class Http1Pool:
         return None
 
     def _give_back(self, key: tuple, conn: _Conn) -> None:
+        if key not in self._live:  # its origin left while this answer was out
+            conn.closed = True
+            conn.transport.close()
+            return
         conn.idle_since = time.monotonic()
         self._idle.setdefault(key, []).append(conn)
 
@@ -294,6 +300,22 @@ class Http1Pool:
                 conn.transport.close()
             raise
         return Response(self, key, conn, self.read_s)
+
+    def forget(self, base_url: str) -> None:
+        """Close the idle connections to an origin that left the pool, and forget its URL.
+
+        (Answers still out from it close when released.)"""
+        key = self._origins.pop(base_url, None)
+        if key is None:
+            return  # never used
+        self._live[key] -= 1
+        if self._live[key]:
+            return  # another URL names the same origin
+        del self._live[key]
+        for conn in self._idle.pop(key, []):
+            if not conn.closed:
+                conn.closed = True
+                conn.transport.close()
 
     def close(self) -> None:
         """Close every idle connection (answers still out close when released)."""

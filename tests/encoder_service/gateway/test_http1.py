@@ -192,3 +192,27 @@ def test_a_connection_idle_past_keepalive_is_not_reused():
             assert len(conns) == 2
             pool.close()
     run(go())
+
+
+def test_a_forgotten_origin_keeps_no_connection_even_one_answering_then():
+    closed: list[bool] = []
+
+    async def go():
+        async with server(ok) as (url, _, conns):
+            pool = Http1Pool(1.0, 1.0)
+            r = await pool.request("GET", url, "/health", None, {})
+            await r.read()
+            r.release()  # idle, kept alive
+            out = await pool.request("GET", url, "/health", None, {})  # reuses it
+            pool.forget(url)  # the instance leaves while an answer is out
+            await out.read()
+            out.release()  # closed, not kept: nothing of the origin stays
+            closed.append(out._conn.closed)
+            assert pool._idle == {} and pool._origins == {} and pool._live == {}
+            r = await pool.request("GET", url, "/health", None, {})  # it comes back
+            await r.read()
+            r.release()
+            assert len(conns) == 2 and pool._live and pool._idle  # a new, kept connection
+            pool.close()
+    run(go())
+    assert closed == [True]
