@@ -105,6 +105,7 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     # the dashboard's `epd up` (gateway, pool, decode) and Prometheus
     ("tests.deploy.test_compose_stack", HTTP): (18900, 5),
     ("tests.deploy.test_dashboard", HTTP): (18910, 5),
+    ("tests.deploy.test_compose_nixl", HTTP): (18930, 2),
 }
 
 

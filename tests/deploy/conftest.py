@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 _HERE = __file__.rsplit("/", 1)[0]
-FAST = (f"{_HERE}/test_manifests.py", f"{_HERE}/test_dashboard_file.py")  # the fast lane's
+FAST = (f"{_HERE}/test_manifests.py", f"{_HERE}/test_manifests_nixl.py",
+        f"{_HERE}/test_dashboard_file.py")  # the fast lane's
 
 
 def pytest_collection_modifyitems(config, items):

@@ -43,7 +43,7 @@ def server_argv(argv: list[str]) -> list[str]:
 
 
 def k8s_argv(container: dict) -> list[str]:
-    return container["command"] + container.get("args", [])
+    return container.get("command", []) + container.get("args", [])
 
 
 def manifests() -> list[dict]:
