@@ -323,6 +323,7 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
                   + (f"  NIXL's own READ {p['nixl_read_ms']:.1f}" if "nixl_read_ms" in p
                      else "")
                   + (f", ucx_perftest get {p['ucx_get_ms']:.1f}" if "ucx_get_ms" in p
+                     else ", no ucx_perftest (apt install ucx-utils)" if "nixl_read_ms" in p
                      else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
