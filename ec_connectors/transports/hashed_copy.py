@@ -69,15 +69,10 @@ class Digest:
             seed = int.from_bytes(key[:8], "little") if key else 0
             self.chunk = lambda view: xxhash.xxh3_64_digest(view, seed=seed)
             self._final = lambda data: xxhash.xxh3_128_hexdigest(data, seed=seed)
-        else:
-            self.chunk = None
-            if algo == "blake3":
-                self.chunk = ((lambda view: blake3.blake3(view, key=key).digest())
-                              if key is not None else
-                              (lambda view: blake3.blake3(view).digest()))
-            self._final = ((lambda data: blake3.blake3(data, key=key).hexdigest())
-                           if key is not None else
-                           (lambda data: blake3.blake3(data).hexdigest()))
+        else:  # blake3, keyed under a secret; "none" uses it for its final digest only
+            b3 = blake3.blake3 if key is None else (lambda data: blake3.blake3(data, key=key))
+            self.chunk = (lambda view: b3(view).digest()) if algo == "blake3" else None
+            self._final = lambda data: b3(data).hexdigest()
 
     @property
     def hashes_bytes(self) -> bool:
@@ -126,4 +121,3 @@ def copy_and_hash(dst_addr: int, dst: memoryview, src_addr: int | None, nbytes: 
     for f in futures:
         f.result()
     return parts
-

@@ -51,8 +51,7 @@ class NixlPeerLink(PeerLink):
 
     def __init__(self, endpoint: str, context: zmq.Context, curve: CurveKeys | None,
                  agent: NixlAgent, location: str, scratch: tuple[int, int],
-                 stats: dict[str, int], chunk: int = 0,
-                 hello: NixlHello | None = None) -> None:
+                 stats: dict[str, int], hello: NixlHello, chunk: int = 0) -> None:
         self.agent, self.location, self.scratch, self.stats = agent, location, scratch, stats
         self.chunk = chunk
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="epd-nixl-verify")
@@ -60,7 +59,7 @@ class NixlPeerLink(PeerLink):
         self.peer_error = ""
         self._ready = threading.Event()
         self._reading: list[tuple[object, PoolBuffer]] = []  # reads given up on, still live
-        super().__init__(endpoint, context, curve, hello=hello or NixlHello(agent=agent.name))
+        super().__init__(endpoint, context, curve, hello=hello)
 
     def _on_message(self, msg: PeerMessage, peer: bytes | None, payload: list[bytes]) -> None:
         if isinstance(msg, NixlPeer):

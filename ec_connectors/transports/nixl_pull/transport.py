@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports.base import Placement
-from ec_connectors.transports.mooncake_te.messages import NixlHello, PeerMessage
+from ec_connectors.transports.mooncake_te.messages import NixlHello
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
@@ -53,14 +53,12 @@ class NixlTransport(MooncakeTransport):
     def _hello(self, nonce: bytes) -> NixlHello:
         return NixlHello(agent=self.agent.name)
 
-    def _make_link(self, hello: PeerMessage) -> Callable[[str], PeerLink]:
+    def _make_link(self, hello: NixlHello) -> Callable[[str], PeerLink]:  # type: ignore[override]
         scratch = (self._own.data_ptr(), self._own.numel())
-        assert isinstance(hello, NixlHello)
 
         def make(endpoint: str) -> NixlPeerLink:
             return NixlPeerLink(endpoint, self._zmq, self.curve, self.agent, self.location,
-                                scratch, self.pull_stats, self.config.transfer_chunk_bytes,
-                                hello)
+                                scratch, self.pull_stats, hello, self.config.transfer_chunk_bytes)
         return make
 
     def _streams_wanted(self) -> bool:

@@ -78,6 +78,12 @@ class _Conn(asyncio.Protocol):
         self.head_bytes = 0
 
     # -- asyncio.Protocol --------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        if not self.closed:
+            self.closed = True
+            self.transport.close()
+
     def connection_made(self, transport) -> None:
         self.transport = transport
 
@@ -205,9 +211,8 @@ class Response:
         c = self._conn
         if c.done and not c.body and c.reusable and not c.closed:
             self._pool._give_back(self._key, c)
-        elif not c.closed:
-            c.closed = True
-            c.transport.close()
+        else:
+            c.close()
 
 
 class Http1Pool:
@@ -257,15 +262,12 @@ class Http1Pool:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
                 return conn
-            if not conn.closed:
-                conn.closed = True
-                conn.transport.close()
+            conn.close()
         return None
 
     def _give_back(self, key: tuple, conn: _Conn) -> None:
         if key not in self._live:  # its origin left while this answer was out
-            conn.closed = True
-            conn.transport.close()
+            conn.close()
             return
         conn.idle_since = time.monotonic()
         self._idle.setdefault(key, []).append(conn)
@@ -295,9 +297,7 @@ class Http1Pool:
                     raise conn.error
                 await conn.wait(self.read_s)
         except BaseException:
-            if not conn.closed:
-                conn.closed = True
-                conn.transport.close()
+            conn.close()
             raise
         return Response(self, key, conn, self.read_s)
 
@@ -313,15 +313,11 @@ class Http1Pool:
             return  # another URL names the same origin
         del self._live[key]
         for conn in self._idle.pop(key, []):
-            if not conn.closed:
-                conn.closed = True
-                conn.transport.close()
+            conn.close()
 
     def close(self) -> None:
         """Close every idle connection (answers still out close when released)."""
         for idle in self._idle.values():
             for conn in idle:
-                if not conn.closed:
-                    conn.closed = True
-                    conn.transport.close()
+                conn.close()
         self._idle.clear()
