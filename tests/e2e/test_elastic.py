@@ -126,6 +126,9 @@ def test_encoders_and_decoders_grow_under_a_burst_and_drain_when_idle(model, agg
     work = WORK / "test-elastic"
     with httpx.Client(timeout=60) as client, epd_up(config(model), work) as (up, gw, log):
         log_text = log.read_text
+        # the scaler attaches its view once `epd up` has started it, after the gateway answers
+        assert wait_for(lambda: "scaling" in client.get(gw + "/instances").json(),
+                        timeout=30, interval=0.2)
         assert serving(client, gw) == {"encoder": 1, "decode": 1}
         t0 = time.monotonic()
         burst = Burst(gw, 6)
