@@ -66,6 +66,13 @@ class CommonSettings(_Settings):
     # step's metadata: no deferral, no worker round trip. A Mooncake producer answers a pull
     # of one in its reply (no engine write).
     inline_max_bytes: int = Field(default=256 * KiB, ge=0, le=16 * MiB)
+    # How long a vLLM worker running this connector spins (sched_yield) for its engine's next
+    # step after one arrived, before it sleeps until told (vLLM's own is longer). While a request
+    # waits for an item, the engine sends a step every few ms: a worker spinning between them
+    # keeps a core busy for as long as the wait lasts, a core the encoder being waited for
+    # needs (plugin.py, docs/configuration.md). Steps of running requests come back to back
+    # and still find it spinning.
+    worker_spin_s: float = Field(default=0.002, ge=0, le=10)
 
     @field_validator("secret_file")
     @classmethod

@@ -25,6 +25,7 @@ from ec_connectors.control.endpoint import control_address
 from ec_connectors.control.messages import EPDConnectorMetadata
 from ec_connectors.log import get_logger
 from ec_connectors.placeholders import Placeholders
+from ec_connectors.plugin import shorten_worker_spin
 from ec_connectors.sched.scheduler import EPDSchedulerSide
 from ec_connectors.stats import EPDPromMetrics, EPDStats
 from ec_connectors.transports import Placement, make_transport
@@ -90,6 +91,7 @@ class EPDConnector(ECConnectorBase):
                         ec.ec_role, transport.name, self.config.namespace,
                         self.config.model_dump(exclude={"namespace"}))
         else:
+            shorten_worker_spin(self.config.worker_spin_s)  # before vLLM makes the step queue
             self._worker = EPDWorker(
                 self.config, transport, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, address=address, rank=_worker_rank(),

@@ -7,10 +7,13 @@ signal, so that an API server killed by SIGKILL (OOM, an operator) takes its eng
 vLLM 0.32 starts them with multiprocessing (`spawn` on CPU) from its main thread and stops
 them itself only on a clean exit; a killed API server left EngineCore running, orphaned.
 Where vLLM's NixlConnector is the KV connector (E/P/D), it also creates that connector's NIXL
-agent without NIXL's progress thread (`quiet_nixl_progress_thread`)."""
+agent without NIXL's progress thread (`quiet_nixl_progress_thread`). A worker's EPDConnector
+shortens that worker's spin between steps (`shorten_worker_spin`)."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import signal
 from collections.abc import Callable
@@ -59,6 +62,7 @@ def enable_amx() -> bool:
 NIXL_PROGRESS_THREAD_ENV = "EPD_NIXL_PROGRESS_THREAD"
 NIXL_KV_CONNECTOR = "NixlConnector"
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 _log = get_logger(__name__)
 
 
@@ -126,7 +130,32 @@ def quiet_nixl_progress_thread(environ=os.environ) -> bool:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:  # another vLLM layout: leave it alone
         return False
-    import importlib
-
     return wrap_nixl_loader(KVConnectorFactory._registry,
                             lambda: importlib.import_module(NIXL_WORKER_MODULE))
+
+
+def shorten_worker_spin(seconds: float, module: Any | None = None) -> bool:
+    """Make this process's vLLM step-queue readers spin `seconds` for the next step (vLLM: 1 s).
+
+    A vLLM worker that read a step busy-waits (sched_yield) for the next one for a second
+    before it sleeps on the queue's notification socket. While a request waits for an item,
+    the engine sends an empty step every few ms, so the worker never sleeps: a core is
+    busy for the whole wait, taken from the encoder (or the transfer) being waited for. On
+    the gVisor sandboxes here the encoder got no CPU at all until the wait gave up
+    (docs/transports.md). Steps of running requests still come back to back, inside the
+    shorter spin. Called by a worker's EPDConnector, which vLLM builds before the worker's
+    step queue (init_device, then _init_message_queues), so that queue's reader takes the
+    new default. False where vLLM has no such reader (another layout): left alone."""
+    if module is None:
+        try:
+            module = importlib.import_module(SPIN_MODULE)
+        except ImportError:
+            return False
+    init = getattr(getattr(module, "SpinCondition", None), "__init__", None)
+    defaults = getattr(init, "__defaults__", None)
+    if not defaults or list(inspect.signature(init).parameters)[-1] != "busy_loop_s":
+        return False
+    init.__defaults__ = (*defaults[:-1], float(seconds))
+    _log.info("EPD: this worker spins %.3g s for its next step after one (vLLM: %g s; "
+              "worker_spin_s)", seconds, defaults[-1])
+    return True

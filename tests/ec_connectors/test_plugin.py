@@ -1,5 +1,8 @@
 """The connector is reachable by bare name (entry point) and by module path."""
 
+import subprocess
+import sys
+
 import pytest
 from vllm.config import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
@@ -50,10 +53,6 @@ def test_plugin_asks_for_amx_state_in_every_vllm_process():
     state; a worker whose first request is text-only died with SIGILL (engine dead). The
     plugin, which vLLM loads in every process, asks for it."""
     import platform
-    import subprocess
-    import sys
-
-    import pytest
 
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         pytest.skip("arch_prctl AMX permission is Linux x86_64 only")
@@ -116,3 +115,40 @@ def plugin_module():
     from ec_connectors import plugin
 
     return plugin
+
+
+_SPIN_PROBE = """
+import os, sys, tempfile, time, types, zmq
+from ec_connectors.plugin import shorten_worker_spin
+from vllm.distributed.device_communicators import shm_broadcast as sb
+spin_s = float(sys.argv[1])
+if spin_s >= 0:
+    assert shorten_worker_spin(spin_s)
+ctx = zmq.Context()
+addr = "ipc://" + os.path.join(tempfile.mkdtemp(), "notify")
+writer = sb.SpinCondition(is_reader=False, context=ctx, notify_address=addr)
+reader = sb.SpinCondition(is_reader=True, context=ctx, notify_address=addr)  # as vLLM makes it
+reader.record_read()  # a step was just read
+time.sleep(0.02)  # the engine's gap between two empty steps
+t0 = time.perf_counter()
+reader.wait(timeout_ms=200)  # no step comes: does it sleep (200 ms) or spin (returns now)?
+print(reader.busy_loop_s, time.perf_counter() - t0)
+print(shorten_worker_spin(1.0, types.SimpleNamespace()))  # no such reader: left alone
+"""
+
+
+@pytest.mark.parametrize("spin_s", [-1, 0.002])
+def test_worker_spin_shortened_makes_the_step_reader_sleep_between_sparse_steps(spin_s):
+    """What a worker's EPDConnector does to vLLM's own step-queue reader (SpinCondition), in a
+    fresh process: by vLLM's default (1 s) a reader that read a step 20 ms ago still spins
+    (its wait returns at once, to be called again: a busy core); with `worker_spin_s` 2 ms it
+    sleeps on the notification socket until the next step (here: the 200 ms timeout)."""
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE, str(spin_s)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (busy, waited), left_alone = (line.split() for line in out.stdout.split("\n")[-3:-1])
+    assert left_alone == ["False"]
+    if spin_s < 0:
+        assert float(busy) == 1 and float(waited) < 0.1
+    else:
+        assert float(busy) == spin_s and float(waited) >= 0.15
