@@ -13,8 +13,8 @@ a config names.
 - tiered.py: TieredTransport, several backends behind one (save to all, load in order);
 - leases.py: the lease book, the one keep/evict policy of the stores that hold items for
   consumers (shm's arena, mooncake_te's producer pool): leases, victims, backpressure;
-- hashed_copy.py: an item copied and hashed in one pass on several threads, shm's keyed
-  digests (torch-free);
+- hashed_copy.py: an item copied and hashed in one pass on several threads (torch-free):
+  shm's keyed digests and the peer transports' checksum (mooncake_te/, nixl_pull/);
 - memory.py: a registered memory pool (Allocator, MemoryPool, PoolBuffer) for the Mooncake
   backends, and the allocator shm's arena carves its blocks with;
 - dir_watch.py: inotify over a directory's keys, for the file-backed backends (KeyWatch);

@@ -121,3 +121,43 @@ def copy_and_hash(dst_addr: int, dst: memoryview, src_addr: int | None, nbytes: 
     for f in futures:
         f.result()
     return parts
+
+
+# -- the peer transports' item checksum (mooncake, nixl) -----------------------------------------
+# Not keyed (their side channel is: CURVE), bound to no identity (the pull's reply names the
+# item): xxh3 of every PEER_CHUNK bytes, combined. Chunks, not one running xxh3, so that two
+# threads hash an item at once while it is copied into the producer's pool (a running hash is
+# one thread's: on two cores it added a second full pass to every put).
+PEER_CHUNK = 1 << 20
+_PEER = Digest("xxh3", None)
+
+
+def peer_checksum(data: memoryview, pool: Executor | None = None, threads: int = 1) -> str:
+    """The peer checksum of bytes already in place."""
+    return _PEER.final("", PEER_CHUNK, copy_and_hash(0, data, None, len(data), PEER_CHUNK,
+                                                     _PEER, pool, threads))
+
+
+def copy_with_peer_checksum(dst_addr: int, dst: memoryview, src_addr: int, nbytes: int,
+                            pool: Executor | None = None, threads: int = 1) -> str:
+    """Copy `nbytes` into `dst` (as copy_and_hash) and return their peer checksum."""
+    return _PEER.final("", PEER_CHUNK, copy_and_hash(dst_addr, dst, src_addr, nbytes,
+                                                     PEER_CHUNK, _PEER, pool, threads))
+
+
+class PeerChecksum:
+    """The peer checksum of an item whose bytes come in pieces, in order.
+
+    Every piece but the last must be a whole number of PEER_CHUNKs."""
+
+    def __init__(self) -> None:
+        self.hashed = 0
+        self._parts: list[bytes] = []
+
+    def add(self, piece: memoryview) -> None:
+        for off in range(0, len(piece), PEER_CHUNK):
+            self._parts.append(_PEER.chunk(piece[off:off + PEER_CHUNK]))
+        self.hashed += len(piece)
+
+    def hexdigest(self) -> str:
+        return _PEER.final("", PEER_CHUNK, self._parts)

@@ -12,12 +12,12 @@ import time
 from collections.abc import Callable
 
 import torch
-import xxhash
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import item_key
-from ec_connectors.transports.base import TransportEvents, checksum, describe
+from ec_connectors.transports.base import TransportEvents, describe
+from ec_connectors.transports.hashed_copy import PEER_CHUNK, PeerChecksum, peer_checksum
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te.messages import (
     Pulled,
@@ -31,27 +31,33 @@ _UNKNOWN_RETRY_S = (0.005, 0.2)  # backoff while a producer's save is queued ("p
 
 
 class StreamVerifier:
-    """xxh3 over a pool block's bytes in order, as chunks land (same digest as one-shot).
+    """The peer checksum of a pool block's bytes, hashed as chunks land (hashed_copy.py).
 
     Device pools hash a host copy of each chunk."""
 
     def __init__(self, buf: PoolBuffer) -> None:
         self._raw = buf.as_tensor(torch.uint8, (buf.nbytes,))
         self._host = buf.as_bytes() if self._raw.device.type == "cpu" else None
-        self._hasher = xxhash.xxh3_64()
-        self.hashed = 0
+        self._sum = PeerChecksum()
+        self._len = self._raw.numel()
 
-    def advance(self, upto: int) -> None:
-        upto = min(upto, self._raw.numel())
-        if upto > self.hashed:
-            if self._host is not None:
-                self._hasher.update(self._host[self.hashed:upto])
-            else:
-                self._hasher.update(memoryview(self._raw[self.hashed:upto].cpu().numpy()))
-            self.hashed = upto
+    def advance(self, upto: int, total: int | None = None) -> None:
+        """Hash what landed: the first `upto` bytes of the item.
+
+        `total`: the item's size, once known (until then only whole chunks are hashed)."""
+        end = min(upto, self._len)
+        if total is None or end < total:
+            end -= end % PEER_CHUNK
+        start = self._sum.hashed
+        if end <= start:
+            return
+        if self._host is not None:
+            self._sum.add(self._host[start:end])
+        else:
+            self._sum.add(memoryview(self._raw[start:end].cpu().numpy()).cast("B"))
 
     def hexdigest(self) -> str:
-        return self._hasher.hexdigest()
+        return self._sum.hexdigest()
 
 
 class Puller:
@@ -249,10 +255,11 @@ class Puller:
             data = p.buf.as_bytes()[:info.nbytes] if raw.device.type == "cpu" else None
         if self.config.verify_checksum:
             if verifier is not None and not reply.inline:
-                verifier.advance(info.nbytes)  # the chunks that landed are hashed already
+                verifier.advance(info.nbytes, info.nbytes)  # the rest of what landed
                 digest = verifier.hexdigest()
             else:
-                digest = checksum(data if data is not None else memoryview(raw.cpu().numpy()))
+                digest = peer_checksum(data if data is not None
+                                       else memoryview(raw.cpu().numpy()).cast("B"))
             if digest != info.checksum:
                 self.events.corrupt += 1
                 logger.warning("EPD: checksum mismatch for %s from %s", info.key, info.location)

@@ -40,6 +40,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
@@ -59,10 +60,14 @@ from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import (
     Placement,
     Transport,
-    checksum,
     dtype_name,
     host_copy,
     tensor_bytes,
+)
+from ec_connectors.transports.hashed_copy import (
+    copy_with_peer_checksum,
+    peer_checksum,
+    usable_cores,
 )
 from ec_connectors.transports.memory import MemoryPool
 from ec_connectors.transports.mooncake_te.announcer import Announcer
@@ -113,6 +118,8 @@ class MooncakeTransport(Transport):
         nonce = os.urandom(ConsumerRanges.NONCE_BYTES)
         self._own[:len(nonce)] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
         self.store: ProducerStore | None = None
+        self._hash_exec: ThreadPoolExecutor | None = None
+        self._hash_threads = 1
         self.server: PullServer | None = None
         self.announcer: Announcer | None = None
         self._endpoint = ""
@@ -177,6 +184,11 @@ class MooncakeTransport(Transport):
                  for purpose in (PURPOSE_SERVE, PURPOSE_ANNOUNCE, PURPOSE_STREAM)]
         self._endpoint = f"{self.host}:{ports[0]}"
         self.store = ProducerStore(self.pool, c.lease_ttl_s, c.lease_min_s)
+        # a put copies into the pool and hashes on two threads (one per core at most)
+        self._hash_threads = min(2, usable_cores())
+        self._hash_exec = ThreadPoolExecutor(self._hash_threads - 1,
+                                             thread_name_prefix="epd-put-hash") \
+            if self._hash_threads > 1 else None
         read = self.engine.transfer_sync_read if self.engine else (lambda *_: -1)
         ranges = ConsumerRanges(read, memoryview(self._own.numpy()), self._own.data_ptr())
         streams = None
@@ -211,18 +223,26 @@ class MooncakeTransport(Transport):
         if held is not None:  # same content id, same bytes: renew the promise, store nothing
             self.store.renew(key)
             return held.info
-        host_view = host_copy(tensor)
+        host_view = host_copy(tensor).contiguous()
         data = tensor_bytes(host_view)
+        n = len(data)
         deadline = time.monotonic() + self.config.save_queue_timeout_s
-        buf, evicted = self.store.reserve(len(data), deadline)
-        try:  # from the host copy made for the checksum when the pool is on the host too
-            buf.write(host_view if self.pool.device == "cpu" else tensor)
+        buf, evicted = self.store.reserve(n, deadline)
+        try:
+            if self.pool.device == "cpu":  # one pass: copied and hashed chunk by chunk
+                digest = copy_with_peer_checksum(buf.addr, buf.as_bytes()[:n],
+                                                 host_view.data_ptr(), n, self._hash_exec,
+                                                 self._hash_threads) if n else \
+                    peer_checksum(data)
+            else:  # the device copy from the tensor, the checksum from its host copy
+                buf.write(tensor)
+                digest = peer_checksum(data, self._hash_exec, self._hash_threads)
         except BaseException:
             buf.release()
             raise
         info = ItemInfo(item_id=item_id, key=key, shape=tuple(tensor.shape),
-                        dtype=dtype_name(tensor.dtype), nbytes=len(data),
-                        checksum=checksum(data), location=self.endpoint)
+                        dtype=dtype_name(tensor.dtype), nbytes=n, checksum=digest,
+                        location=self.endpoint)
         info = self.store.add(info, buf)
         if evicted:
             self.events.evictions += len(evicted)
@@ -275,6 +295,8 @@ class MooncakeTransport(Transport):
             if part is not None:
                 part.close()
         self.puller.close()
+        if self._hash_exec is not None:
+            self._hash_exec.shutdown(wait=True)  # no put is copying into the pool now
         if self.store is not None:
             self.store.clear()
         self.pool.close()
