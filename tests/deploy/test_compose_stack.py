@@ -14,11 +14,13 @@ Starts vLLM servers: run it under the machine-wide lock (`./run.sh test-deploy` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -152,21 +154,19 @@ def containers() -> dict[str, dict]:
     return {c["Config"]["Labels"]["com.docker.compose.service"]: c for c in info}
 
 
-@pytest.fixture(scope="module")
-def stack(prepared, reference, secret, client):
-    """`podman-compose --profile monitoring up -d` of docker-compose.yml, ready; down (and
-    checked gone) after. Starts after the reference has stopped: one vLLM stack at a time."""
+@contextlib.contextmanager
+def compose_up(compose_file: Path, env: dict[str, str], client: httpx.Client, url: str,
+               profiles: tuple[str, ...] = (), tag: str = "deploy"):
+    """`podman-compose [--profile P] up -d` of `compose_file` under the lane's project, ready
+    (the gateway at `url` healthy; a server that exited for good fails at once); down and
+    checked gone after, whatever happens. Yields the compose executable."""
     exe = engine.compose_bin()
-    env = {**engine.engine_env(), "EPD_SECRET_PATH": str(secret),
-           "EPD_GATEWAY_PUBLISH": f"127.0.0.1:{PUBLISHED}",
-           "EPD_PROMETHEUS_PUBLISH": f"127.0.0.1:{PROM_PUBLISHED}"}
-    url = f"http://127.0.0.1:{PUBLISHED}"
     engine.clean(exe)  # a previous run killed before its teardown
     t0 = time.monotonic()
     try:
-        up = engine.run([exe, "--project-name", engine.PROJECT, "-f", engine.COMPOSE_FILE,
-                         "--profile", "monitoring", "up", "-d"], env=env, check=False,
-                        timeout=900)
+        up = engine.run([exe, "--project-name", engine.PROJECT, "-f", compose_file,
+                         *(a for p in profiles for a in ("--profile", p)), "up", "-d"],
+                        env=env, check=False, timeout=900)
         assert up.returncode == 0, (up.stdout + up.stderr)[-4000:]
 
         def ready() -> bool:
@@ -179,11 +179,23 @@ def stack(prepared, reference, secret, client):
         ok = wait_for(ready, timeout=START_S, interval=2.0)
         assert ok, f"stack not ready in {START_S} s: " + "\n".join(
             f"--- {n}\n{logs(n)}" for n in containers())
-        print(f"\n[deploy] compose stack ready in {time.monotonic() - t0:.0f} s")
-        yield {"url": url, "env": env, "secret": secret}
+        print(f"\n[{tag}] compose stack ready in {time.monotonic() - t0:.0f} s")
+        yield exe
     finally:
         left = engine.clean(exe)
         assert not left, f"left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def stack(prepared, reference, secret, client):
+    """docker-compose.yml with its `monitoring` profile, ready; down (and checked gone)
+    after. Starts after the reference has stopped: one vLLM stack at a time."""
+    env = {**engine.engine_env(), "EPD_SECRET_PATH": str(secret),
+           "EPD_GATEWAY_PUBLISH": f"127.0.0.1:{PUBLISHED}",
+           "EPD_PROMETHEUS_PUBLISH": f"127.0.0.1:{PROM_PUBLISHED}"}
+    url = f"http://127.0.0.1:{PUBLISHED}"
+    with compose_up(engine.COMPOSE_FILE, env, client, url, profiles=("monitoring",)):
+        yield {"url": url, "env": env, "secret": secret}
 
 
 def logs(service: str, tail: int = 40) -> str:
