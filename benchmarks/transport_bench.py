@@ -185,9 +185,12 @@ class Path_:
 
 
 def run_path(name: str, sizes: list[int], reps: int, work: Path,
-             secret: str | None, netns: NetnsPair | None = None) -> dict[int, dict]:
-    """{nbytes: {"put_ms": .., "get_ms": .., "ms": ..}} (medians) for one path."""
+             secret: str | None, netns: NetnsPair | None = None,
+             extra: dict | None = None) -> dict[int, dict]:
+    """{nbytes: {"put_ms": .., "get_ms": .., "ms": ..}} (medians) for one path; `extra`:
+    connector keys over both ends' configs."""
     path = Path_(name, max(sizes), reps, work, secret, netns)
+    path.prod, path.cons = {**path.prod, **(extra or {})}, {**path.cons, **(extra or {})}
     where = (netns.prefix(netns.a), netns.prefix(netns.b)) if netns else (None, None)
     log = str(work / f"transport-bench-{name}.log")
     peers: list[PeerClient] = []
@@ -242,6 +245,9 @@ def main() -> int:
     ap.add_argument("--secret", action="store_true", help="a deployment secret for every path")
     ap.add_argument("--netns", action="store_true", help="producer and consumer in two "
                     "network namespaces (root)")
+    ap.add_argument("--extra", type=json.loads, default={},
+                    help='connector keys for every path\'s both ends, as JSON: '
+                         '\'{"transfer_chunk_bytes": 0}\'')
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.netns:
@@ -282,7 +288,7 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
             for k, v in beside[label(mb)].items():
                 limits[label(mb)].setdefault(k, []).append(v)
         try:
-            timings = run_path(name, sizes, args.reps, work, secret, netns)
+            timings = run_path(name, sizes, args.reps, work, secret, netns, args.extra)
         except Exception as exc:  # noqa: BLE001 - a path that cannot run here is reported
             print(f"{name}: not measured: {type(exc).__name__}: {exc}", file=sys.stderr)
             for mb in args.sizes_mb:

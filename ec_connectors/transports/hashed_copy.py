@@ -154,9 +154,10 @@ class PeerChecksum:
         self.hashed = 0
         self._parts: list[bytes] = []
 
-    def add(self, piece: memoryview) -> None:
-        for off in range(0, len(piece), PEER_CHUNK):
-            self._parts.append(_PEER.chunk(piece[off:off + PEER_CHUNK]))
+    def add(self, piece: memoryview, pool: Executor | None = None, threads: int = 1) -> None:
+        """Hash the next piece, on `threads` threads (this one and `pool`'s) when it is large."""
+        self._parts += copy_and_hash(0, piece, None, len(piece), PEER_CHUNK, _PEER, pool,
+                                     threads)
         self.hashed += len(piece)
 
     def hexdigest(self) -> str:

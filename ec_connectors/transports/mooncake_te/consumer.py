@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 
@@ -17,7 +18,12 @@ from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.transports.base import TransportEvents, describe
-from ec_connectors.transports.hashed_copy import PEER_CHUNK, PeerChecksum, peer_checksum
+from ec_connectors.transports.hashed_copy import (
+    PEER_CHUNK,
+    PeerChecksum,
+    peer_checksum,
+    usable_cores,
+)
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te.messages import (
     Pulled,
@@ -35,11 +41,12 @@ class StreamVerifier:
 
     Device pools hash a host copy of each chunk."""
 
-    def __init__(self, buf: PoolBuffer) -> None:
+    def __init__(self, buf: PoolBuffer, pool: Executor | None = None, threads: int = 1) -> None:
         self._raw = buf.as_tensor(torch.uint8, (buf.nbytes,))
         self._host = buf.as_bytes() if self._raw.device.type == "cpu" else None
         self._sum = PeerChecksum()
         self._len = self._raw.numel()
+        self._pool, self._threads = pool, threads  # a large piece is hashed on both
 
     def advance(self, upto: int, total: int | None = None) -> None:
         """Hash what landed: the first `upto` bytes of the item.
@@ -52,7 +59,7 @@ class StreamVerifier:
         if end <= start:
             return
         if self._host is not None:
-            self._sum.add(self._host[start:end])
+            self._sum.add(self._host[start:end], self._pool, self._threads)
         else:
             self._sum.add(memoryview(self._raw[start:end].cpu().numpy()).cast("B"))
 
@@ -77,6 +84,11 @@ class Puller:
         self._make_link = make_link
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
+        # what lands in one piece (one NIXL read) is verified on two threads, as a put hashes
+        self._verify_threads = min(2, usable_cores())
+        self._verify_pool = ThreadPoolExecutor(self._verify_threads - 1,
+                                               thread_name_prefix="epd-verify") \
+            if self._verify_threads > 1 else None
 
     def _link(self, endpoint: str) -> PeerLink:
         with self._lock:
@@ -167,8 +179,8 @@ class Puller:
         scaled = self.config.transfer_timeout_base_s + nbytes / self.config.min_transfer_bytes_per_s
         timeout = min(deadline - time.monotonic(), scaled)
         self.stats["pulls"] += 1
-        verifier = StreamVerifier(buf) if self.config.verify_checksum and buf is not None \
-            else None
+        verifier = StreamVerifier(buf, self._verify_pool, self._verify_threads) \
+            if self.config.verify_checksum and buf is not None else None
         p = link.pull(key, self.session, buf, timeout,
                       on_progress=verifier.advance if verifier else None,
                       namespace=self.namespace)
@@ -286,3 +298,5 @@ class Puller:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown(wait=True)

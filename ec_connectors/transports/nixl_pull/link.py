@@ -112,11 +112,20 @@ class NixlPeerLink(PeerLink):
                                        f"{reply.src_addr:#x}, outside its registered range")
             return p
         hashed: list[Future] = []
-        hash_chunk = None if on_progress is None else \
-            (lambda end: hashed.append(self._hasher.submit(on_progress, end)))
+
+        def hash_chunk(end: int) -> None:
+            if end < n:  # verified on our thread while the next read copies
+                hashed.append(self._hasher.submit(on_progress, end))
+                return
+            for done in hashed:  # in order; the last piece here, on the verifier's threads
+                done.result()
+            hashed.clear()
+            on_progress(end)
+
         state, live = self.agent.read((buf.addr, n, self.location),
                                       (reply.src_addr, peer.mem, peer.device), n, peer.agent,
-                                      reply.token, deadline, self.chunk, hash_chunk)
+                                      reply.token, deadline, self.chunk,
+                                      None if on_progress is None else hash_chunk)
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
         self.stats["nixl_reads"] += 1

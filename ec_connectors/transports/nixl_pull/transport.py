@@ -55,10 +55,14 @@ class NixlTransport(MooncakeTransport):
 
     def _make_link(self, hello: NixlHello) -> Callable[[str], PeerLink]:  # type: ignore[override]
         scratch = (self._own.data_ptr(), self._own.numel())
+        # into host memory one read, then verified on two threads, measured as fast as reads
+        # verified as they land (docs/transports.md); a device pool's chunks are hashed
+        # from host copies, which overlap the next read
+        chunk = 0 if self.location == "cpu" else self.config.transfer_chunk_bytes
 
         def make(endpoint: str) -> NixlPeerLink:
             return NixlPeerLink(endpoint, self._zmq, self.curve, self.agent, self.location,
-                                scratch, self.pull_stats, hello, self.config.transfer_chunk_bytes)
+                                scratch, self.pull_stats, hello, chunk)
         return make
 
     def _streams_wanted(self) -> bool:

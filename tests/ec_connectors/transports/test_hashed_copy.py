@@ -38,12 +38,17 @@ def test_copied_hashed_and_streamed_checksums_agree(n):
             verifier.advance(upto)
         verifier.advance(n, n)
         assert verifier.hexdigest() == whole
+        with ThreadPoolExecutor(1) as pool:  # all in one piece (one NIXL read), two threads
+            at_once = StreamVerifier(buf, pool, 2)
+            at_once.advance(n, n)
+            assert at_once.hexdigest() == whole
         buf.release()
     finally:
         pool_.close()
     pieces = PeerChecksum()
-    pieces.add(view[:PEER_CHUNK * (n // PEER_CHUNK)])
-    pieces.add(view[PEER_CHUNK * (n // PEER_CHUNK):])
+    with ThreadPoolExecutor(1) as pool:
+        pieces.add(view[:PEER_CHUNK * (n // PEER_CHUNK)], pool, 2)
+        pieces.add(view[PEER_CHUNK * (n // PEER_CHUNK):])
     assert pieces.hexdigest() == whole
 
 
