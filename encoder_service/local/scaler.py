@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +84,7 @@ class Scaler:
         secret = read_secret(cfg.secret_path)
         self.http = httpx.Client(timeout=1.0, trust_env=False, headers={} if secret is None
                                  else {"authorization": f"Bearer {api_key(secret)}"})
+        self._asks = ThreadPoolExecutor(8, thread_name_prefix="epd-scaler-metrics")
         self.next_at = 0.0
         self.view: dict[str, Any] = {}
         self.gateway.admin.scaling = lambda: self.view
@@ -119,14 +121,15 @@ class Scaler:
         """What the role's servers queue themselves (pool queue depth, vLLM's waiting)."""
         if role.name == "encoder" and self.dep.cfg.encoder_backend != "pool":
             return 0.0
-        total = 0.0
-        for proc in role.active:
+        def queued(proc: ManagedProcess) -> float:
             try:
-                total += metric_value(self.http.get(proc.url + "/metrics").text,
-                                      QUEUES[role.name])
+                return metric_value(self.http.get(proc.url + "/metrics").text,
+                                    QUEUES[role.name])
             except httpx.HTTPError:
-                continue  # a dying instance: the supervisor's business
-        return total
+                return 0.0  # a dying instance: the supervisor's business
+
+        # all at once: a hung instance costs one timeout per poll, not one per instance
+        return sum(self._asks.map(queued, list(role.active)))
 
     def _gateway_call(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the gateway's event loop (its pools live there); None if it is gone."""
@@ -233,6 +236,7 @@ class Scaler:
         self.view = {"roles": roles, "decisions": list(self.events)}
 
     def close(self) -> None:
+        self._asks.shutdown(wait=True)
         self.http.close()
 
 

@@ -157,3 +157,41 @@ def test_a_start_that_fails_leaves_the_role_as_it_was(world):
     assert w.gateway.admin.scaling()["roles"]["encoder"] == {
         "starting": 0, "serving": 1, "draining": 0, "wanted": 1, "min": 1, "max": 2,
         "load": 3.0}
+
+
+def test_queues_are_read_from_every_instance_at_once(world):
+    """What the instances queue themselves comes from their /metrics, asked all at once: two
+    hung instances cost one poll one timeout (1 s), not one each; an answering one counts."""
+    import http.server
+    import time
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.server.hang:
+                time.sleep(2.5)
+            body = b'vllm:num_requests_waiting{engine="0"} 2.0\n'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+    for hang in (True, False, True):
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+        srv.hang, srv.daemon_threads = hang, True
+        srv.handle_error = lambda *_: None  # a hung answer's client has gone: expected
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+    try:
+        role = SimpleNamespace(name="decode", active=[
+            SimpleNamespace(url=f"http://127.0.0.1:{srv.server_address[1]}") for srv in servers])
+        t0 = time.monotonic()
+        assert world.scaler._queued(role) == 2.0
+        assert time.monotonic() - t0 < 1.8
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
