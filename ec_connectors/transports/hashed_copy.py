@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import blake3
 import xxhash
@@ -39,6 +39,15 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def helper_threads(wanted: int, name: str) -> tuple[ThreadPoolExecutor | None, int]:
+    """(pool, threads) for copy_and_hash: up to `wanted` threads, this one and the pool's.
+
+    No more than the cores this process may run on; no pool for one thread."""
+    threads = max(1, min(wanted, usable_cores()))
+    pool = ThreadPoolExecutor(threads - 1, thread_name_prefix=name) if threads > 1 else None
+    return pool, threads
 
 
 def derive_key(secret: bytes | None) -> bytes | None:

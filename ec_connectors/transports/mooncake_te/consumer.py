@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 
 import torch
 
@@ -21,8 +21,8 @@ from ec_connectors.transports.base import TransportEvents, describe
 from ec_connectors.transports.hashed_copy import (
     PEER_CHUNK,
     PeerChecksum,
+    helper_threads,
     peer_checksum,
-    usable_cores,
 )
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
 from ec_connectors.transports.mooncake_te.messages import (
@@ -85,10 +85,7 @@ class Puller:
         self._links: dict[str, PeerLink] = {}
         self._lock = threading.Lock()
         # what lands in one piece (one NIXL read) is verified on two threads, as a put hashes
-        self._verify_threads = min(2, usable_cores())
-        self._verify_pool = ThreadPoolExecutor(self._verify_threads - 1,
-                                               thread_name_prefix="epd-verify") \
-            if self._verify_threads > 1 else None
+        self._verify_pool, self._verify_threads = helper_threads(2, "epd-verify")
 
     def _link(self, endpoint: str) -> PeerLink:
         with self._lock:

@@ -66,8 +66,8 @@ from ec_connectors.transports.base import (
 )
 from ec_connectors.transports.hashed_copy import (
     copy_with_peer_checksum,
+    helper_threads,
     peer_checksum,
-    usable_cores,
 )
 from ec_connectors.transports.memory import MemoryPool
 from ec_connectors.transports.mooncake_te.announcer import Announcer
@@ -185,10 +185,7 @@ class MooncakeTransport(Transport):
         self._endpoint = f"{self.host}:{ports[0]}"
         self.store = ProducerStore(self.pool, c.lease_ttl_s, c.lease_min_s)
         # a put copies into the pool and hashes on two threads (one per core at most)
-        self._hash_threads = min(2, usable_cores())
-        self._hash_exec = ThreadPoolExecutor(self._hash_threads - 1,
-                                             thread_name_prefix="epd-put-hash") \
-            if self._hash_threads > 1 else None
+        self._hash_exec, self._hash_threads = helper_threads(2, "epd-put-hash")
         read = self.engine.transfer_sync_read if self.engine else (lambda *_: -1)
         ranges = ConsumerRanges(read, memoryview(self._own.numpy()), self._own.data_ptr())
         streams = None

@@ -16,7 +16,6 @@ import ctypes
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ec_connectors.log import get_logger
@@ -35,7 +34,7 @@ from ec_connectors.transports.hashed_copy import (
     Digest,
     copy_and_hash,
     derive_key,
-    usable_cores,
+    helper_threads,
 )
 from ec_connectors.transports.shm.arena import (
     BLOCK_HEADER,
@@ -98,11 +97,10 @@ class ShmTransport(Transport):
         # workers map whole arenas pre-faulted (large copies); the scheduler reads small
         # items and maps lazily
         self.maps = Mappings(self.dir, populate=worker)
-        self.threads = min(config.shm_copy_threads, usable_cores()) if worker else 1
+        self._exec, self.threads = helper_threads(config.shm_copy_threads if worker else 1,
+                                                  "epd-shm-copy")
         # workers use large items in the producer's block (the scheduler copies small ones)
         self.zero_copy = worker and config.shm_zero_copy
-        self._exec = (ThreadPoolExecutor(self.threads - 1, thread_name_prefix="epd-shm-copy")
-                      if self.threads > 1 else None)
         self.arena: Arena | None = None
         self._dest: MemoryPool | None = None
         self._dest_lock = threading.Lock()
