@@ -168,6 +168,10 @@ class MooncakeSettings(_Settings):
     # Chunk sizes from a quarter of the default to four times it measured the same over TCP
     # (docs/benchmarks.md, transfer chunks); the default keeps the verification overlapped.
     transfer_chunk_bytes: int = Field(default=8 * MiB, ge=0)
+    # nixl: a large read is split across this many threads, each with its own UCX worker (on
+    # one host UCX's get is a kernel copy in the posting thread: two copy on two cores);
+    # at most the cores this process may run on
+    nixl_read_lanes: int = Field(default=2, ge=1, le=16)
     lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, promised items stay this long
     # A pool full of leased items evicts the one promised longest ago once that was this long
     # ago, rather than fail new saves for the rest of the lease (shm_lease_min_s likewise)

@@ -89,9 +89,10 @@ class NixlPeer(msgspec.Struct, tag=True):
 
     producer -> consumer, the answer to `NixlHello`: the agent's name and metadata (what
     `add_remote_agent` loads), its registered pool [`base`, `base` + `length`) of memory
-    type `mem` on device `device`, and `warm`, the notification of a first small read the
+    type `mem` on device `device`, `warm`, the notification of a first small read the
     consumer makes at once (UCX sets up the connection on the first transfer: off the
-    request path)."""
+    request path), and `kernel`, which kernel and process namespace it runs in (equal to
+    the consumer's: UCX reads with a kernel copy, so the consumer splits large reads)."""
 
     agent: str
     metadata: bytes
@@ -100,6 +101,7 @@ class NixlPeer(msgspec.Struct, tag=True):
     mem: str
     device: int
     warm: bytes
+    kernel: str = ""
 
 
 class PullFailed(msgspec.Struct, tag=True):

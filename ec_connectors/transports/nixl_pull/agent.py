@@ -3,25 +3,36 @@
 A thin, checked wrapper over `nixl._api.nixl_agent` (UCX back end): the agent runs without
 NIXL's progress thread (it busy-polls a core), so progress happens when we poll a transfer's
 state or the notifications, which the callers do with short sleeps while anything is in
-flight. The agent is thread-safe (NIXL's strict sync mode): a worker both serves reads
-(notifications) and makes them (its loader threads). Nothing a peer sends is trusted: its
-metadata must name the agent it claims to be, and every read is checked against the range
-the peer said it registered before NIXL sees it (NIXL checks it again against the metadata).
+flight. The agent is thread-safe (NIXL's read-write sync mode with lanes: transfers from
+several threads at once, registration and peers exclusive; strict with one lane): a worker
+both serves reads (notifications) and makes them (its loader threads).
+
+Reads are posted by the agent's lanes, a thread per UCX worker: UCX binds a worker to a
+thread at its first transfer, and on one host its get is a kernel copy made in the posting
+thread, so a large read split across two lanes copies on two cores (about twice as fast,
+docs/transports.md). Only lanes post, so each keeps a worker of its own. Nothing a peer
+sends is trusted: its metadata must name the agent it claims to be, and every read is
+checked against the range the peer said it registered before NIXL sees it (NIXL checks it
+again against the metadata).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from ec_connectors.log import get_logger
 
 logger = get_logger(__name__)
 
 _POLL_S = 0.0002  # between checks of a read in flight
+# smaller reads are one read on one lane: splitting them costs more hand-offs than it copies
+STRIPE_MIN_BYTES = 4 << 20
 _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -42,6 +53,31 @@ def mem_kind(location: str) -> tuple[str, int]:
     raise ValueError(f"NIXL cannot register memory on {location!r}")
 
 
+def _cma_allowed(tls: str) -> bool:
+    """Whether UCX may use cma under this `UCX_TLS` (a list, or "^" and the excluded)."""
+    shared = {"cma", "sm", "shm"}
+    if tls.startswith("^"):
+        return not shared & set(tls[1:].split(","))
+    return not tls or bool((shared | {"all"}) & set(tls.split(",")))
+
+
+def kernel_identity() -> str:
+    """Which booted kernel and pid namespace this process runs in ("" where unknown).
+
+    Two processes that share both read each other's memory with one kernel copy (UCX's cma),
+    which one thread makes: a read between them is split across the lanes. Between hosts
+    (TCP, RDMA) a split only adds connections for the producer to serve; so it does where
+    `UCX_TLS` leaves UCX no cma (measured: over UCX's TCP a split read was slower)."""
+    if not _cma_allowed(os.environ.get("UCX_TLS", "")):
+        return ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
 def valid_name(name: str) -> bool:
     return bool(_NAME.match(name))
 
@@ -49,22 +85,31 @@ def valid_name(name: str) -> bool:
 class NixlAgent:
     """This process's agent (see the module docstring)."""
 
-    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, name: str, backends: tuple[str, ...] = ("UCX",), lanes: int = 1) -> None:
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:
             raise NixlUnavailable(
                 "transport 'nixl' needs NIXL: pip install --no-deps nixl nixl-cu12 (what "
                 f"scripts/setup_env.py does). Import failed: {exc}") from exc
-        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends),
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # read-write sync: the lanes post at once on workers of their own; one lane is
+        # every caller on one worker, serialised as before lanes
+        sync = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW if lanes > 1 else \
+            nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        config = nixl_agent_config(enable_prog_thread=False, backends=[], sync_mode=sync)
         try:
             self._agent = nixl_agent(name, config)
+            for backend in backends:  # UCX: a worker per lane
+                self._agent.create_backend(
+                    backend, {"num_workers": str(lanes)} if backend == "UCX" else {})
         except Exception as exc:  # noqa: BLE001 - the bindings raise their own types
             raise NixlUnavailable(f"cannot start NIXL agent {name} ({backends}): {exc}") from exc
         if not self._agent.backends:
             raise NixlUnavailable(f"NIXL has none of the back ends {backends} here")
         self.name = name
+        # one lane: reads are posted by their callers (one worker, no binding to keep)
+        self.lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"epd-nixl-lane{i}")
+                      for i in range(lanes)] if lanes > 1 else []
         self._regs: list[object] = []
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
         self._lock = threading.Lock()
@@ -115,27 +160,67 @@ class NixlAgent:
 
     def read(self, local: tuple[int, int, str], remote: tuple[int, str, int], nbytes: int,
              peer: str, notif: bytes, deadline: float, chunk: int = 0,
-             on_chunk: Callable[[int], None] | None = None) -> tuple[str, object | None]:
+             on_chunk: Callable[[int], None] | None = None,
+             split: bool = True) -> tuple[str, object | None]:
         """READ `nbytes` from the peer's `remote` (addr, mem, device) into `local`.
 
         `local` is (addr, nbytes, location). With `chunk`, the bytes come in reads of that
         size one after another, `on_chunk(end)` called as each lands (the caller verifies
-        them while the next one is copied); the last carries `notif`. Returns ("DONE",
-        None), ("ERR", None), or ("TIMEOUT", handle) when the deadline passed with a read
-        still in flight and NIXL could not cancel it: the local buffer may still be written,
-        so the caller holds it until `settled(handle)`."""
+        them while the next one is copied); the last carries `notif`. With `split`, each
+        read is split across the lanes (else it goes whole to lane 0). Returns ("DONE",
+        None), ("ERR", None), or ("TIMEOUT", live) when the deadline passed with reads
+        still in flight that NIXL could not cancel: the local buffer may still be written,
+        so the caller holds it until `settled(live)`."""
         step = chunk if 0 < chunk < nbytes else nbytes
         for start in range(0, nbytes, step):
             n = min(step, nbytes - start)
             last = start + n == nbytes
-            state, live = self._read_one((local[0] + start, local[2]),
-                                         (remote[0] + start, remote[1], remote[2]), n, peer,
-                                         notif if last else b"", deadline)
+            state, live = self._read_striped((local[0] + start, local[2]),
+                                             (remote[0] + start, remote[1], remote[2]), n,
+                                             peer, notif if last else b"", deadline, split)
             if state != "DONE":
                 return state, live
             if on_chunk is not None:
                 on_chunk(start + n)
         return "DONE", None
+
+    def _read_striped(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
+                      peer: str, notif: bytes, deadline: float, split: bool = True
+                      ) -> tuple[str, object | None]:
+        """One read, split into a stripe per lane when large and `split`.
+
+        `notif` goes once all stripes landed: a stripe's own notification could reach the
+        producer (which then unpins the item) while another stripe still copies."""
+        if not self.lanes:
+            return self._read_one(local, remote, nbytes, peer, notif, deadline)
+        k = len(self.lanes) if split and nbytes >= STRIPE_MIN_BYTES else 1
+        per = -(-nbytes // k)
+        try:
+            if k == 1:
+                return self.lanes[0].submit(self._read_one, local, remote, nbytes, peer,
+                                            notif, deadline).result()
+            runs = [lane.submit(self._read_one, (local[0] + i * per, local[1]),
+                                (remote[0] + i * per, remote[1], remote[2]),
+                                min(per, nbytes - i * per), peer, b"", deadline)
+                    for i, lane in enumerate(self.lanes) if i * per < nbytes]
+        except RuntimeError:  # the lanes were shut down: the agent is closing
+            return "ERR", None
+        states = [run.result() for run in runs]
+        live = [handle for _, handle in states if handle is not None]
+        if live:  # a stripe NIXL could not cancel still writes: the caller holds the buffer
+            return "TIMEOUT", live
+        for state in ("ERR", "TIMEOUT"):
+            if any(s == state for s, _ in states):
+                return state, None
+        if notif:
+            self.lanes[0].submit(self._notify, peer, notif).result()
+        return "DONE", None
+
+    def _notify(self, peer: str, notif: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, notif)
+        except Exception as exc:  # noqa: BLE001 - the peer's pin then ends at its deadline
+            logger.warning("EPD nixl: notification to %s failed: %s", peer, exc)
 
     def _read_one(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
                   peer: str, notif: bytes, deadline: float) -> tuple[str, object | None]:
@@ -157,11 +242,14 @@ class NixlAgent:
         self.release(handle)
         return ("DONE" if state == "DONE" else "ERR"), None
 
-    def settled(self, handle: object) -> bool:
-        """Whether a read given up on has ended (its handle is then released)."""
-        if self._agent.check_xfer_state(handle) == "PROC":
-            return False
-        return self.release(handle)
+    def settled(self, live: object) -> bool:
+        """Whether a read given up on has ended (its handles are then released).
+
+        `live` is what `read` returned, one handle or a stripe's list, emptied as they end."""
+        handles = live if isinstance(live, list) else [live]
+        handles[:] = [h for h in handles
+                      if self._agent.check_xfer_state(h) == "PROC" or not self.release(h)]
+        return not handles
 
     def release(self, handle: object) -> bool:
         try:
@@ -189,3 +277,5 @@ class NixlAgent:
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
         self._regs.clear()
+        for lane in self.lanes:
+            lane.shutdown(wait=False)

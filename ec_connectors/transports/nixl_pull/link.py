@@ -32,7 +32,7 @@ from ec_connectors.transports.mooncake_te.messages import (
     PullFailed,
 )
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
-from ec_connectors.transports.nixl_pull.agent import NixlAgent, mem_kind
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, kernel_identity, mem_kind
 from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
 
 logger = get_logger(__name__)
@@ -58,6 +58,7 @@ class NixlPeerLink(PeerLink):
         self.peer: NixlPeer | None = None
         self.peer_error = ""
         self._ready = threading.Event()
+        self._one_kernel = False  # the producer shares our kernel: large reads are split
         self._reading: list[tuple[object, PoolBuffer]] = []  # reads given up on, still live
         super().__init__(endpoint, context, curve, hello=hello)
 
@@ -76,6 +77,7 @@ class NixlPeerLink(PeerLink):
                     or msg.device < 0 or len(msg.warm) != TOKEN_BYTES:
                 raise ValueError("a malformed registered range")
             self.agent.add_peer(msg.agent, msg.metadata)
+            self._one_kernel = bool(msg.kernel) and msg.kernel == kernel_identity()
             self.peer = msg
             n = min(_WARM_BYTES, msg.length, self.scratch[1])
             state, _ = self.agent.read((self.scratch[0], n, "cpu"),
@@ -125,7 +127,8 @@ class NixlPeerLink(PeerLink):
         state, live = self.agent.read((buf.addr, n, self.location),
                                       (reply.src_addr, peer.mem, peer.device), n, peer.agent,
                                       reply.token, deadline, self.chunk,
-                                      None if on_progress is None else hash_chunk)
+                                      None if on_progress is None else hash_chunk,
+                                      split=self._one_kernel)
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
         self.stats["nixl_reads"] += 1

@@ -25,7 +25,7 @@ from ec_connectors.transports.mooncake_te.messages import (
 )
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.producer_store import PinnedItem, ProducerStore
-from ec_connectors.transports.nixl_pull.agent import NixlAgent, mem_kind
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, kernel_identity, mem_kind
 
 logger = get_logger(__name__)
 
@@ -100,6 +100,7 @@ class NixlPullServer(PullServer):
         self.agent = agent
         self.pins = ReadPins(agent, store)
         self._mem, self._device = mem_kind(pool_location)
+        self._kernel = kernel_identity()
         self._metadata = agent.metadata()
         super().__init__(address, endpoint, store, *args, **kwargs)
 
@@ -110,7 +111,8 @@ class NixlPullServer(PullServer):
                 warm = self.pins.hold(None, time.monotonic() + _WARM_S)
                 self._reply(peer, NixlPeer(agent=self.agent.name, metadata=self._metadata,
                                            base=pool.base_addr, length=pool.capacity,
-                                           mem=self._mem, device=self._device, warm=warm))
+                                           mem=self._mem, device=self._device, warm=warm,
+                                           kernel=self._kernel))
             return
         super()._on_message(msg, peer, payload)
 

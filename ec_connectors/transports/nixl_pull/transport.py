@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.transports.base import Placement
+from ec_connectors.transports.hashed_copy import usable_cores
 from ec_connectors.transports.mooncake_te.messages import NixlHello
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import PullServer
@@ -35,7 +36,8 @@ class NixlTransport(MooncakeTransport):
 
     def __init__(self, config: EPDConfig, placement: Placement) -> None:
         self.location = pool_location(config.memory_pool_device)
-        self.agent = NixlAgent(f"epd-{os.getpid()}-{os.urandom(4).hex()}")
+        self.agent = NixlAgent(f"epd-{os.getpid()}-{os.urandom(4).hex()}",
+                               lanes=min(config.nixl_read_lanes, usable_cores()))
         try:
             super().__init__(config, placement)
         except BaseException:

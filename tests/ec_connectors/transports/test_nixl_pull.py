@@ -183,6 +183,15 @@ def test_read_pins_end_on_their_notification_or_their_deadline():
         pins.close()
 
 
+def test_reads_are_split_only_where_ucx_may_copy_in_the_kernel(monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert nixl_agent.kernel_identity()
+    for tls, split in (("tcp", False), ("rc,tcp", False), ("^cma", False), ("^tcp", True),
+                       ("sm,tcp", True), ("cma,tcp", True), ("all", True)):
+        monkeypatch.setenv("UCX_TLS", tls)
+        assert bool(nixl_agent.kernel_identity()) is split, tls
+
+
 def test_gpu_pools_register_as_vram_and_peer_names_are_checked():
     assert nixl_agent.mem_kind("cpu") == ("DRAM", 0)
     assert nixl_agent.mem_kind("cuda:1") == ("VRAM", 1)
@@ -205,5 +214,68 @@ def _peer_names_checked() -> None:
             one.add_peer("../x y", two.metadata())
         assert one.add_peer(two.name, two.metadata()) == two.name
     finally:
+        one.close()
+        two.close()
+
+
+def test_large_reads_are_split_across_lanes_and_notify_once():
+    """A read of several MiB goes out as one stripe per lane (each lane a thread with its own
+    UCX worker), lands whole, and its notification reaches the producer once, after all;
+    unsplit (a producer on another host), it is one read on the first lane."""
+    in_child("_striped_read")
+
+
+def _striped_read() -> None:
+    one = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-r", lanes=2)
+    two = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-s")
+    try:
+        n = nixl_agent.STRIPE_MIN_BYTES * 2 + 3  # stripes of unequal length
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        two.register(src.data_ptr(), n, "cpu")
+        one.register(dst.data_ptr(), n, "cpu")
+        one.add_peer(two.name, two.metadata())
+        stripes: list[tuple[str, int]] = []
+        real = one._read_one
+
+        def spy(local, remote, nbytes, *args):
+            stripes.append((threading.current_thread().name, nbytes))
+            return real(local, remote, nbytes, *args)
+
+        one._read_one = spy
+        notes: list[bytes] = []
+        stop = threading.Event()
+
+        def serve() -> None:  # the producer's side progresses as its pins thread does
+            while not stop.is_set():
+                notes.extend(two.notifications())
+                time.sleep(0.0005)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        landed: list[int] = []
+        state, live = one.read((dst.data_ptr(), n, "cpu"), (src.data_ptr(), "DRAM", 0), n,
+                               two.name, b"token-1", time.monotonic() + 30,
+                               chunk=nixl_agent.STRIPE_MIN_BYTES * 2, on_chunk=landed.append)
+        assert (state, live) == ("DONE", None) and torch.equal(dst, src)
+        assert landed == [nixl_agent.STRIPE_MIN_BYTES * 2, n]
+        big = [s for s in stripes if s[1] >= nixl_agent.STRIPE_MIN_BYTES]
+        assert len(big) == 2 and {name[:14] for name, _ in big} == {"epd-nixl-lane0",
+                                                                    "epd-nixl-lane1"}
+        assert sum(size for _, size in stripes) == n  # the 3-byte tail: one small read
+        assert wait_for(lambda: notes, timeout=5)
+        time.sleep(0.2)
+        assert notes == [b"token-1"]
+        # a producer on another kernel (no cma: TCP, RDMA) gets each read whole, on lane 0
+        stripes.clear()
+        dst.zero_()
+        state, _ = one.read((dst.data_ptr(), n, "cpu"), (src.data_ptr(), "DRAM", 0), n,
+                            two.name, b"token-2", time.monotonic() + 30, split=False)
+        assert state == "DONE" and torch.equal(dst, src)
+        assert [(name[:14], size) for name, size in stripes] == [("epd-nixl-lane0", n)]
+        assert wait_for(lambda: notes == [b"token-1", b"token-2"], timeout=5)
+        assert nixl_agent.kernel_identity()  # what the producer sends, compared by the link
+    finally:
+        stop.set()
         one.close()
         two.close()
