@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -148,6 +149,8 @@ class _FakeAgent:
     def __init__(self) -> None:
         self.notes: list[bytes] = []
         self.calls: list[tuple] = []
+        self.states: dict[str, str] = {}  # a transfer handle -> its NIXL state
+        self.released: list[str] = []
         self._agent = self
 
     def notifications(self) -> list[bytes]:
@@ -160,6 +163,12 @@ class _FakeAgent:
 
     def register_memory(self, descs):
         return descs
+
+    def check_xfer_state(self, handle):
+        return self.states[handle]
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
 
 
 class _Store:
@@ -181,6 +190,45 @@ def test_read_pins_end_on_their_notification_or_their_deadline():
         assert sorted(store.unpinned) == ["a", "b"] and (pins.done, pins.expired) == (1, 1)
     finally:
         pins.close()
+
+
+def test_a_stripe_still_writing_keeps_the_whole_read_held():
+    """One stripe failed, the other timed out and NIXL could not cancel it: the read reports
+    a timeout with that stripe live (the caller holds the buffer until it settles), and no
+    notification goes to the producer. The stripes' outcomes are made up; the lanes and the
+    bookkeeping around them are the agent's own."""
+    agent = nixl_agent.NixlAgent.__new__(nixl_agent.NixlAgent)
+    agent.lanes = [ThreadPoolExecutor(1) for _ in range(2)]
+    fake = _FakeAgent()
+    agent._agent = fake
+    states = {}
+    notified: list[bytes] = []
+    agent._notify = lambda peer, notif: notified.append(notif)
+
+    def one(local, remote, nbytes, peer, notif, deadline):
+        return states[local[0]]
+
+    agent._read_one = one
+    n = nixl_agent.STRIPE_MIN_BYTES * 2
+    half = n // 2
+    try:
+        states.update({0x1000: ("ERR", None), 0x1000 + half: ("TIMEOUT", "h1")})
+        state, live = agent.read((0x1000, n, "cpu"), (0x9000, "DRAM", 0), n, "p", b"t",
+                                 time.monotonic() + 1)
+        assert (state, live) == ("TIMEOUT", ["h1"]) and notified == []
+        fake.states = {"h1": "PROC"}
+        assert not agent.settled(live) and live == ["h1"]
+        fake.states = {"h1": "DONE"}
+        assert agent.settled(live) and live == [] and fake.released == ["h1"]
+        states.update({0x1000 + half: ("DONE", None)})  # an error alone: nothing live
+        assert agent.read((0x1000, n, "cpu"), (0x9000, "DRAM", 0), n, "p", b"t",
+                          time.monotonic() + 1) == ("ERR", None)
+        states.update({0x1000: ("DONE", None)})
+        assert agent.read((0x1000, n, "cpu"), (0x9000, "DRAM", 0), n, "p", b"t",
+                          time.monotonic() + 1) == ("DONE", None) and notified == [b"t"]
+    finally:
+        for lane in agent.lanes:
+            lane.shutdown()
 
 
 def test_reads_are_split_only_where_ucx_may_copy_in_the_kernel(monkeypatch):
