@@ -32,7 +32,12 @@ from ec_connectors.transports.mooncake_te.messages import (
     PullFailed,
 )
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
-from ec_connectors.transports.nixl_pull.agent import NixlAgent, kernel_identity, mem_kind
+from ec_connectors.transports.nixl_pull.agent import (
+    STRIPE_MIN_BYTES,
+    NixlAgent,
+    kernel_identity,
+    mem_kind,
+)
 from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
 
 logger = get_logger(__name__)
@@ -58,7 +63,7 @@ class NixlPeerLink(PeerLink):
         self.peer: NixlPeer | None = None
         self.peer_error = ""
         self._ready = threading.Event()
-        self._one_kernel = False  # the producer shares our kernel: large reads are split
+        self._split = False  # large reads are split across the agent's lanes (_learn)
         self._reading: list[tuple[object, PoolBuffer]] = []  # reads given up on, still live
         super().__init__(endpoint, context, curve, hello=hello)
 
@@ -77,7 +82,10 @@ class NixlPeerLink(PeerLink):
                     or msg.device < 0 or len(msg.warm) != TOKEN_BYTES:
                 raise ValueError("a malformed registered range")
             self.agent.add_peer(msg.agent, msg.metadata)
-            self._one_kernel = bool(msg.kernel) and msg.kernel == kernel_identity()
+            # host memory to host memory in one kernel: UCX's cma, a copy by the posting
+            # thread; device memory moves by the GPU's copy engines (not measured split)
+            self._split = bool(msg.kernel) and msg.kernel == kernel_identity() \
+                and msg.mem == "DRAM" and mem_kind(self.location)[0] == "DRAM"
             self.peer = msg
             n = min(_WARM_BYTES, msg.length, self.scratch[1])
             state, _ = self.agent.read((self.scratch[0], n, "cpu"),
@@ -128,10 +136,12 @@ class NixlPeerLink(PeerLink):
                                       (reply.src_addr, peer.mem, peer.device), n, peer.agent,
                                       reply.token, deadline, self.chunk,
                                       None if on_progress is None else hash_chunk,
-                                      split=self._one_kernel)
+                                      split=self._split)
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
         self.stats["nixl_reads"] += 1
+        if self._split and self.agent.lanes and n >= STRIPE_MIN_BYTES:
+            self.stats["nixl_split_reads"] += 1
         if state == "DONE":
             return p
         p.reply = None

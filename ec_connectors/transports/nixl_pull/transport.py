@@ -43,7 +43,8 @@ class NixlTransport(MooncakeTransport):
         except BaseException:
             self.agent.close()
             raise
-        for key in ("nixl_reads", "nixl_read_errors", "nixl_read_timeouts", "nixl_served"):
+        for key in ("nixl_reads", "nixl_split_reads", "nixl_read_errors", "nixl_read_timeouts",
+                    "nixl_served"):
             self.pull_stats.setdefault(key, 0)
 
     def _start_engine(self):
