@@ -180,13 +180,15 @@ def session_members(sid: int) -> set[int]:
 def signal_session(sid: int, sig: int) -> None:
     """Send a signal to every process of a session.
 
-    `sig` to session `sid`'s process group and to every other process of the session,
-    whether or not its leader still runs."""
+    `sig` to session `sid`'s process group and to every other process of the session (those
+    in groups of their own), whether or not its leader still runs; each gets it once (a
+    second signal would reach a handler already running for the first)."""
     with contextlib.suppress(OSError):
         os.killpg(sid, sig)
     for pid in session_members(sid):
         with contextlib.suppress(OSError):
-            os.kill(pid, sig)
+            if os.getpgid(pid) != sid:
+                os.kill(pid, sig)
 
 
 def stop_session(proc: subprocess.Popen, timeout_s: float = 20.0,

@@ -348,6 +348,10 @@ class _Shutdown(BaseException):
 
 
 def _raise_shutdown(signum: int, frame: object) -> None:
+    # once: a second signal (a session's stop signals the group and each member; a second
+    # Ctrl-C) must not raise again while the first one's shutdown runs
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _ignore)
     raise _Shutdown(signal.Signals(signum).name)
 
 

@@ -267,3 +267,35 @@ def test_vllm_engine_processes_die_with_their_api_server():
         assert alive(pids["SomethingElse"])
     finally:
         _reap(set(pids.values()))
+
+
+def test_a_session_stop_signals_each_process_once(tmp_path):
+    """The group and the members outside it each get one SIGTERM, not two: `epd up` (a
+    session leader) once took the second as a second Ctrl-C while it was shutting down."""
+    script = tmp_path / "counter.py"
+    script.write_text(textwrap.dedent("""
+        import signal, subprocess, sys, time
+        got = []
+        signal.signal(signal.SIGTERM, lambda *_: got.append(1))
+        if sys.argv[2] == "leader":  # a child in a process group of its own
+            subprocess.Popen([sys.executable, __file__, sys.argv[1] + ".kid", "kid"],
+                             process_group=0)
+            time.sleep(0.5)
+        open(sys.argv[1] + ".ready", "w").close()
+        time.sleep(2.0)
+        open(sys.argv[1], "w").write(str(len(got)))
+    """))
+    out = tmp_path / "leader"
+    proc = subprocess.Popen([sys.executable, str(script), str(out), "leader"],
+                            start_new_session=True)
+    try:
+        assert wait_for(lambda: out.with_suffix(".ready").exists()
+                        and (tmp_path / "leader.kid.ready").exists(), timeout=20)
+        members = child_process.session_members(proc.pid)
+        assert len(members) == 2 and any(os.getpgid(p) != proc.pid for p in members)
+        child_process.signal_session(proc.pid, signal.SIGTERM)
+        assert wait_for(lambda: out.exists() and (tmp_path / "leader.kid").exists(),
+                        timeout=20)
+        assert out.read_text() == "1" and (tmp_path / "leader.kid").read_text() == "1"
+    finally:
+        child_process.stop_session(proc, 5)

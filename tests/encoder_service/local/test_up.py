@@ -442,3 +442,25 @@ def test_up_cli_min_max_flags():
     r = subprocess.run([sys.executable, "-m", "encoder_service.cli", "up", "--decoders", "1-2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "give N or MIN:MAX" in r.stderr
+
+
+def test_a_second_stop_signal_waits_for_the_first_shutdown(capsys):
+    """`epd up`'s first SIGTERM or Ctrl-C starts the shutdown; one more while it runs (a
+    session stop, a second Ctrl-C) only says to wait: it must not abort the shutdown."""
+    import os
+    import signal
+
+    from encoder_service.local import up
+
+    old = {s: signal.signal(s, up._raise_shutdown) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(up._Shutdown, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.sigtimedwait([], 0)  # let the handler run here, not later
+        os.kill(os.getpid(), signal.SIGTERM)  # mid-shutdown: no second _Shutdown
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.sigtimedwait([], 0)
+        assert capsys.readouterr().out.count("already stopping") == 2
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
