@@ -184,6 +184,10 @@ class NixlAgent:
                 on_chunk(start + n)
         return "DONE", None
 
+    def stripes(self, nbytes: int, split: bool = True) -> int:
+        """How many stripes a read of `nbytes` goes out in (1: whole)."""
+        return len(self.lanes) if split and self.lanes and nbytes >= STRIPE_MIN_BYTES else 1
+
     def _read_striped(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
                       peer: str, notif: bytes, deadline: float, split: bool = True
                       ) -> tuple[str, object | None]:
@@ -193,7 +197,7 @@ class NixlAgent:
         producer (which then unpins the item) while another stripe still copies."""
         if not self.lanes:
             return self._read_one(local, remote, nbytes, peer, notif, deadline)
-        k = len(self.lanes) if split and nbytes >= STRIPE_MIN_BYTES else 1
+        k = self.stripes(nbytes, split)
         per = -(-nbytes // k)
         try:
             if k == 1:

@@ -32,12 +32,7 @@ from ec_connectors.transports.mooncake_te.messages import (
     PullFailed,
 )
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
-from ec_connectors.transports.nixl_pull.agent import (
-    STRIPE_MIN_BYTES,
-    NixlAgent,
-    kernel_identity,
-    mem_kind,
-)
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, kernel_identity, mem_kind
 from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
 
 logger = get_logger(__name__)
@@ -140,7 +135,7 @@ class NixlPeerLink(PeerLink):
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
         self.stats["nixl_reads"] += 1
-        if self._split and self.agent.lanes and n >= STRIPE_MIN_BYTES:
+        if self.agent.stripes(n, self._split) > 1:
             self.stats["nixl_split_reads"] += 1
         if state == "DONE":
             return p
