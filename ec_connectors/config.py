@@ -172,6 +172,11 @@ class MooncakeSettings(_Settings):
     # one host UCX's get is a kernel copy in the posting thread: two copy on two cores);
     # at most the cores this process may run on
     nixl_read_lanes: int = Field(default=2, ge=1, le=16)
+    # nixl producer: a large host item is registered where it lies and read from there
+    # (in_place: no copy into the pool, which still counts its bytes) or copied into the
+    # pool (copy); auto: in place unless the host has RDMA devices, whose registration pins
+    # every page and whose keys change for memory at a reused address
+    nixl_put: Literal["auto", "in_place", "copy"] = "auto"
     lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, promised items stay this long
     # A pool full of leased items evicts the one promised longest ago once that was this long
     # ago, rather than fail new saves for the rest of the lease (shm_lease_min_s likewise)

@@ -69,13 +69,16 @@ class Pulled(msgspec.Struct, tag=True):
 
     On the NIXL data path (nixl_pull/) the item is not moved yet: it lies pinned at
     `src_addr` of the producer's registered pool, for the consumer to READ, and `token` is
-    the notification that ends the read (the producer then drops its pin)."""
+    the notification that ends the read (the producer then drops its pin); `region`, when
+    the item is held where it lies instead (registered on its own, outside the pool), is
+    the NIXL metadata of that registration, which the consumer loads before reading."""
 
     pull_id: int
     info: ItemInfo
     inline: bool = False
     src_addr: int = 0
     token: bytes = b""
+    region: bytes = b""
 
 
 class NixlHello(msgspec.Struct, tag=True):

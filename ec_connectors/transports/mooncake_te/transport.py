@@ -69,7 +69,7 @@ from ec_connectors.transports.hashed_copy import (
     helper_threads,
     peer_checksum,
 )
-from ec_connectors.transports.memory import MemoryPool
+from ec_connectors.transports.memory import MemoryPool, PoolBuffer
 from ec_connectors.transports.mooncake_te.announcer import Announcer
 from ec_connectors.transports.mooncake_te.consumer import Puller
 from ec_connectors.transports.mooncake_te.engine import (
@@ -226,21 +226,14 @@ class MooncakeTransport(Transport):
         deadline = time.monotonic() + self.config.save_queue_timeout_s
         buf, evicted = self.store.reserve(n, deadline)
         try:
-            if self.pool.device == "cpu":  # one pass: copied and hashed chunk by chunk
-                digest = copy_with_peer_checksum(buf.addr, buf.as_bytes()[:n],
-                                                 host_view.data_ptr(), n, self._hash_exec,
-                                                 self._hash_threads) if n else \
-                    peer_checksum(data)
-            else:  # the device copy from the tensor, the checksum from its host copy
-                buf.write(tensor)
-                digest = peer_checksum(data, self._hash_exec, self._hash_threads)
+            held, digest = self._hold(buf, tensor, host_view, data)
         except BaseException:
             buf.release()
             raise
         info = ItemInfo(item_id=item_id, key=key, shape=tuple(tensor.shape),
                         dtype=dtype_name(tensor.dtype), nbytes=n, checksum=digest,
                         location=self.endpoint)
-        info = self.store.add(info, buf)
+        info = self.store.add(info, held)
         if evicted:
             self.events.evictions += len(evicted)
             self.events.evicted_bytes += sum(h.info.nbytes for h in evicted)
@@ -248,6 +241,20 @@ class MooncakeTransport(Transport):
             self.announcer.evicted([h.info.key for h in evicted])
             self.announcer.stored(info)
         return info
+
+    def _hold(self, buf: PoolBuffer, tensor: torch.Tensor, host_view: torch.Tensor,
+              data: memoryview) -> tuple[PoolBuffer, str]:
+        """Copy a new item into its pool block `buf`; returns what holds it and its checksum.
+
+        (nixl_pull/ may hold it where it lies instead, `buf` only counting its bytes.)"""
+        n = len(data)
+        if self.pool.device == "cpu":  # one pass: copied and hashed chunk by chunk
+            return buf, copy_with_peer_checksum(buf.addr, buf.as_bytes()[:n],
+                                                host_view.data_ptr(), n, self._hash_exec,
+                                                self._hash_threads) if n else \
+                peer_checksum(data)
+        buf.write(tensor)  # the device copy from the tensor, the checksum from its host copy
+        return buf, peer_checksum(data, self._hash_exec, self._hash_threads)
 
     # -- consumer ------------------------------------------------------------------------------
     def get(self, item_id: str, deadline: float, location: str = "",

@@ -25,6 +25,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
 
 from ec_connectors.log import get_logger
 
@@ -34,6 +36,30 @@ _POLL_S = 0.0002  # between checks of a read in flight
 # smaller reads are one read on one lane: splitting them costs more hand-offs than it copies
 STRIPE_MIN_BYTES = 4 << 20
 _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# A consumer's view of a producer holds at most this many of its item regions (NIXL cannot
+# unload one): past it, or when a region at a reused address comes with other keys, the view
+# is rebuilt from the producer's full metadata once its reads in flight ended.
+MAX_REMOTE_REGIONS = 1024
+_REBUILD_WAIT_S = 2.0
+
+
+class Region(NamedTuple):
+    """Memory registered on its own (an item held where it lies), and what reads it."""
+
+    reg: object
+    metadata: bytes  # NIXL's partial metadata of it: no connection info, what a reader loads
+
+
+def region_of(agent: str, metadata: bytes) -> bool:
+    """Whether `metadata` is partial NIXL metadata of `agent` that carries no connection info.
+
+    Checked before NIXL loads it: a producer's region must not add places to another agent's
+    view, nor change how we connect to it (NIXL's serialisation: the agent's name, then the
+    number of connection entries, zero)."""
+    name = agent.encode()
+    head = (b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name + b"|Conns"
+            + (8).to_bytes(8, "little") + (0).to_bytes(8, "little") + b"|")
+    return valid_name(agent) and metadata.startswith(head)
 
 
 class NixlUnavailable(RuntimeError):
@@ -82,6 +108,15 @@ def valid_name(name: str) -> bool:
     return bool(_NAME.match(name))
 
 
+def rdma_devices() -> bool:
+    """Whether this host has RDMA devices (UCX would then register memory with them)."""
+    root = Path("/sys/class/infiniband")
+    try:
+        return root.is_dir() and any(root.iterdir())
+    except OSError:
+        return False
+
+
 class NixlAgent:
     """This process's agent (see the module docstring)."""
 
@@ -113,6 +148,14 @@ class NixlAgent:
         self._regs: list[object] = []
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
         self._lock = threading.Lock()
+        # per peer: reads in flight, the item regions loaded into its view, and whether the
+        # view is being rebuilt (reads wait); reads given up on stay counted until settled
+        self._changed = threading.Condition(self._lock)
+        self._busy: dict[str, int] = {}
+        self._regions: dict[str, set[bytes]] = {}
+        self._rebuilding: set[str] = set()
+        self._given_up: dict[int, str] = {}  # id(handle) -> peer
+        self.rebuilds = 0
 
     def register(self, addr: int, nbytes: int, location: str) -> None:
         mem, device = mem_kind(location)
@@ -122,6 +165,28 @@ class NixlAgent:
         except Exception as exc:  # noqa: BLE001
             raise NixlUnavailable(f"NIXL register_memory of {nbytes} bytes of {mem} "
                                   f"failed: {exc}") from exc
+
+    def register_region(self, addr: int, nbytes: int, location: str) -> Region:
+        """Register memory of its own (an item where it lies); `deregister` it when done."""
+        mem, device = mem_kind(location)
+        descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem)
+        try:
+            reg = self._agent.register_memory(descs)
+        except Exception as exc:  # noqa: BLE001
+            raise NixlUnavailable(f"NIXL register_memory of {nbytes} bytes of {mem} "
+                                  f"failed: {exc}") from exc
+        try:
+            return Region(reg, self._agent.get_partial_agent_metadata(
+                descs, False, list(self._agent.backends)))
+        except Exception as exc:  # noqa: BLE001
+            self.deregister(Region(reg, b""))
+            raise NixlUnavailable(f"NIXL partial metadata failed: {exc}") from exc
+
+    def deregister(self, region: Region) -> None:
+        try:
+            self._agent.deregister_memory(region.reg)
+        except Exception as exc:  # noqa: BLE001 - the memory is dropped anyway
+            logger.warning("EPD nixl: deregister_memory failed: %s", exc)
 
     def metadata(self) -> bytes:
         return self._agent.get_agent_metadata()
@@ -154,6 +219,7 @@ class NixlAgent:
 
     def forget(self, name: str) -> None:
         with self._lock:
+            self._regions.pop(name, None)
             if self._peers.pop(name, None) is not None:
                 with contextlib.suppress(Exception):
                     self._agent.remove_remote_agent(name)
@@ -161,12 +227,15 @@ class NixlAgent:
     def read(self, local: tuple[int, int, str], remote: tuple[int, str, int], nbytes: int,
              peer: str, notif: bytes, deadline: float, chunk: int = 0,
              on_chunk: Callable[[int], None] | None = None,
-             split: bool = True) -> tuple[str, object | None]:
+             split: bool = True, region: bytes = b"") -> tuple[str, object | None]:
         """READ `nbytes` from the peer's `remote` (addr, mem, device) into `local`.
 
-        `local` is (addr, nbytes, location). With `chunk`, the bytes come in reads of that
-        size one after another, `on_chunk(end)` called as each lands (the caller verifies
-        them while the next one is copied); the last carries `notif`. With `split`, each
+        `local` is (addr, nbytes, location); `region` the partial metadata of the peer's
+        region the bytes lie in when not in the range its full metadata registered (loaded
+        into our view of it first, `region_of` checked by the caller). With `chunk`, the
+        bytes come in reads of that size one after another, `on_chunk(end)` called as each
+        lands (the caller verifies them while the next one is copied); the last carries
+        `notif`. With `split`, each
         read is split across the lanes (else it goes whole to lane 0). Returns ("DONE",
         None), ("ERR", None), or ("TIMEOUT", live) when the deadline passed with reads
         still in flight that NIXL could not cancel: the local buffer may still be written,
@@ -177,7 +246,8 @@ class NixlAgent:
             last = start + n == nbytes
             state, live = self._read_striped((local[0] + start, local[2]),
                                              (remote[0] + start, remote[1], remote[2]), n,
-                                             peer, notif if last else b"", deadline, split)
+                                             peer, notif if last else b"", deadline, split,
+                                             region)
             if state != "DONE":
                 return state, live
             if on_chunk is not None:
@@ -189,23 +259,23 @@ class NixlAgent:
         return len(self.lanes) if split and self.lanes and nbytes >= STRIPE_MIN_BYTES else 1
 
     def _read_striped(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
-                      peer: str, notif: bytes, deadline: float, split: bool = True
-                      ) -> tuple[str, object | None]:
+                      peer: str, notif: bytes, deadline: float, split: bool = True,
+                      region: bytes = b"") -> tuple[str, object | None]:
         """One read, split into a stripe per lane when large and `split`.
 
         `notif` goes once all stripes landed: a stripe's own notification could reach the
         producer (which then unpins the item) while another stripe still copies."""
         if not self.lanes:
-            return self._read_one(local, remote, nbytes, peer, notif, deadline)
+            return self._read_one(local, remote, nbytes, peer, notif, deadline, region)
         k = self.stripes(nbytes, split)
         per = -(-nbytes // k)
         try:
             if k == 1:
                 return self.lanes[0].submit(self._read_one, local, remote, nbytes, peer,
-                                            notif, deadline).result()
+                                            notif, deadline, region).result()
             runs = [lane.submit(self._read_one, (local[0] + i * per, local[1]),
                                 (remote[0] + i * per, remote[1], remote[2]),
-                                min(per, nbytes - i * per), peer, b"", deadline)
+                                min(per, nbytes - i * per), peer, b"", deadline, region)
                     for i, lane in enumerate(self.lanes) if i * per < nbytes]
         except RuntimeError:  # the lanes were shut down: the agent is closing
             return "ERR", None
@@ -227,32 +297,112 @@ class NixlAgent:
             logger.warning("EPD nixl: notification to %s failed: %s", peer, exc)
 
     def _read_one(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
-                  peer: str, notif: bytes, deadline: float) -> tuple[str, object | None]:
-        mem, device = mem_kind(local[1])
-        try:
-            src = self._agent.get_xfer_descs([(local[0], nbytes, device)], mem)
-            dst = self._agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote[1])
-            handle = self._agent.initialize_xfer("READ", src, dst, peer, notif)
-            state = self._agent.transfer(handle, notif)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("EPD nixl: read of %d bytes from %s failed to start: %s", nbytes,
-                           peer, exc)
+                  peer: str, notif: bytes, deadline: float, region: bytes = b""
+                  ) -> tuple[str, object | None]:
+        if not self._enter(peer, region, deadline):
             return "ERR", None
-        while state == "PROC":
-            if time.monotonic() >= deadline:
-                return "TIMEOUT", (None if self.release(handle) else handle)
-            time.sleep(_POLL_S)
-            state = self._agent.check_xfer_state(handle)
-        self.release(handle)
-        return ("DONE" if state == "DONE" else "ERR"), None
+        handle = None
+        try:
+            mem, device = mem_kind(local[1])
+            try:
+                src = self._agent.get_xfer_descs([(local[0], nbytes, device)], mem)
+                dst = self._agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote[1])
+                handle = self._agent.initialize_xfer("READ", src, dst, peer, notif)
+                state = self._agent.transfer(handle, notif)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("EPD nixl: read of %d bytes from %s failed to start: %s",
+                               nbytes, peer, exc)
+                if handle is not None:
+                    self.release(handle)
+                    handle = None
+                return "ERR", None
+            while state == "PROC":
+                if time.monotonic() >= deadline:
+                    if self.release(handle):
+                        handle = None
+                        return "TIMEOUT", None
+                    with self._lock:  # still ours to count until it settles
+                        self._given_up[id(handle)] = peer
+                    return "TIMEOUT", handle
+                time.sleep(_POLL_S)
+                state = self._agent.check_xfer_state(handle)
+            self.release(handle)
+            handle = None
+            return ("DONE" if state == "DONE" else "ERR"), None
+        finally:
+            if handle is None:
+                self._leave(peer)
+
+    def _enter(self, peer: str, region: bytes, deadline: float) -> bool:
+        """Count a read from `peer` in flight, `region` loaded into our view of it first.
+
+        False (the read fails, a miss) when the view cannot take the region by `deadline`."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: peer not in self._rebuilding,
+                                          max(0.0, deadline - time.monotonic())):
+                return False
+            if region and region not in self._regions.setdefault(peer, set()) \
+                    and not self._load_region(peer, region, deadline):
+                return False
+            self._busy[peer] = self._busy.get(peer, 0) + 1
+            return True
+
+    def _leave(self, peer: str) -> None:
+        with self._changed:
+            left = self._busy.get(peer, 0) - 1
+            if left > 0:
+                self._busy[peer] = left
+            else:
+                self._busy.pop(peer, None)
+                self._changed.notify_all()
+
+    def _load_region(self, peer: str, region: bytes, deadline: float) -> bool:
+        """Load a region of `peer` (lock held), rebuilding the view when it must."""
+        known = self._regions[peer]
+        full = self._peers.get(peer)
+        if full is None:  # forgotten (its link closed): nothing to read from
+            return False
+        if len(known) < MAX_REMOTE_REGIONS:
+            try:
+                self._agent.add_remote_agent(region)
+                known.add(region)
+                return True
+            except Exception:  # noqa: BLE001 - an old region at this address, other keys
+                pass
+        self._rebuilding.add(peer)
+        try:
+            wait = min(_REBUILD_WAIT_S, max(0.0, deadline - time.monotonic()))
+            if not self._changed.wait_for(lambda: not self._busy.get(peer), wait):
+                logger.warning("EPD nixl: reads from %s still in flight; its view is not "
+                               "rebuilt now (this read is a miss)", peer)
+                return False
+            known.clear()
+            self._agent.remove_remote_agent(peer)
+            self._agent.add_remote_agent(full)
+            self.rebuilds += 1
+            self._agent.add_remote_agent(region)
+            known.add(region)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("EPD nixl: cannot load a region of %s: %s", peer, exc)
+            return False
+        finally:
+            self._rebuilding.discard(peer)
+            self._changed.notify_all()
 
     def settled(self, live: object) -> bool:
         """Whether a read given up on has ended (its handles are then released).
 
         `live` is what `read` returned, one handle or a stripe's list, emptied as they end."""
         handles = live if isinstance(live, list) else [live]
-        handles[:] = [h for h in handles
-                      if self._agent.check_xfer_state(h) == "PROC" or not self.release(h)]
+        ended = [h for h in handles
+                 if self._agent.check_xfer_state(h) != "PROC" and self.release(h)]
+        for h in ended:
+            with self._lock:
+                peer = self._given_up.pop(id(h), None)
+            if peer is not None:
+                self._leave(peer)
+        handles[:] = [h for h in handles if all(h is not e for e in ended)]
         return not handles
 
     def release(self, handle: object) -> bool:

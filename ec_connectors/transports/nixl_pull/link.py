@@ -32,7 +32,12 @@ from ec_connectors.transports.mooncake_te.messages import (
     PullFailed,
 )
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
-from ec_connectors.transports.nixl_pull.agent import NixlAgent, kernel_identity, mem_kind
+from ec_connectors.transports.nixl_pull.agent import (
+    NixlAgent,
+    kernel_identity,
+    mem_kind,
+    region_of,
+)
 from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
 
 logger = get_logger(__name__)
@@ -110,8 +115,14 @@ class NixlPeerLink(PeerLink):
         if buf is None or p.buf is None or not isinstance(reply, Pulled) or reply.inline:
             return p
         peer, n = self.peer, reply.info.nbytes
-        if not (0 < n <= buf.nbytes and peer.base <= reply.src_addr
-                and reply.src_addr + n <= peer.base + peer.length):
+        # an item held where it lies comes with its own registration (NIXL checks the read
+        # against it); else it must lie in the pool the producer registered
+        if reply.region and not region_of(peer.agent, reply.region):
+            p.reply = PullFailed(pull_id=reply.pull_id, code="corrupt",
+                                 error=f"{self.endpoint} sent a malformed or foreign region")
+            return p
+        if not (0 < n <= buf.nbytes and (reply.region or (
+                peer.base <= reply.src_addr and reply.src_addr + n <= peer.base + peer.length))):
             p.reply = PullFailed(pull_id=reply.pull_id, code="corrupt",
                                  error=f"{self.endpoint} placed {n} bytes at "
                                        f"{reply.src_addr:#x}, outside its registered range")
@@ -131,7 +142,7 @@ class NixlPeerLink(PeerLink):
                                       (reply.src_addr, peer.mem, peer.device), n, peer.agent,
                                       reply.token, deadline, self.chunk,
                                       None if on_progress is None else hash_chunk,
-                                      split=self._split)
+                                      split=self._split, region=reply.region)
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
         self.stats["nixl_reads"] += 1

@@ -10,6 +10,11 @@ item lies, and the consumer READs it into its own pool block (server.py has the 
 end). Reads, not producer writes: nothing is ever written into a consumer's memory from
 outside, so there is no range to prove (the engine path's `Register`) and nothing to
 quarantine after a frozen producer; docs/transports.md has the measurements.
+
+A producer holds a large host item where it lies (`nixl_put`): the tensor vLLM handed over
+(or the host copy of a device tensor, made anyway) is registered on its own and read from
+there, instead of copied once more into the pool; its pool block is kept unwritten, only to
+count its bytes. Consumers load the registration's metadata sent with the pull's reply.
 """
 
 from __future__ import annotations
@@ -17,16 +22,26 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+import torch
+
 from ec_connectors.config import EPDConfig
+from ec_connectors.log import get_logger
 from ec_connectors.transports.base import Placement
-from ec_connectors.transports.hashed_copy import usable_cores
+from ec_connectors.transports.hashed_copy import peer_checksum, usable_cores
+from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te.messages import NixlHello
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
-from ec_connectors.transports.nixl_pull.agent import NixlAgent
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, NixlUnavailable, rdma_devices
 from ec_connectors.transports.nixl_pull.link import NixlPeerLink, pool_location
-from ec_connectors.transports.nixl_pull.server import NixlPullServer
+from ec_connectors.transports.nixl_pull.server import HeldInPlace, NixlPullServer
+
+logger = get_logger(__name__)
+
+# Smaller items are copied into the pool: a registration, its metadata and the consumer's
+# load of it cost more than copying a few MiB (docs/transports.md, "Items where they lie").
+IN_PLACE_MIN_BYTES = 4 << 20
 
 
 class NixlTransport(MooncakeTransport):
@@ -38,13 +53,15 @@ class NixlTransport(MooncakeTransport):
         self.location = pool_location(config.memory_pool_device)
         self.agent = NixlAgent(f"epd-{os.getpid()}-{os.urandom(4).hex()}",
                                lanes=min(config.nixl_read_lanes, usable_cores()))
+        self.in_place = config.memory_pool_device == "cpu" and (
+            config.nixl_put == "in_place" or config.nixl_put == "auto" and not rdma_devices())
         try:
             super().__init__(config, placement)
         except BaseException:
             self.agent.close()
             raise
         for key in ("nixl_reads", "nixl_split_reads", "nixl_read_errors", "nixl_read_timeouts",
-                    "nixl_served"):
+                    "nixl_served", "nixl_held_in_place"):
             self.pull_stats.setdefault(key, 0)
 
     def _start_engine(self):
@@ -70,6 +87,28 @@ class NixlTransport(MooncakeTransport):
 
     def _streams_wanted(self) -> bool:
         return False
+
+    def _hold(self, buf: PoolBuffer, tensor: torch.Tensor, host_view: torch.Tensor,
+              data: memoryview) -> tuple[PoolBuffer | HeldInPlace, str]:
+        """Hold a large host item where it lies, else copy it into the pool (`_hold`).
+
+        Only a tensor that is the whole of its memory (not a view into a larger batch output,
+        which it would keep alive uncounted) and too large to ride inline."""
+        n = len(data)
+        if not (self.in_place and n >= IN_PLACE_MIN_BYTES and n > self.config.inline_max_bytes
+                and host_view.device.type == "cpu"
+                and host_view.untyped_storage().nbytes() <= n + n // 8):
+            return super()._hold(buf, tensor, host_view, data)
+        digest = peer_checksum(data, self._hash_exec, self._hash_threads)
+        try:
+            held = HeldInPlace(buf, host_view, self.agent, "cpu")
+        except NixlUnavailable as exc:  # e.g. a limit on locked memory: copy as before
+            logger.warning("EPD nixl: cannot register an item where it lies (%s); copying "
+                           "large items into the pool from now on", exc)
+            self.in_place = False
+            return super()._hold(buf, tensor, host_view, data)
+        self.pull_stats["nixl_held_in_place"] += 1
+        return held, digest
 
     def _make_server(self, *args, **kwargs) -> PullServer:
         return NixlPullServer(*args, agent=self.agent, pool_location=self.location, **kwargs)

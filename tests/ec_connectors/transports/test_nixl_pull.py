@@ -31,7 +31,7 @@ from tests.helpers import expected, wait_for
 pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
                                         "nixl nixl-cu12 (scripts/setup_env.py does)")
 from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
-from ec_connectors.transports.nixl_pull.server import ReadPins  # noqa: E402
+from ec_connectors.transports.nixl_pull.server import HeldInPlace, ReadPins  # noqa: E402
 
 peers = forked_peers.fixture()
 _ports = base_ports(__name__)
@@ -123,7 +123,7 @@ def test_damaged_or_misplaced_items_are_misses():
 
 
 def _damaged_or_misplaced(base: int) -> None:
-    cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=32 * MiB))
+    cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=32 * MiB, nixl_put="copy"))
     prod = make_transport(cfg, Placement(is_producer=True, is_consumer=False))
     cons = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
     try:
@@ -142,6 +142,53 @@ def _damaged_or_misplaced(base: int) -> None:
                                        "length": 4096})  # as if it registered less
         assert cons.get("x", time.monotonic() + 5, location=prod.endpoint) is None
         assert cons.health()["transfer_errors"] >= 1 and cons.health()["nixl_reads"] == 2
+    finally:
+        cons.close()
+        prod.close()
+
+
+def test_large_items_are_read_where_they_lie():
+    """A large host item is registered where it lies and read from there: its bytes are the
+    tensor the producer was given (a byte changed in it is a miss), its pool block only
+    counts it, eviction ends its registration, and the consumer's view of the producer is
+    rebuilt once it holds too many regions; a region must name its producer and carry no
+    connection info."""
+    in_child("_held_in_place", next(_ports))
+
+
+def _held_in_place(base: int) -> None:
+    nixl_agent.MAX_REMOTE_REGIONS = 2  # the consumer's view is rebuilt at every third region
+    cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=20 * MiB, lease_ttl_s=0.05,
+                                        lease_min_s=0.05))
+    prod = make_transport(cfg, Placement(is_producer=True, is_consumer=False))
+    cons = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
+    try:
+        regions = []
+        for i in range(5):  # 8 MiB each, two fit the pool: older ones are evicted
+            item = torch.randn(1 << 21)
+            info = prod.put(f"x{i}", item)
+            held = prod.store.get(info.key)
+            assert isinstance(held.buf, HeldInPlace) and held.buf.addr == item.data_ptr()
+            assert prod.pool.used_bytes <= 16 * MiB
+            regions.append(held.buf.region.metadata)
+            got = cons.get(f"x{i}", time.monotonic() + 10, location=prod.endpoint)
+            assert got is not None and torch.equal(got, item)
+            del item, got, held
+        assert prod.health()["nixl_held_in_place"] == 5 and cons.agent.rebuilds >= 1
+        assert prod.events.evictions >= 3 and len(prod.store) <= 2
+        item = torch.randn(1 << 21)
+        prod.put("d", item)
+        item[77] += 1.0  # the producer serves the tensor's own memory: now it is damaged
+        assert cons.get("d", time.monotonic() + 5, location=prod.endpoint) is None
+        assert cons.events.corrupt == 1
+        small = torch.randn(1 << 18)  # 1 MiB: copied into the pool
+        info = prod.put("s", small)
+        assert not isinstance(prod.store.get(info.key).buf, HeldInPlace)
+        assert torch.equal(cons.get("s", time.monotonic() + 5, location=prod.endpoint), small)
+        name = prod.agent.name
+        assert all(nixl_agent.region_of(name, md) for md in regions)
+        assert not nixl_agent.region_of(cons.agent.name, regions[0])
+        assert not nixl_agent.region_of(name, prod.agent.metadata())  # connection info
     finally:
         cons.close()
         prod.close()
@@ -201,13 +248,14 @@ def test_a_stripe_still_writing_keeps_the_whole_read_held():
     bookkeeping around them are the agent's own."""
     agent = nixl_agent.NixlAgent.__new__(nixl_agent.NixlAgent)
     agent.lanes = [ThreadPoolExecutor(1) for _ in range(2)]
+    agent._lock, agent._given_up = threading.Lock(), {}
     fake = _FakeAgent()
     agent._agent = fake
     states = {}
     notified: list[bytes] = []
     agent._notify = lambda peer, notif: notified.append(notif)
 
-    def one(local, remote, nbytes, peer, notif, deadline):
+    def one(local, remote, nbytes, peer, notif, deadline, region=b""):
         return states[local[0]]
 
     agent._read_one = one
