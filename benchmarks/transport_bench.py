@@ -39,7 +39,9 @@ JSON (`--json`): {"<MiB>": {"memcpy_ms": m, "raw_tcp_ms": t, "paths": {"<name>":
 "x_memcpy_at_put": x/c, "memcpy_ms": m', "raw_tcp_ms": t'}}}}: m and t are medians over
 the whole run, m' and t' the ones measured beside the path (its ratios use those); `nixl`
 paths also have "nixl_read_ms" (nixl_floor.py's bare READ) and, where Debian's ucx-utils is
-installed, "ucx_get_ms" (`ucx_perftest -t ucp_get`); a path that cannot run here has
+installed, "ucx_get_ms" (`ucx_perftest -t ucp_get`), and "checksum_ms" (the peer checksum
+of the same bytes in warm memory on two threads: UCX's get plus one at each end is the
+floor of a put + get that verifies every byte); a path that cannot run here has
 {"error": why}.
 """
 
@@ -109,6 +111,29 @@ def hashed_copy_s(nbytes: int, reps: int) -> float:
             copy_and_hash(dst.data_ptr(), view, src.data_ptr(), nbytes, cfg.shm_chunk_bytes,
                           digest, pool, threads)
             times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def peer_checksum_s(nbytes: int, reps: int) -> float:
+    """The peer transports' checksum of `nbytes` already in warm memory, on a put's threads.
+
+    What a `nixl` put whose item stays where it lies still does (and the consumer again on
+    arrival): with UCX's get, the floor of put + get under the issue's verification."""
+    import torch
+
+    from ec_connectors.transports.hashed_copy import helper_threads, peer_checksum
+
+    data = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()).cast("B")
+    pool, threads = helper_threads(2, "bench-hash")
+    times = []
+    try:
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            peer_checksum(data, pool, threads)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return statistics.median(times[1:])
 
 
@@ -285,6 +310,7 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
                 ucx = ucx_get_s(n, args.reps, tls, netns)
                 if ucx is not None:
                     beside[label(mb)]["ucx_get_ms"] = ucx * 1e3
+                beside[label(mb)]["checksum_ms"] = peer_checksum_s(n, args.reps) * 1e3
             for k, v in beside[label(mb)].items():
                 limits[label(mb)].setdefault(k, []).append(v)
         try:
@@ -330,7 +356,11 @@ def run(args: argparse.Namespace, netns: NetnsPair | None) -> int:
                      else "")
                   + (f", ucx_perftest get {p['ucx_get_ms']:.1f}" if "ucx_get_ms" in p
                      else ", no ucx_perftest (apt install ucx-utils)" if "nixl_read_ms" in p
-                     else ""))
+                     else "")
+                  + (f"; that get + 2 checksums ({p['checksum_ms']:.1f}): "
+                     f"{p['ucx_get_ms'] + 2 * p['checksum_ms']:.1f}, ms / it "
+                     f"{p['ms'] / (p['ucx_get_ms'] + 2 * p['checksum_ms']):.2f}"
+                     if "ucx_get_ms" in p and "checksum_ms" in p else ""))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
