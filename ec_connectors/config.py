@@ -177,6 +177,9 @@ class MooncakeSettings(_Settings):
     # pool (copy); auto: in place unless the host has RDMA devices, whose registration pins
     # every page and whose keys change for memory at a reused address
     nixl_put: Literal["auto", "in_place", "copy"] = "auto"
+    # smaller items are copied: a registration, its metadata and the consumer's load of it
+    # cost more than copying a few MiB (docs/transports.md, "Items where they lie")
+    nixl_in_place_min_bytes: int = Field(default=4 * MiB, ge=0)
     lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, promised items stay this long
     # A pool full of leased items evicts the one promised longest ago once that was this long
     # ago, rather than fail new saves for the rest of the lease (shm_lease_min_s likewise)

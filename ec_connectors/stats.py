@@ -43,6 +43,8 @@ COUNTERS = {
     "peer_disconnects": "Pulls cut short because the producer's process went away",
     "transport_down": "Times a transport was found down (e.g. a dead store master); "
                       "its tier is skipped until it answers",
+    "held_in_place": "Producer: items held where they lie (nixl: their own memory registered, "
+                     "no copy into the pool)",
     "local_encode_fallbacks": "Items encoded locally because the transport could not deliver",
     "failed_requests": "Requests failed because an item was unavailable (policy: fail)",
     "budget_waits": "Scheduler steps an item waited for room in the staging budget "

@@ -117,6 +117,7 @@ class TransportEvents:
     pull_timeouts: int = 0
     peer_disconnects: int = 0
     transport_down: int = 0
+    held_in_place: int = 0
     errors: list[str] = field(default_factory=list)
 
     def counters(self) -> dict[str, int]:

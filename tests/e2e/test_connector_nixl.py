@@ -39,8 +39,11 @@ def cluster(tmp_path_factory, aggregated):
     model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
     unused = tmp_path_factory.mktemp("unused")
     logs = WORK / "test-e2e-nixl"
+    # every item held where it lies: vLLM's own encoder output, registered, read from there
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
-                      epd_config("ec_producer", unused, nixl_extra()), cpu_core=0, env=ENV)
+                      epd_config("ec_producer", unused, nixl_extra(
+                          nixl_put="in_place", nixl_in_place_min_bytes=0)),
+                      cpu_core=0, env=ENV)
     endpoint = f"127.0.0.1:{NX_BASE_PORT}"
     cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
                       epd_config("ec_consumer", unused, nixl_extra(producers=[endpoint])),
@@ -64,6 +67,7 @@ def test_nixl_reads_equal_aggregated_and_a_killed_producer_costs_a_recompute(clu
     loads = cons_metric(c, "loads_total")
     assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert cons_metric(c, "held_in_place_total", server=c["prod"]) >= 1
     # Killed mid-transfer: the next item is encoded, then its producer (API server,
     # EngineCore, the worker holding the NIXL agent) is frozen, so the consumer's pull is
     # surely in flight when the kill lands.

@@ -39,10 +39,6 @@ from ec_connectors.transports.nixl_pull.server import HeldInPlace, NixlPullServe
 
 logger = get_logger(__name__)
 
-# Smaller items are copied into the pool: a registration, its metadata and the consumer's
-# load of it cost more than copying a few MiB (docs/transports.md, "Items where they lie").
-IN_PLACE_MIN_BYTES = 4 << 20
-
 
 class NixlTransport(MooncakeTransport):
     """Worker-role NIXL transport (see the module docstring). One per worker process."""
@@ -95,7 +91,8 @@ class NixlTransport(MooncakeTransport):
         Only a tensor that is the whole of its memory (not a view into a larger batch output,
         which it would keep alive uncounted) and too large to ride inline."""
         n = len(data)
-        if not (self.in_place and n >= IN_PLACE_MIN_BYTES and n > self.config.inline_max_bytes
+        if not (self.in_place and n >= self.config.nixl_in_place_min_bytes
+                and n > self.config.inline_max_bytes
                 and host_view.device.type == "cpu"
                 and host_view.untyped_storage().nbytes() <= n + n // 8):
             return super()._hold(buf, tensor, host_view, data)
@@ -108,6 +105,7 @@ class NixlTransport(MooncakeTransport):
             self.in_place = False
             return super()._hold(buf, tensor, host_view, data)
         self.pull_stats["nixl_held_in_place"] += 1
+        self.events.held_in_place += 1
         return held, digest
 
     def _make_server(self, *args, **kwargs) -> PullServer:
