@@ -21,7 +21,7 @@ _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 @dataclass
 class PinnedItem:
     info: ItemInfo
-    buf: PoolBuffer
+    buf: PoolBuffer  # or nixl_pull's HeldInPlace (an item where it lies), alike to callers
     pins: int = 0
 
     @property

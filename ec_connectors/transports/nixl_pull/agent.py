@@ -158,29 +158,27 @@ class NixlAgent:
         self.rebuilds = 0
 
     def register(self, addr: int, nbytes: int, location: str) -> None:
-        mem, device = mem_kind(location)
-        descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem)
-        try:
-            self._regs.append(self._agent.register_memory(descs))
-        except Exception as exc:  # noqa: BLE001
-            raise NixlUnavailable(f"NIXL register_memory of {nbytes} bytes of {mem} "
-                                  f"failed: {exc}") from exc
+        """Register memory for this agent's whole life (the pool, the scratch page)."""
+        self._regs.append(self._register(addr, nbytes, location)[1])
 
     def register_region(self, addr: int, nbytes: int, location: str) -> Region:
         """Register memory of its own (an item where it lies); `deregister` it when done."""
-        mem, device = mem_kind(location)
-        descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem)
-        try:
-            reg = self._agent.register_memory(descs)
-        except Exception as exc:  # noqa: BLE001
-            raise NixlUnavailable(f"NIXL register_memory of {nbytes} bytes of {mem} "
-                                  f"failed: {exc}") from exc
+        descs, reg = self._register(addr, nbytes, location)
         try:
             return Region(reg, self._agent.get_partial_agent_metadata(
                 descs, False, list(self._agent.backends)))
         except Exception as exc:  # noqa: BLE001
             self.deregister(Region(reg, b""))
             raise NixlUnavailable(f"NIXL partial metadata failed: {exc}") from exc
+
+    def _register(self, addr: int, nbytes: int, location: str) -> tuple[object, object]:
+        mem, device = mem_kind(location)
+        descs = self._agent.get_reg_descs([(addr, nbytes, device, "")], mem)
+        try:
+            return descs, self._agent.register_memory(descs)
+        except Exception as exc:  # noqa: BLE001 - the bindings raise their own types
+            raise NixlUnavailable(f"NIXL register_memory of {nbytes} bytes of {mem} "
+                                  f"failed: {exc}") from exc
 
     def deregister(self, region: Region) -> None:
         try:

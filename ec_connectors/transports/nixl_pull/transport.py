@@ -57,7 +57,7 @@ class NixlTransport(MooncakeTransport):
             self.agent.close()
             raise
         for key in ("nixl_reads", "nixl_split_reads", "nixl_read_errors", "nixl_read_timeouts",
-                    "nixl_served", "nixl_held_in_place"):
+                    "nixl_served"):
             self.pull_stats.setdefault(key, 0)
 
     def _start_engine(self):
@@ -104,7 +104,6 @@ class NixlTransport(MooncakeTransport):
                            "large items into the pool from now on", exc)
             self.in_place = False
             return super()._hold(buf, tensor, host_view, data)
-        self.pull_stats["nixl_held_in_place"] += 1
         self.events.held_in_place += 1
         return held, digest
 

@@ -174,7 +174,7 @@ def _held_in_place(base: int) -> None:
             got = cons.get(f"x{i}", time.monotonic() + 10, location=prod.endpoint)
             assert got is not None and torch.equal(got, item)
             del item, got, held
-        assert prod.health()["nixl_held_in_place"] == 5 and cons.agent.rebuilds >= 1
+        assert prod.events.held_in_place == 5 and cons.agent.rebuilds >= 1
         assert prod.events.evictions >= 3 and len(prod.store) <= 2
         item = torch.randn(1 << 21)
         prod.put("d", item)
