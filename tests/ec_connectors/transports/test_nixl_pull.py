@@ -185,6 +185,14 @@ def _held_in_place(base: int) -> None:
         info = prod.put("s", small)
         assert not isinstance(prod.store.get(info.key).buf, HeldInPlace)
         assert torch.equal(cons.get("s", time.monotonic() + 5, location=prod.endpoint), small)
+        # a region that names another agent is refused before NIXL sees it: a miss, unread
+        held = next(h for h in map(prod.store.get, prod.store.catalog()[0])
+                    if isinstance(h.buf, HeldInPlace))
+        held.buf.region = nixl_agent.Region(held.buf.region.reg, regions[0].replace(
+            prod.agent.name.encode(), cons.agent.name.encode()))
+        reads = cons.health()["nixl_reads"]
+        assert cons.get(held.info.item_id, time.monotonic() + 5, location=prod.endpoint) is None
+        assert cons.health()["nixl_reads"] == reads
         name = prod.agent.name
         assert all(nixl_agent.region_of(name, md) for md in regions)
         assert not nixl_agent.region_of(cons.agent.name, regions[0])
