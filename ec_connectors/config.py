@@ -172,14 +172,15 @@ class MooncakeSettings(_Settings):
     # one host UCX's get is a kernel copy in the posting thread: two copy on two cores);
     # at most the cores this process may run on
     nixl_read_lanes: int = Field(default=2, ge=1, le=16)
-    # nixl producer: a large host item is registered where it lies and read from there
-    # (in_place: no copy into the pool, which still counts its bytes) or copied into the
-    # pool (copy); auto: in place unless the host has RDMA devices, whose registration pins
-    # every page and whose keys change for memory at a reused address
-    nixl_put: Literal["auto", "in_place", "copy"] = "auto"
-    # smaller items are copied: a registration, its metadata and the consumer's load of it
-    # cost more than copying a few MiB (docs/transports.md, "Items where they lie")
-    nixl_in_place_min_bytes: int = Field(default=4 * MiB, ge=0)
+    # Producer (nixl; mooncake on its socket data path): a large host item is held where it
+    # lies, sent or read from there (in_place: no copy into the pool, which still counts its
+    # bytes), or copied into the pool (copy). auto: in place, except nixl on a host with RDMA
+    # devices (registration pins every page; keys change for memory at a reused address) and
+    # mooncake's engine path (the engine writes from registered memory only)
+    producer_put: Literal["auto", "in_place", "copy"] = "auto"
+    # smaller items are copied: for nixl a registration, its metadata and the consumer's load
+    # of it cost more than copying a few MiB (docs/transports.md, "Items where they lie")
+    in_place_min_bytes: int = Field(default=4 * MiB, ge=0)
     lease_ttl_s: float = Field(default=60.0, gt=0)  # unpressed, promised items stay this long
     # A pool full of leased items evicts the one promised longest ago once that was this long
     # ago, rather than fail new saves for the rest of the lease (shm_lease_min_s likewise)

@@ -42,7 +42,7 @@ def cluster(tmp_path_factory, aggregated):
     # every item held where it lies: vLLM's own encoder output, registered, read from there
     prod = VllmServer("producer", model, BASE_PORT + 1, logs,
                       epd_config("ec_producer", unused, nixl_extra(
-                          nixl_put="in_place", nixl_in_place_min_bytes=0)),
+                          producer_put="in_place", in_place_min_bytes=0)),
                       cpu_core=0, env=ENV)
     endpoint = f"127.0.0.1:{NX_BASE_PORT}"
     cons = VllmServer("consumer", model, BASE_PORT + 2, logs,

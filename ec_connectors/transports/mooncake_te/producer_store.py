@@ -3,12 +3,15 @@
 The items a Mooncake TE producer holds in its registered pool: their buffers and pins (pulls
 reading them), under the lease book (transports/leases.py: a promise to keep an item for
 consumers, yielding under pressure once `lease_min_s` old; eviction order; backpressure when
-the pool is full), and what it remembers of items it no longer holds."""
+the pool is full), and what it remembers of items it no longer holds. A large item may be
+held where it lies instead (`HeldInPlace`), its pool block only counting its bytes."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import torch
 
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.leases import LeaseBook, StoreNames
@@ -18,10 +21,57 @@ from epd_common.lru import BoundedLRU
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
 
 
+class HeldInPlace:
+    """An item held where it lies (the tensor a put was given), not copied into the pool.
+
+    Stands where a pool block holds an item (`PinnedItem.buf`, the same calls): `budget`, a
+    block of the pool never written, counts its bytes against the pool (eviction and
+    backpressure as for copied items); `release` frees the block and drops the tensor, once.
+    Only for a host tensor that is the whole of its memory (a view into a larger allocation
+    would keep all of it alive, uncounted)."""
+
+    __slots__ = ("budget", "tensor", "addr", "nbytes")
+
+    def __init__(self, budget: PoolBuffer, tensor: torch.Tensor) -> None:
+        self.budget, self.tensor = budget, tensor
+        self.addr, self.nbytes = tensor.data_ptr(), budget.nbytes
+
+    def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
+                  offset: int = 0) -> torch.Tensor:
+        """The item's bytes from `offset` as `dtype` and `shape` (no copy)."""
+        shape = tuple(int(d) for d in shape)
+        need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + need > self.nbytes:
+            raise ValueError(f"{shape} of {dtype} at offset {offset} does not fit "
+                             f"{self.nbytes} bytes")
+        raw = self.tensor.reshape(-1).view(torch.uint8)
+        return raw[offset:offset + need].view(dtype).view(shape)
+
+    def as_bytes(self) -> memoryview:
+        return memoryview(self.tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+    @property
+    def released(self) -> bool:
+        return self.budget.released
+
+    def release(self) -> None:
+        self.budget.release()  # raises on a second release, before anything is undone
+        self._drop()
+
+    def _drop(self) -> None:
+        self.tensor = None
+
+    @staticmethod
+    def fits(tensor: torch.Tensor, nbytes: int) -> bool:
+        """Whether a put's host tensor of `nbytes` may be held where it lies."""
+        return tensor.device.type == "cpu" and tensor.is_contiguous() \
+            and tensor.untyped_storage().nbytes() <= nbytes + nbytes // 8
+
+
 @dataclass
 class PinnedItem:
     info: ItemInfo
-    buf: PoolBuffer  # or nixl_pull's HeldInPlace (an item where it lies), alike to callers
+    buf: PoolBuffer | HeldInPlace
     pins: int = 0
 
     @property

@@ -80,7 +80,7 @@ from ec_connectors.transports.mooncake_te.engine import (
 from ec_connectors.transports.mooncake_te.messages import PeerMessage, Register
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import ConsumerRanges, PullServer
-from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
+from ec_connectors.transports.mooncake_te.producer_store import HeldInPlace, ProducerStore
 from ec_connectors.transports.mooncake_te.stream_server import StreamServer
 from epd_common.net import holders, resolve_host
 
@@ -186,6 +186,7 @@ class MooncakeTransport(Transport):
         self.store = ProducerStore(self.pool, c.lease_ttl_s, c.lease_min_s)
         # a put copies into the pool and hashes on two threads (one per core at most)
         self._hash_exec, self._hash_threads = helper_threads(2, "epd-put-hash")
+        self.in_place = self._holds_in_place()
         read = self.engine.transfer_sync_read if self.engine else (lambda *_: -1)
         ranges = ConsumerRanges(read, memoryview(self._own.numpy()), self._own.data_ptr())
         streams = None
@@ -243,11 +244,19 @@ class MooncakeTransport(Transport):
         return info
 
     def _hold(self, buf: PoolBuffer, tensor: torch.Tensor, host_view: torch.Tensor,
-              data: memoryview) -> tuple[PoolBuffer, str]:
-        """Copy a new item into its pool block `buf`; returns what holds it and its checksum.
+              data: memoryview) -> tuple[PoolBuffer | HeldInPlace, str]:
+        """Hold a new item; returns what holds it and its checksum.
 
-        (nixl_pull/ may hold it where it lies instead, `buf` only counting its bytes.)"""
+        Where it lies when `producer_put` allows (`buf` then only counts its bytes), else
+        copied into its pool block `buf`."""
         n = len(data)
+        if self.in_place and self.pool.device == "cpu" and n > self.config.inline_max_bytes \
+                and n >= self.config.in_place_min_bytes and HeldInPlace.fits(host_view, n):
+            digest = peer_checksum(data, self._hash_exec, self._hash_threads)
+            held = self._hold_in_place(buf, host_view)
+            if held is not None:
+                self.events.held_in_place += 1
+                return held, digest
         if self.pool.device == "cpu":  # one pass: copied and hashed chunk by chunk
             return buf, copy_with_peer_checksum(buf.addr, buf.as_bytes()[:n],
                                                 host_view.data_ptr(), n, self._hash_exec,
@@ -255,6 +264,16 @@ class MooncakeTransport(Transport):
                 peer_checksum(data)
         buf.write(tensor)  # the device copy from the tensor, the checksum from its host copy
         return buf, peer_checksum(data, self._hash_exec, self._hash_threads)
+
+    def _holds_in_place(self) -> bool:
+        """Whether large host items are held where they lie.
+
+        On the socket path (sent from there); the engine writes only from registered memory."""
+        return self.config.producer_put != "copy" and self._streams_wanted()
+
+    def _hold_in_place(self, buf: PoolBuffer, tensor: torch.Tensor) -> HeldInPlace | None:
+        """An item held where it lies, or None to copy it after all."""
+        return HeldInPlace(buf, tensor)
 
     # -- consumer ------------------------------------------------------------------------------
     def get(self, item_id: str, deadline: float, location: str = "",

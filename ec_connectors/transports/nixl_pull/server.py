@@ -7,8 +7,8 @@ path: a consumer's `NixlHello` is answered with this producer's agent metadata
 registered pool and a one-time token; the item stays pinned (never evicted or reused)
 until the consumer's READ ends with that token as its NIXL notification, or until the
 pull's deadline. Nothing is written into a consumer. A large host item may be held where it
-lies (`HeldInPlace`: its own memory registered, a pool block only counting its bytes); the
-reply then carries that registration's metadata for the consumer to load.
+lies (`RegisteredInPlace`: its own memory registered, a pool block only counting its bytes);
+the reply then carries that registration's metadata for the consumer to load.
 """
 
 from __future__ import annotations
@@ -29,7 +29,11 @@ from ec_connectors.transports.mooncake_te.messages import (
     Pulled,
 )
 from ec_connectors.transports.mooncake_te.producer import PullServer
-from ec_connectors.transports.mooncake_te.producer_store import PinnedItem, ProducerStore
+from ec_connectors.transports.mooncake_te.producer_store import (
+    HeldInPlace,
+    PinnedItem,
+    ProducerStore,
+)
 from ec_connectors.transports.nixl_pull.agent import NixlAgent, Region, kernel_identity, mem_kind
 
 logger = get_logger(__name__)
@@ -39,40 +43,21 @@ _WARM_S = 10.0  # a consumer's first (warming) read is awaited this long
 TOKEN_BYTES = 16
 
 
-class HeldInPlace:
-    """An item held where it lies: its tensor's memory registered with NIXL on its own.
+class RegisteredInPlace(HeldInPlace):
+    """An item held where it lies, its memory registered with NIXL on its own (`region`).
 
-    Stands where a pool block holds an item (producer_store.PinnedItem.buf): `budget`, a
-    block of the pool never written, counts its bytes against the pool (eviction and
-    backpressure as for copied items); `release` deregisters the memory, drops the tensor
-    and frees the block, once."""
+    Deregistered when released, before the tensor is dropped."""
 
-    __slots__ = ("budget", "tensor", "agent", "region", "addr", "nbytes")
+    __slots__ = ("agent", "region")
 
-    def __init__(self, budget: PoolBuffer, tensor: torch.Tensor, agent: NixlAgent,
-                 location: str) -> None:
-        self.budget, self.tensor, self.agent = budget, tensor, agent
-        self.addr, self.nbytes = tensor.data_ptr(), budget.nbytes
-        self.region: Region = agent.register_region(self.addr, self.nbytes, location)
+    def __init__(self, budget: PoolBuffer, tensor: torch.Tensor, agent: NixlAgent) -> None:
+        super().__init__(budget, tensor)
+        self.agent = agent
+        self.region: Region = agent.register_region(self.addr, self.nbytes, "cpu")
 
-    def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
-                  offset: int = 0) -> torch.Tensor:
-        """The item's bytes from `offset` as `dtype` and `shape` (no copy)."""
-        raw = self.tensor.reshape(-1).view(torch.uint8)
-        need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or offset + need > self.nbytes:
-            raise ValueError(f"{tuple(shape)} of {dtype} at offset {offset} does not fit "
-                             f"{self.nbytes} bytes")
-        return raw[offset:offset + need].view(dtype).view(tuple(shape))
-
-    @property
-    def released(self) -> bool:
-        return self.budget.released
-
-    def release(self) -> None:
-        self.budget.release()  # raises on a second release, before anything else is undone
+    def _drop(self) -> None:
         self.agent.deregister(self.region)
-        self.tensor = None
+        super()._drop()
 
 
 class ReadPins:
@@ -163,7 +148,7 @@ class NixlPullServer(PullServer):
             held.info.nbytes / self.config.min_transfer_bytes_per_s
         token = self.pins.hold(held, min(expires, cap))
         self.stats["nixl_served"] = self.stats.get("nixl_served", 0) + 1
-        region = held.buf.region.metadata if isinstance(held.buf, HeldInPlace) else b""
+        region = held.buf.region.metadata if isinstance(held.buf, RegisteredInPlace) else b""
         self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info, src_addr=held.buf.addr,
                                  token=token, region=region))
         return True

@@ -11,7 +11,7 @@ end). Reads, not producer writes: nothing is ever written into a consumer's memo
 outside, so there is no range to prove (the engine path's `Register`) and nothing to
 quarantine after a frozen producer; docs/transports.md has the measurements.
 
-A producer holds a large host item where it lies (`nixl_put`): the tensor vLLM handed over
+A producer holds a large host item where it lies (`producer_put`): the tensor vLLM handed over
 (or the host copy of a device tensor, made anyway) is registered on its own and read from
 there, instead of copied once more into the pool; its pool block is kept unwritten, only to
 count its bytes. Consumers load the registration's metadata sent with the pull's reply.
@@ -27,15 +27,16 @@ import torch
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.transports.base import Placement
-from ec_connectors.transports.hashed_copy import peer_checksum, usable_cores
+from ec_connectors.transports.hashed_copy import usable_cores
 from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te.messages import NixlHello
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import PullServer
+from ec_connectors.transports.mooncake_te.producer_store import HeldInPlace
 from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
 from ec_connectors.transports.nixl_pull.agent import NixlAgent, NixlUnavailable, rdma_devices
 from ec_connectors.transports.nixl_pull.link import NixlPeerLink, pool_location
-from ec_connectors.transports.nixl_pull.server import HeldInPlace, NixlPullServer
+from ec_connectors.transports.nixl_pull.server import NixlPullServer, RegisteredInPlace
 
 logger = get_logger(__name__)
 
@@ -49,8 +50,6 @@ class NixlTransport(MooncakeTransport):
         self.location = pool_location(config.memory_pool_device)
         self.agent = NixlAgent(f"epd-{os.getpid()}-{os.urandom(4).hex()}",
                                lanes=min(config.nixl_read_lanes, usable_cores()))
-        self.in_place = config.memory_pool_device == "cpu" and (
-            config.nixl_put == "in_place" or config.nixl_put == "auto" and not rdma_devices())
         try:
             super().__init__(config, placement)
         except BaseException:
@@ -84,28 +83,19 @@ class NixlTransport(MooncakeTransport):
     def _streams_wanted(self) -> bool:
         return False
 
-    def _hold(self, buf: PoolBuffer, tensor: torch.Tensor, host_view: torch.Tensor,
-              data: memoryview) -> tuple[PoolBuffer | HeldInPlace, str]:
-        """Hold a large host item where it lies, else copy it into the pool (`_hold`).
+    def _holds_in_place(self) -> bool:
+        return self.config.producer_put == "in_place" or (
+            self.config.producer_put == "auto" and not rdma_devices())
 
-        Only a tensor that is the whole of its memory (not a view into a larger batch output,
-        which it would keep alive uncounted) and too large to ride inline."""
-        n = len(data)
-        if not (self.in_place and n >= self.config.nixl_in_place_min_bytes
-                and n > self.config.inline_max_bytes
-                and host_view.device.type == "cpu"
-                and host_view.untyped_storage().nbytes() <= n + n // 8):
-            return super()._hold(buf, tensor, host_view, data)
-        digest = peer_checksum(data, self._hash_exec, self._hash_threads)
+    def _hold_in_place(self, buf: PoolBuffer, tensor: torch.Tensor) -> HeldInPlace | None:
+        """The item's memory registered where it lies; None (copy) where NIXL refuses."""
         try:
-            held = HeldInPlace(buf, host_view, self.agent, "cpu")
+            return RegisteredInPlace(buf, tensor, self.agent)
         except NixlUnavailable as exc:  # e.g. a limit on locked memory: copy as before
             logger.warning("EPD nixl: cannot register an item where it lies (%s); copying "
                            "large items into the pool from now on", exc)
             self.in_place = False
-            return super()._hold(buf, tensor, host_view, data)
-        self.events.held_in_place += 1
-        return held, digest
+            return None
 
     def _make_server(self, *args, **kwargs) -> PullServer:
         return NixlPullServer(*args, agent=self.agent, pool_location=self.location, **kwargs)

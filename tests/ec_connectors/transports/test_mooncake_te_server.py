@@ -374,3 +374,41 @@ def test_a_pull_that_expires_between_chunks_is_answered_expired_after_they_land(
     assert engine.submitted == 0 and server.stats["expired"] == 1
     (msg, flying), = server.replies
     assert isinstance(msg, messages.PullFailed) and msg.code == "expired"
+
+
+def test_large_items_are_sent_from_where_they_lie():
+    """On the socket path a large host item is held where it lies: the bytes sent are the
+    tensor the producer was given (a byte changed in it is a miss), its pool block only
+    counts it (eviction as for copies, which drops the tensor), and `copy` copies."""
+    import torch
+
+    from ec_connectors.transports import make_transport
+    from ec_connectors.transports.mooncake_te.producer_store import HeldInPlace
+
+    base = next(_ports)
+    cfg = mc_config(base, memory_pool_bytes=20 * MiB, lease_ttl_s=0.05, lease_min_s=0.05)
+    prod = make_transport(EPDConfig.from_dict(cfg), Placement(is_consumer=False))
+    cons = make_transport(EPDConfig.from_dict(cfg), Placement(is_producer=False))
+    try:
+        first = torch.randn(1 << 21)  # 8 MiB
+        info = prod.put("a", first)
+        held = prod.store.get(info.key).buf
+        assert isinstance(held, HeldInPlace) and held.addr == first.data_ptr()
+        assert torch.equal(cons.get("a", time.monotonic() + 10, location=prod.endpoint), first)
+        first[5] += 1.0  # what is sent is the tensor itself: now it fails the checksum
+        assert cons.get("a", time.monotonic() + 5, location=prod.endpoint) is None
+        assert cons.events.corrupt == 1
+        for i in range(3):  # two fit the pool: "a" is evicted, its tensor let go
+            prod.put(f"b{i}", torch.randn(1 << 21))
+        assert held.released and held.tensor is None and prod.events.evictions >= 2
+        assert prod.events.held_in_place == 4 and prod.pool.used_bytes <= 16 * MiB
+    finally:
+        cons.close()
+        prod.close()
+    copying = make_transport(EPDConfig.from_dict({**cfg, "producer_put": "copy"}),
+                             Placement(is_consumer=False))
+    try:
+        info = copying.put("c", torch.randn(1 << 21))
+        assert not isinstance(copying.store.get(info.key).buf, HeldInPlace)
+    finally:
+        copying.close()

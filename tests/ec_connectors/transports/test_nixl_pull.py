@@ -31,7 +31,7 @@ from tests.helpers import expected, wait_for
 pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
                                         "nixl nixl-cu12 (scripts/setup_env.py does)")
 from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
-from ec_connectors.transports.nixl_pull.server import HeldInPlace, ReadPins  # noqa: E402
+from ec_connectors.transports.nixl_pull.server import ReadPins, RegisteredInPlace  # noqa: E402
 
 peers = forked_peers.fixture()
 _ports = base_ports(__name__)
@@ -123,7 +123,7 @@ def test_damaged_or_misplaced_items_are_misses():
 
 
 def _damaged_or_misplaced(base: int) -> None:
-    cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=32 * MiB, nixl_put="copy"))
+    cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=32 * MiB, producer_put="copy"))
     prod = make_transport(cfg, Placement(is_producer=True, is_consumer=False))
     cons = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
     try:
@@ -168,7 +168,7 @@ def _held_in_place(base: int) -> None:
             item = torch.randn(1 << 21)
             info = prod.put(f"x{i}", item)
             held = prod.store.get(info.key)
-            assert isinstance(held.buf, HeldInPlace) and held.buf.addr == item.data_ptr()
+            assert isinstance(held.buf, RegisteredInPlace) and held.buf.addr == item.data_ptr()
             assert prod.pool.used_bytes <= 16 * MiB
             regions.append(held.buf.region.metadata)
             got = cons.get(f"x{i}", time.monotonic() + 10, location=prod.endpoint)
@@ -183,11 +183,11 @@ def _held_in_place(base: int) -> None:
         assert cons.events.corrupt == 1
         small = torch.randn(1 << 18)  # 1 MiB: copied into the pool
         info = prod.put("s", small)
-        assert not isinstance(prod.store.get(info.key).buf, HeldInPlace)
+        assert not isinstance(prod.store.get(info.key).buf, RegisteredInPlace)
         assert torch.equal(cons.get("s", time.monotonic() + 5, location=prod.endpoint), small)
         # a region that names another agent is refused before NIXL sees it: a miss, unread
         held = next(h for h in map(prod.store.get, prod.store.catalog()[0])
-                    if isinstance(h.buf, HeldInPlace))
+                    if isinstance(h.buf, RegisteredInPlace))
         held.buf.region = nixl_agent.Region(held.buf.region.reg, regions[0].replace(
             prod.agent.name.encode(), cons.agent.name.encode()))
         reads = cons.health()["nixl_reads"]
