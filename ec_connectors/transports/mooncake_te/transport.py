@@ -1,7 +1,8 @@
 """Mooncake Transfer Engine transport: consumers pull items from producers' registered pools.
 
-Producer worker: `put` copies the encoder output once into its registered pool and announces
-it (ZMQ PUB). A ZMQ ROUTER side channel answers `Pull`; small items ride inline in the reply
+Producer worker: `put` copies the encoder output once into its registered pool (or, on the
+socket path, holds a large host item where it lies, `producer_put`) and announces it (ZMQ
+PUB). A ZMQ ROUTER side channel answers `Pull`; small items ride inline in the reply
 (one round trip, no data path). Larger items take one of two data paths (`te_data_path`, the
 same in every process of a deployment; `auto`: socket over TCP with host pools, else engine):
 - engine: the producer writes the item straight into the consumer's registered buffer with
