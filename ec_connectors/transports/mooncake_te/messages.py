@@ -82,9 +82,14 @@ class Pulled(msgspec.Struct, tag=True):
 
 
 class NixlHello(msgspec.Struct, tag=True):
-    """consumer -> producer, on every (re)connection of a NIXL side channel: send your agent."""
+    """consumer -> producer, on every (re)connection of a NIXL side channel: send your agent.
+
+    `regions`: this consumer loads an item's own registration (`Pulled.region`); to one
+    that does not (an older release), an item held where it lies is served from its pool
+    block, copied there on the first such pull."""
 
     agent: str
+    regions: bool = False
 
 
 class NixlPeer(msgspec.Struct, tag=True):

@@ -41,6 +41,7 @@ _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # is rebuilt from the producer's full metadata once its reads in flight ended.
 MAX_REMOTE_REGIONS = 1024
 _REBUILD_WAIT_S = 2.0
+_MAX_REGION_BYTES = 16 << 10  # one region's metadata is about 200 bytes with UCX
 
 
 class Region(NamedTuple):
@@ -59,7 +60,8 @@ def region_of(agent: str, metadata: bytes) -> bool:
     name = agent.encode()
     head = (b"nixlSerDes|Agent" + len(name).to_bytes(8, "little") + name + b"|Conns"
             + (8).to_bytes(8, "little") + (0).to_bytes(8, "little") + b"|")
-    return valid_name(agent) and metadata.startswith(head)
+    return valid_name(agent) and len(metadata) <= _MAX_REGION_BYTES \
+        and metadata.startswith(head)
 
 
 class NixlUnavailable(RuntimeError):

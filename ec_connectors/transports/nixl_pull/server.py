@@ -35,25 +35,40 @@ from ec_connectors.transports.mooncake_te.producer_store import (
     ProducerStore,
 )
 from ec_connectors.transports.nixl_pull.agent import NixlAgent, Region, kernel_identity, mem_kind
+from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)
 
 _POLL_S = 0.0005  # between polls of notifications while reads are in flight
 _WARM_S = 10.0  # a consumer's first (warming) read is awaited this long
 TOKEN_BYTES = 16
+_MAX_CONNECTIONS = 4096  # consumers' connections remembered as loading regions
 
 
 class RegisteredInPlace(HeldInPlace):
     """An item held where it lies, its memory registered with NIXL on its own (`region`).
 
-    Deregistered when released, before the tensor is dropped."""
+    Deregistered when released, before the tensor is dropped. `in_pool` copies it into its
+    pool block (once) for consumers that load no regions."""
 
-    __slots__ = ("agent", "region")
+    __slots__ = ("agent", "region", "copied", "_copying")
 
     def __init__(self, budget: PoolBuffer, tensor: torch.Tensor, agent: NixlAgent) -> None:
         super().__init__(budget, tensor)
         self.agent = agent
         self.region: Region = agent.register_region(self.addr, self.nbytes, "cpu")
+        self.copied = False
+        self._copying = threading.Lock()
+
+    def in_pool(self) -> int:
+        """The address of the item's copy in its pool block, made on the first call.
+
+        Called with the item pinned (never released meanwhile)."""
+        with self._copying:
+            if not self.copied:
+                self.budget.write(self.tensor)
+                self.copied = True
+        return self.budget.addr
 
     def _drop(self) -> None:
         self.agent.deregister(self.region)
@@ -128,10 +143,14 @@ class NixlPullServer(PullServer):
         self._mem, self._device = mem_kind(pool_location)
         self._kernel = kernel_identity()
         self._metadata = agent.metadata()
+        # connections whose consumer loads items' own registrations (NixlHello.regions)
+        self._region_readers: BoundedLRU[bytes, None] = BoundedLRU(_MAX_CONNECTIONS)
         super().__init__(address, endpoint, store, *args, **kwargs)
 
     def _on_message(self, msg: PeerMessage, peer: bytes | None, payload: list[bytes]) -> None:
         if isinstance(msg, NixlHello):
+            if peer is not None and msg.regions:
+                self._region_readers[peer] = None
             if peer is not None:
                 pool = self.store.pool
                 warm = self.pins.hold(None, time.monotonic() + _WARM_S)
@@ -148,8 +167,13 @@ class NixlPullServer(PullServer):
             held.info.nbytes / self.config.min_transfer_bytes_per_s
         token = self.pins.hold(held, min(expires, cap))
         self.stats["nixl_served"] = self.stats.get("nixl_served", 0) + 1
-        region = held.buf.region.metadata if isinstance(held.buf, RegisteredInPlace) else b""
-        self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info, src_addr=held.buf.addr,
+        addr, region = held.buf.addr, b""
+        if isinstance(held.buf, RegisteredInPlace):
+            if peer in self._region_readers:
+                region = held.buf.region.metadata
+            else:  # a consumer that loads no regions reads the item in the pool
+                addr = held.buf.in_pool()
+        self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info, src_addr=addr,
                                  token=token, region=region))
         return True
 

@@ -66,7 +66,7 @@ class NixlTransport(MooncakeTransport):
         self.agent.register(addr, size, location or self.location)
 
     def _hello(self, nonce: bytes) -> NixlHello:
-        return NixlHello(agent=self.agent.name)
+        return NixlHello(agent=self.agent.name, regions=True)
 
     def _make_link(self, hello: NixlHello) -> Callable[[str], PeerLink]:  # type: ignore[override]
         scratch = (self._own.data_ptr(), self._own.numel())

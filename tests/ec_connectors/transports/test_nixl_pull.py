@@ -30,6 +30,7 @@ from tests.helpers import expected, wait_for
 
 pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
                                         "nixl nixl-cu12 (scripts/setup_env.py does)")
+from ec_connectors.transports.mooncake_te.messages import NixlHello  # noqa: E402
 from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
 from ec_connectors.transports.nixl_pull.server import ReadPins, RegisteredInPlace  # noqa: E402
 
@@ -193,10 +194,22 @@ def _held_in_place(base: int) -> None:
         reads = cons.health()["nixl_reads"]
         assert cons.get(held.info.item_id, time.monotonic() + 5, location=prod.endpoint) is None
         assert cons.health()["nixl_reads"] == reads
+        # a consumer of an older release loads no regions: served from the pool, copied once
+        older = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
+        older.puller._make_link = older._make_link(NixlHello(agent=older.agent.name))
+        try:
+            assert not held.buf.copied
+            got = older.get(held.info.item_id, time.monotonic() + 10, location=prod.endpoint)
+            assert got is not None and held.buf.copied
+            assert torch.equal(got.reshape(-1).view(torch.uint8),
+                               held.buf.as_tensor(torch.uint8, (held.info.nbytes,)))
+        finally:
+            older.close()
         name = prod.agent.name
         assert all(nixl_agent.region_of(name, md) for md in regions)
         assert not nixl_agent.region_of(cons.agent.name, regions[0])
         assert not nixl_agent.region_of(name, prod.agent.metadata())  # connection info
+        assert not nixl_agent.region_of(name, regions[0] + bytes(64 << 10))  # too large
     finally:
         cons.close()
         prod.close()
