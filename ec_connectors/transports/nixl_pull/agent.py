@@ -325,7 +325,11 @@ class NixlAgent:
                         self._given_up[id(handle)] = peer
                     return "TIMEOUT", handle
                 time.sleep(_POLL_S)
-                state = self._agent.check_xfer_state(handle)
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as exc:  # noqa: BLE001 - the read failed: released below
+                    logger.warning("EPD nixl: read from %s failed: %s", peer, exc)
+                    state = "ERR"
             self.release(handle)
             handle = None
             return ("DONE" if state == "DONE" else "ERR"), None
