@@ -38,6 +38,17 @@ def _align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+def typed_view(raw: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
+               offset: int = 0) -> torch.Tensor:
+    """Bytes of a flat uint8 tensor from `offset` as `dtype` and `shape` (no copy, checked)."""
+    shape = tuple(int(d) for d in shape)
+    need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if offset < 0 or offset + need > raw.numel():
+        raise ValueError(f"{shape} of {dtype} at offset {offset} needs {offset + need} "
+                         f"bytes; the buffer has {raw.numel()}")
+    return raw[offset:offset + need].view(dtype).view(shape)
+
+
 class Allocator:
     """Aligned first-fit allocator over [0, capacity). Not thread-safe: MemoryPool locks."""
 
@@ -158,12 +169,7 @@ class PoolBuffer:
 
         The block's bytes from `offset` as a tensor of `dtype` and `shape` (no copy; valid
         until release)."""
-        shape = tuple(int(d) for d in shape)
-        need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or offset + need > self.nbytes:
-            raise ValueError(f"{shape} of {dtype} at offset {offset} needs {offset + need} "
-                             f"bytes; the buffer has {self.nbytes}")
-        return self._raw()[offset:offset + need].view(dtype).view(shape)
+        return typed_view(self._raw(), dtype, shape, offset)
 
     def as_bytes(self) -> memoryview:
         """The block as a byte view (CPU pools only; no copy; valid until release)."""

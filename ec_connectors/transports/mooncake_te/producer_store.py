@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ec_connectors.protocol.stored import ItemInfo
+from ec_connectors.transports.base import tensor_bytes
 from ec_connectors.transports.leases import LeaseBook, StoreNames
-from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
+from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted, typed_view
 from epd_common.lru import BoundedLRU
 
 _RECENT_EVICTIONS = 4096  # evicted keys remembered, so a pull of one fails fast
@@ -39,16 +40,10 @@ class HeldInPlace:
     def as_tensor(self, dtype: torch.dtype, shape: tuple[int, ...] | list[int],
                   offset: int = 0) -> torch.Tensor:
         """The item's bytes from `offset` as `dtype` and `shape` (no copy)."""
-        shape = tuple(int(d) for d in shape)
-        need = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or offset + need > self.nbytes:
-            raise ValueError(f"{shape} of {dtype} at offset {offset} does not fit "
-                             f"{self.nbytes} bytes")
-        raw = self.tensor.reshape(-1).view(torch.uint8)
-        return raw[offset:offset + need].view(dtype).view(shape)
+        return typed_view(self.tensor.reshape(-1).view(torch.uint8), dtype, shape, offset)
 
     def as_bytes(self) -> memoryview:
-        return memoryview(self.tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return tensor_bytes(self.tensor)
 
     @property
     def released(self) -> bool:
