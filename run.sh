@@ -3,6 +3,7 @@
 #   ./run.sh demo   epd up --demo: vLLM encoder + vLLM prefill/decode + gateway; one image request through the gateway
 #   ./run.sh test   lint, then the whole test suite: the fast lane (no vLLM servers) on two
 #                   workers, then the end-to-end tests (real `vllm serve` processes) one at a time
+#                   (at the end, per lane: its time, vLLM server starts, slowest set-ups)
 #   ./run.sh fast   lint + the fast lane only (tests marked e2e are left out)
 #   ./run.sh test ARGS...   lint + pytest ARGS (one process), e.g. -m "not e2e" or a test path
 #   ./run.sh test-deploy    the deploy lane (tests/deploy, marker deploy; docs/deploy.md): installs
@@ -26,10 +27,14 @@ case "${1:-}" in
     nice -n 19 .venv/bin/python -m tests.prewarm >.work/prewarm.log 2>&1 &
     warm=$!
     trap 'kill $warm 2>/dev/null || true' EXIT
-    "${PYTEST[@]}" "${FAST[@]}"
+    rc=0
+    "${PYTEST[@]}" "${FAST[@]}" || rc=$?
     wait $warm || echo "prewarm left a cache cold (.work/prewarm.log); the e2e lane warms it"
     trap - EXIT
-    exec "${PYTEST[@]}" -m e2e --durations=12 ;;
+    if [ $rc -eq 0 ]; then "${PYTEST[@]}" -m e2e --durations=12 || rc=$?; fi
+    # each lane's time, vLLM server starts (limit: tests/lanes.py) and slowest set-ups
+    .venv/bin/python -m tests.lanes fast e2e || rc=1
+    exit $rc ;;
   fast) shift; .venv/bin/ruff check .; exec "${PYTEST[@]}" "${FAST[@]}" "$@" ;;
   test-deploy)
     shift

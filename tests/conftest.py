@@ -22,3 +22,9 @@ def peers(request):
     p = Peers(request.node.name)
     yield p
     p.close()
+
+
+def pytest_configure(config):
+    from tests.lanes import LaneReport
+
+    config.pluginmanager.register(LaneReport(config), "epd-lane-report")

@@ -12,8 +12,10 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import uvicorn
 
 from ec_connectors.protocol import ports
@@ -83,22 +85,19 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.encoder_service.gateway.test_backends", MOONCAKE): (21950, 10),  # announcements
     ("tests.ec_connectors.transports.test_nixl_pull", MOONCAKE): (26000, 50),
     # e2e lane: vLLM servers, pools and `epd up` (gateway, then its servers)
-    ("tests.e2e.test_connector_safetensors", HTTP): (18300, 4),
-    ("tests.e2e.test_connector_mooncake", HTTP): (18350, 3),
+    ("tests.e2e.test_connector_safetensors", HTTP): (18300, 1),  # the encoder pool
+    ("tests.e2e.fleets", HTTP): (19300, 30),  # the shared deployments: fleets.py
+    ("tests.e2e.fleets", MOONCAKE): (26100, 20),
+    ("tests.e2e.fleets", MASTER): (19870, 3),
     ("tests.e2e.test_connector_store", HTTP): (18360, 3),
     ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
-    ("tests.e2e.test_connector_nixl", HTTP): (18380, 3),
     ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
     ("tests.prewarm", HTTP): (18395, 1),  # beside the fast lane (run.sh test)
     ("tests.e2e.test_gateway", HTTP): (18570, 27),
     ("tests.e2e.test_up", HTTP): (18660, 13),
     ("tests.e2e.test_qwen_modalities", HTTP): (18680, 5),
-    ("tests.e2e.test_epd_kv", HTTP): (18700, 8),  # gateway, 3 servers, 2 KV side channels, sink
     ("tests.e2e.test_elastic", HTTP): (18920, 5),  # gateway, 2 encoders, 2 decode instances
     ("tests.e2e.test_connector_store", MASTER): (19850, 3),
-    ("tests.e2e.test_up", MASTER): (19950, 3),
-    ("tests.e2e.test_connector_mooncake", MOONCAKE): (21910, 10),
-    ("tests.e2e.test_connector_nixl", MOONCAKE): (26050, 10),
     ("tests.e2e.test_qwen3_deepstack", MOONCAKE): (21920, 10),
     ("tests.e2e.test_up", MOONCAKE): (21960, 30),
     # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;
@@ -155,6 +154,16 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def server_pid(root: int, port: int) -> int:
+    """The vLLM server under `root` (`epd up`'s pid) that serves `port` (its API server)."""
+    for pid in sorted(descendants(root)):
+        with contextlib.suppress(psutil.Error):
+            cmd = psutil.Process(pid).cmdline()
+            if "serve" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port):
+                return pid
+    raise AssertionError(f"no server on port {port} under {root}")
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not count)."""
     try:
@@ -206,6 +215,13 @@ def epd_up(conf: dict, work: Path, also_ready: Callable[[], bool] = lambda: True
         yield up.proc, up.url, up.log_path
     finally:
         up.stop(stop_timeout)
+
+
+@dataclass(frozen=True)
+class ServerAt:
+    """A server a test reaches by its URL alone (one of a shared fleet's: tests/e2e/fleets.py)."""
+
+    url: str
 
 
 class Served:

@@ -12,10 +12,16 @@ vLLM, whose SIGTERM handling misses a signal that arrives during start-up, a pro
 guard on top; vLLM's EngineCore and workers die with their API server: ec_connectors.plugin).
 Start them from a thread that lives as long as they should (the main thread: `epd up`,
 `start_all`, test fixtures). `epd up` restarts what exits unasked: supervise.py.
+
+With `$EPD_START_LEDGER` set to a file path, every start appends one JSON line to it (kind,
+name, port, pid, time), from whichever process starts it (`epd up`, its supervisor and scaler
+inherit the variable): what an operator reads to count the starts and restarts of a fleet,
+and what the test suite counts vLLM starts by.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -83,6 +89,29 @@ def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
 SERVER_GUARD = "ec_connectors.server_guard.ServerGuard"
 
 
+LEDGER_ENV = "EPD_START_LEDGER"
+
+
+def record_start(process: ManagedProcess) -> None:
+    """Append `process`'s start to the ledger file `$EPD_START_LEDGER` names, if any.
+
+    One line per start, written whole under an exclusive lock (several processes append to
+    one ledger). A ledger that cannot be written is left alone: it never stops a start."""
+    process.times_started += 1
+    path = os.environ.get(LEDGER_ENV)
+    if not path or process.proc is None:
+        return
+    line = json.dumps({"kind": type(process).__name__, "name": process.name,
+                       "port": process.port, "pid": process.proc.pid, "t": time.time(),
+                       "by": os.getpid(), "start": process.times_started}) + "\n"
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(line)
+    except OSError:
+        pass
+
+
 class ServerFailed(RuntimeError):
     pass
 
@@ -102,6 +131,7 @@ class ManagedProcess:
     env: dict[str, str]
     proc: subprocess.Popen | None
 
+    times_started: int = 0  # start() calls: a second start is a restart (record_start)
     startup_timeout_s: ClassVar[float] = 300.0  # wait()'s default
     # The child runs `child_process.guard_process_group_from_env()` (it has children of its
     # own and may miss its parent-death signal): start() tells it whose death to watch.
@@ -135,6 +165,7 @@ class ManagedProcess:
             self.proc = child_process.popen(self.command(), stdout=log,
                                             stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
+        record_start(self)
         return self
 
     def log_tail(self, n: int = 40) -> str:

@@ -7,6 +7,7 @@ import pytest
 
 from encoder_service.local.processes import VllmServer
 from encoder_service.local.testmodels import SPECS, build
+from tests.e2e import fleets
 from tests.helpers import WORK, port_block
 
 _HERE = __file__.rsplit("/", 1)[0]
@@ -31,3 +32,33 @@ def aggregated():
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def e_pd_fleet(tmp_path_factory):
+    """The E_PD fleet (tests/e2e/fleets.py), started by its first user, stopped at the end."""
+    fleet = fleets.e_pd(tmp_path_factory.mktemp("e-pd-store"))
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+@pytest.fixture(scope="session")
+def e_p_d_fleet():
+    """The E_P_D fleet (tests/e2e/fleets.py), started by its first user, stopped at the end."""
+    fleet = fleets.e_p_d()
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+@pytest.fixture(scope="session")
+def tiered_fleet():
+    """The TIERED fleet (tests/e2e/fleets.py), started by its first user, stopped at the end."""
+    fleet = fleets.tiered()
+    try:
+        yield fleet
+    finally:
+        fleet.close()

@@ -1,6 +1,8 @@
 """End to end with real `vllm serve` processes, EPDConnector over the Mooncake Transfer Engine
 (TCP loopback): the session's aggregated server (the reference), an encoder-only producer and a
-prefill/decode consumer that pulls embeddings from the producer's registered pool."""
+prefill/decode consumer that pulls embeddings from the producer's registered pool: the shared
+TIERED fleet's encoder and decode instance (tests/e2e/fleets.py), the Transfer Engine their
+first tier (each load below is counted as its hit)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,9 @@ import time
 import httpx
 import pytest
 
-from encoder_service.local.processes import VllmServer, start_all
+from ec_connectors.protocol import ports
 from encoder_service.local.requests import chat_body
-from encoder_service.local.testmodels import SPECS, build
-from encoder_service.local.up import epd_config
+from tests.e2e import fleets
 from tests.e2e.client import (
     MODEL_NAME,
     PROMPT,
@@ -24,42 +25,23 @@ from tests.e2e.client import (
     wait_metric,
 )
 from tests.e2e.client import metric as cons_metric
-from tests.helpers import LOOPBACK, MOONCAKE, WORK, port_block, stop_all
+from tests.helpers import ServerAt
 
 pytest.importorskip("mooncake.engine")
-BASE_PORT = port_block(__name__)[0]
-MC_BASE_PORT = port_block(__name__, MOONCAKE)[0]
-
-
-def mooncake_extra(**more) -> dict:
-    return {"transport": "mooncake", "protocol": "tcp", "host": "127.0.0.1",
-            "base_port": MC_BASE_PORT, "memory_pool_bytes": 256 << 20, "load_timeout_s": 10,
-            "inline_max_bytes": 0,  # tiny items too go through the transfer engine
-            **more}
+TE_HITS = "tier_mooncake_hits_total"  # loads the Transfer Engine tier delivered
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, aggregated):
-    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
-    unused = tmp_path_factory.mktemp("unused")
-    logs = WORK / "test-e2e-mooncake"
-    prod = VllmServer("producer", model, BASE_PORT + 1, logs,
-                      epd_config("ec_producer", unused, mooncake_extra()), cpu_core=0,
-                      env=LOOPBACK)
-    producer_endpoint = f"127.0.0.1:{MC_BASE_PORT}"  # rank 0 of dp 0, stage 0
-    cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
-                      epd_config("ec_consumer", unused,
-                                 mooncake_extra(producers=[producer_endpoint])), cpu_core=1,
-                      env=LOOPBACK)
-    try:
-        start_all([prod, cons], progress=lambda m: print(f"[e2e-mc] {m}", flush=True))
-        aggregated.wait()
-        client = httpx.Client(timeout=120)
-        yield {"agg": aggregated, "prod": prod, "cons": cons, "client": client,
-               "endpoint": producer_endpoint}
-        client.close()
-    finally:
-        stop_all((prod, cons))
+def cluster(tiered_fleet, aggregated):
+    """The shared TIERED fleet (tests/e2e/fleets.py): its encoder is the producer, its decode
+    instance the consumer, the Transfer Engine their first tier; every call carries the
+    deployment's key. These tests kill nothing."""
+    fleet = tiered_fleet.ensure()
+    aggregated.wait()
+    with httpx.Client(timeout=120, headers=fleets.bearer(fleet.extra["secret"])) as client:
+        yield {"agg": aggregated, "prod": ServerAt(fleet.url(1)),
+               "cons": ServerAt(fleet.url(2)), "client": client,
+               "endpoint": f"127.0.0.1:{ports.encoder_base_port(fleets.TIERED_MC, 0)}"}
 
 
 def test_consumer_pulls_over_mooncake_and_equals_aggregated(cluster):
@@ -67,10 +49,11 @@ def test_consumer_pulls_over_mooncake_and_equals_aggregated(cluster):
     image, item_id, reference = case(c, seed=501)
     params = encode(c, image, item_id)
     body = params["epd"]
-    assert body["transport"] == "mooncake" and body["endpoint"] == c["endpoint"]
-    loads = cons_metric(c, "loads_total")
+    assert body["transport"] == "tiered" and body["endpoint"] == c["endpoint"]
+    loads, hits = cons_metric(c, "loads_total"), cons_metric(c, TE_HITS)
     assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert wait_metric(c, TE_HITS, hits + 1) == hits + 1  # over the Transfer Engine
 
 
 def test_deferred_request_without_location_finds_item_by_announcement(cluster):
@@ -79,9 +62,10 @@ def test_deferred_request_without_location_finds_item_by_announcement(cluster):
     the pull; the item is found through the producer's announcement."""
     c = cluster
     image, item_id, reference = case(c, seed=502)
-    loads = cons_metric(c, "loads_total")
+    loads, hits = cons_metric(c, "loads_total"), cons_metric(c, TE_HITS)
     assert tokens(ask_before_encoding(c, image, item_id, wait_s=1.5)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert wait_metric(c, TE_HITS, hits + 1) == hits + 1
 
 
 def test_no_params_at_all_uses_the_availability_index(cluster):
@@ -89,9 +73,10 @@ def test_no_params_at_all_uses_the_availability_index(cluster):
     image, item_id, reference = case(c, seed=503)
     encode(c, image, item_id)
     time.sleep(0.5)  # the announcement reaches the consumer's scheduler
-    loads = cons_metric(c, "loads_total")
+    loads, hits = cons_metric(c, "loads_total"), cons_metric(c, TE_HITS)
     assert tokens(ask(c, c["cons"], image, item_id, None)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert wait_metric(c, TE_HITS, hits + 1) == hits + 1
 
 
 def test_params_naming_a_foreign_producer_are_not_followed(cluster):

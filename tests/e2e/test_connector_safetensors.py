@@ -1,9 +1,9 @@
 """End to end with real `vllm serve` processes on the locally built tiny LLaVA: the session's
-aggregated server (the reference), an encoder-only producer and a prefill/decode consumer,
-EPDConnector over the safetensors transport. The producer also writes each item into
-same-host shared memory (tiers ["shm", "safetensors"]), which the tight-cache consumer reads
-first: the shm transport between real vLLM processes, with no servers of its own. Counts
-come from the consumers' Prometheus /metrics.
+aggregated server (the reference), an encoder-only producer and two prefill/decode consumers
+of the shared E_PD fleet (tests/e2e/fleets.py), EPDConnector over the safetensors transport.
+The producer also writes each item into same-host shared memory (tiers ["shm",
+"safetensors"]), which the tight-cache consumer reads first: the shm transport between real
+vLLM processes. Counts come from the consumers' Prometheus /metrics.
 
 The encoder pool's HTTP server publishes into the same storage (one set of servers for both):
 1. the pool's embedding of an image is bit-identical to the one vLLM's producer saves for it;
@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import io
 import random
-import shutil
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +30,9 @@ from PIL import Image
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
-from encoder_service.local.processes import VllmServer, metric_value, start_all
+from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import sample_image_png
-from encoder_service.local.testmodels import SPECS, build
-from encoder_service.local.up import epd_config
+from tests.e2e import fleets
 from tests.e2e.client import (
     MODEL_NAME,
     ask,
@@ -45,38 +43,23 @@ from tests.e2e.client import (
     tokens,
     wait_metric,
 )
-from tests.helpers import WORK, Served, port_block, stop_all, wait_for
+from tests.helpers import Served, ServerAt, port_block, wait_for
 
 BASE_PORT = port_block(__name__)[0]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, aggregated):
-    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
-    storage = tmp_path_factory.mktemp("ec-store")
-    shm = f"/dev/shm/epd-e2e-{uuid.uuid4().hex[:8]}"
-    tiers = {"transport": ["shm", "safetensors"], "shm_path": shm}
-    logs = WORK / "test-e2e"
-    prod = VllmServer("producer", model, BASE_PORT + 1, logs,
-                      epd_config("ec_producer", storage,
-                                 {**tiers, "shm_arena_bytes": 64 << 20}), cpu_core=0)
-    cons = VllmServer("consumer", model, BASE_PORT + 2, logs,
-                      epd_config("ec_consumer", storage), cpu_core=1)
-    # vLLM's encoder cache holds max_num_batched_tokens: 256 = four 64-token images
-    tight = VllmServer("consumer-tight-cache", model, BASE_PORT + 3, logs,
-                       epd_config("ec_consumer", storage,
-                                  {**tiers, "shm_consumer_pool_bytes": 32 << 20}), cpu_core=1,
-                       extra_args=["--max-num-batched-tokens", "256"])
-    servers = [prod, cons, tight]
-    try:
-        start_all(servers, progress=lambda m: print(f"[e2e] {m}", flush=True))
-        aggregated.wait()
-        with httpx.Client(timeout=120) as client:
-            yield {"agg": aggregated, "prod": prod, "cons": cons, "tight": tight,
-                   "storage": storage, "client": client, "model": model}
-    finally:
-        stop_all(servers)
-        shutil.rmtree(shm, ignore_errors=True)
+def cluster(e_pd_fleet, aggregated):
+    """On the shared E_PD fleet (tests/e2e/fleets.py): its encoder is the producer, its
+    second decode instance the consumer of the shared directory alone, its decode instance
+    the tight-cache consumer reading shared memory first. These tests kill nothing."""
+    fleet = e_pd_fleet.ensure()
+    aggregated.wait()
+    prod, cons, tight = (ServerAt(fleet.url(i)) for i in (1, 3, 2))
+    with httpx.Client(timeout=120) as client:
+        yield {"agg": aggregated, "prod": prod, "cons": cons, "tight": tight,
+               "storage": Path(fleet.conf["storage_path"]), "client": client,
+               "model": fleets.llava()}
 
 
 def stored_file(c, item_id) -> Path:

@@ -1,6 +1,7 @@
 """E/P/D end to end: `epd up --prefill 1 --decode 1` (a vLLM encoder, a prefill instance and a
 decode instance, both EC consumers with vLLM's NixlConnector on cpu buffers, the gateway in
-front; tiny LLaVA, shared-directory embeddings) beside the session's aggregated vLLM server.
+front; tiny LLaVA, embeddings read over NIXL: the shared E_P_D fleet, tests/e2e/fleets.py)
+beside the session's aggregated vLLM server.
 An image request through the gateway answers the aggregated server's greedy tokens; the
 decode instance's own metrics show it loaded the prompt's KV cache (vLLM's
 prompt_tokens_by_source: external_kv_transfer, at most the last token computed) and neither
@@ -32,14 +33,13 @@ import psutil
 import pytest
 
 from encoder_service.local.requests import chat_body, sample_image_png
-from encoder_service.local.testmodels import SPECS, build
-from encoder_service.local.trace_sink import TraceSink
+from tests.e2e import fleets
 from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at, stream_killing
-from tests.helpers import WORK, descendants, epd_up, port_block, wait_for
+from tests.helpers import descendants, server_pid, wait_for
 
 pytest.importorskip("nixl._api")
-# gateway, encoder +1, decode +2, prefill +3, NIXL side channels +4 +5, the trace sink +6
-BASE = port_block(__name__)[0]
+# the shared E_P_D fleet: gateway, encoder +1, decode +2, prefill +3
+BASE = fleets.E_P_D_PORT
 ENCODER, DECODE, PREFILL = (f"http://127.0.0.1:{BASE + i}" for i in (1, 2, 3))
 TRACE, CALLER = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
@@ -64,16 +64,6 @@ def streamed(c, url: str, image: bytes) -> list[int]:
     return ids
 
 
-def server_pid(root: int, port: int) -> int:
-    """The vLLM server under `root` that serves `port` (its API server process)."""
-    for pid in sorted(descendants(root)):
-        with contextlib.suppress(psutil.Error):
-            cmd = psutil.Process(pid).cmdline()
-            if "serve" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1] == str(port):
-                return pid
-    raise AssertionError(f"no server on port {port} under {root}")
-
-
 def kill_server(root: int, port: int) -> None:
     """SIGKILL the session of the vLLM server under `root` that serves `port`."""
     os.killpg(os.getpgid(server_pid(root, port)), signal.SIGKILL)
@@ -90,29 +80,14 @@ def tree_cpu_s(pids: set[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def deployment(aggregated):
-    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
-    sink = TraceSink(BASE + 6)
-    conf = {"model": str(model), "base_port": BASE, "transport": "safetensors",
-            "cpu_cores": [0, 1, 1], "otlp_traces_endpoint": sink.url,
-            # every load goes through the workers (no inline fast path): a request waits on
-            # the connector, which adds its span
-            "connector_extra": {"inline_max_bytes": 0},
-            "gateway": {"tracing": {"export_interval_s": 0.2},
-                        "routing": {"probe_interval_s": 0}}}  # no probes' traces
-    work = WORK / "test-epd-kv"
-    try:
-        with pytest.MonkeyPatch.context() as mp, httpx.Client(timeout=120) as c:
-            mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # vLLM's span batches: 5 s
-            # one restart each: the decode instance killed mid-stream comes back for the
-            # tests after it; the prefill instance killed last is stopped with the module
-            conf["restart"] = {"max_restarts": 1, "backoff_s": 0.5}
-            with epd_up(conf, work, also_ready=aggregated.healthy,
-                        args=["--prefill", "1", "--decode", "1"]) as up:
-                yield {"up": up[0], "gw": up[1], "log": up[2], "c": c, "sink": sink,
-                       "agg": aggregated}
-    finally:
-        sink.stop()
+def deployment(e_p_d_fleet, aggregated):
+    """The shared E_P_D fleet (tests/e2e/fleets.py). The last two tests kill its decode and
+    its prefill instance; `epd up` restarts them (one restart each)."""
+    fleet = e_p_d_fleet.ensure()
+    aggregated.wait()
+    with httpx.Client(timeout=120) as c:
+        yield {"up": fleet.up.proc, "gw": fleet.gw, "log": fleet.log_path, "c": c,
+               "sink": fleet.extra["sink"], "agg": aggregated}
 
 
 def test_epd_up_prefill_decode_hands_the_kv_cache_over(deployment):

@@ -1,5 +1,6 @@
 """The gateway end to end: `epd up` (a real subprocess: vLLM encoder + vLLM prefill/decode +
-gateway on the tiny model) beside the session's aggregated vLLM server (the reference).
+gateway on the tiny model; the shared E_PD fleet, tests/e2e/fleets.py) beside the session's
+aggregated vLLM server (the reference).
 Answers through the gateway must equal the aggregated server's; counts come from /metrics. The
 last tests kill servers under `epd up` (a decode instance's API server and the encoder's
 EngineCore, then the encoder's API server: each is restarted and taken back, no request
@@ -17,15 +18,16 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
-from encoder_service.local.processes import VllmServer, metric_value
+from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import chat_body, sample_image_png
-from encoder_service.local.testmodels import SPECS, build
 from epd_common import child_process
 from epd_common.child_process import session_members
+from tests.e2e import fleets
 from tests.e2e.client import FIELDS, MODEL_NAME, PROMPT, answer, ask, metric_at, stream_killing
 from tests.e2e.outage import (
     Traffic,
@@ -35,36 +37,26 @@ from tests.e2e.outage import (
     sessions_of,
     wait_back,
 )
-from tests.helpers import ROOT, WORK, alive, descendants, epd_up, port_block, wait_for
+from tests.helpers import ROOT, alive, descendants, port_block, wait_for
 
-UP_PORT = port_block(__name__)[0]  # up: gateway, encoder +1, decode +2; +20..+26 more
-ENC_URL, DEC_URL = f"http://127.0.0.1:{UP_PORT + 1}", f"http://127.0.0.1:{UP_PORT + 2}"
-GW = f"http://127.0.0.1:{UP_PORT}"
+UP_PORT = port_block(__name__)[0]  # this module's own: replicas, proxies (+20..+26)
+FLEET = fleets.E_PD_PORT  # the shared E_PD fleet: gateway, encoder +1, decode +2
+ENC_URL, DEC_URL = f"http://127.0.0.1:{FLEET + 1}", f"http://127.0.0.1:{FLEET + 2}"
+GW = f"http://127.0.0.1:{FLEET}"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, aggregated):
-    model = build(WORK / "models" / "tiny-llava", SPECS["tiny"])
-    work = WORK / "test-gateway-e2e"
-    storage = tmp_path_factory.mktemp("ec-store")
-    conf = {"model": str(model), "base_port": UP_PORT, "cpu_cores": [0, 1],
-            "storage_path": str(storage), "transport": "safetensors",  # tests read its files
-            # no probes: the tests count the encoder's finished requests
-            "gateway": {"timeouts": {"encoder_s": 20}, "routing": {"probe_interval_s": 0}}}
-    from encoder_service.local.up import DECODE_ARGS, epd_config
-
-    # the second decode instance (second_decoder) starts beside `epd up`: a lone vLLM start
-    # leaves a core idle
-    dec2 = VllmServer("decode-2", model, UP_PORT + 21, work, epd_config("ec_consumer", storage),
-                      cpu_core=1, extra_args=DECODE_ARGS).start()
-    try:
-        with epd_up(conf, work, also_ready=aggregated.healthy, interval=0.2) as (up, _gw,
-                                                                                log), \
-                httpx.Client(timeout=120) as client:
-            yield {"agg": aggregated, "up": up, "client": client, "log": log,
-                   "storage": storage, "work": work, "dec2": dec2}
-    finally:
-        dec2.stop()
+def cluster(e_pd_fleet, aggregated):
+    """The shared E_PD fleet (tests/e2e/fleets.py): its `epd up` (encoder, decode instance)
+    and its second decode instance. The kill tests leave what they kill to `epd up`, which
+    restarts it; the last two stop the second decode instance and the whole `epd up`,
+    which the fleet starts again for a later user."""
+    fleet = e_pd_fleet.ensure()
+    aggregated.wait()
+    with httpx.Client(timeout=120) as client:
+        yield {"agg": aggregated, "up": fleet.up.proc, "client": client, "log": fleet.log_path,
+               "storage": Path(fleet.conf["storage_path"]), "work": fleet.work,
+               "dec2": fleet.beside[0]}
 
 
 def gw_metric(c, name) -> float:
@@ -146,7 +138,7 @@ def test_client_disconnect_aborts_the_upstream_request(cluster):
     tokens = metric_at(c, DEC_URL, "vllm:generation_tokens_total")
     body = {**chat_body(MODEL_NAME, sample_image_png(seed=505), PROMPT), **long}
     payload = json.dumps(body).encode()
-    with socket.create_connection(("127.0.0.1", UP_PORT), timeout=60) as sock:
+    with socket.create_connection(("127.0.0.1", FLEET), timeout=60) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
@@ -389,7 +381,7 @@ def test_epd_up_restarts_killed_servers_and_no_request_fails(cluster, second_dec
     joined = client.post(admin, json={"role": "decoder", "url": dec2.url, "action": "add"})
     assert joined.status_code == 200, joined.text
     try:
-        enc, dec = (server_session(c["up"].pid, UP_PORT + i) for i in (1, 2))
+        enc, dec = (server_session(c["up"].pid, FLEET + i) for i in (1, 2))
         before = {n: restarts(c, n) for n in ("decode-0", "encoder-0")}
         c.setdefault("sessions", set()).update({enc, dec})
         core = engine_core(enc)
@@ -494,7 +486,7 @@ def test_in_flight_per_decode_instance_equals_its_open_requests_through_a_kill(
         assert wait_for(lambda: exact(4), timeout=60, interval=0.2), (listed(), [
             serving(u) for u in urls])
         assert min(listed().values()) > 0  # both serve some (least loaded: 2 and 2)
-        dec = server_session(c["up"].pid, UP_PORT + 2)
+        dec = server_session(c["up"].pid, FLEET + 2)
         c.setdefault("sessions", set()).add(dec)
         t0 = time.monotonic()
         os.kill(dec, signal.SIGKILL)  # decode-0's API server, mid-stream
@@ -523,7 +515,8 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
     tokens. The gateway continues the answer on the other instance through vLLM's token-in
     API (`epd up` decode instances serve it): the same prompt plus the tokens already sent.
     The client gets one stream whose tokens are exactly the aggregated server's: none
-    repeated, none missing."""
+    repeated, none missing. The second decode instance stays dead: the fleet starts it
+    again for a later user."""
     from ec_connectors.protocol.keys import content_item_id
     from encoder_service.gateway.upstreams.routing import rendezvous
 
@@ -561,7 +554,7 @@ def test_encoder_killed_mid_run_answers_stay_correct_and_it_comes_back(cluster):
     refs = [answer(c, c["agg"], im) for im in images]
     fallbacks = gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}')
     restarted = restarts(c, "encoder-0")
-    encoder = server_session(c["up"].pid, UP_PORT + 1)
+    encoder = server_session(c["up"].pid, FLEET + 1)
     c.setdefault("sessions", set()).add(encoder)
     for i, (im, ref) in enumerate(zip(images, refs, strict=True)):
         if i == 2:
@@ -584,7 +577,8 @@ def test_encoder_killed_mid_run_answers_stay_correct_and_it_comes_back(cluster):
 
 def test_epd_up_stops_everything_on_sigint_kills_included(cluster):
     """Ctrl-C (SIGINT; every other `epd up` test stops it with SIGTERM) stops every process
-    `epd up` started and all they started, in every session it had (killed servers too)."""
+    `epd up` started and all they started, in every session it had (killed servers too).
+    The fleet's `epd up` stays stopped: the fleet starts it again for a later user."""
     c = cluster
     up = c["up"]
     procs = descendants(up.pid)

@@ -2,13 +2,14 @@
 prefill/decode instances and the gateway on the tiny model, TCP loopback) beside the session's
 aggregated vLLM server (the reference). Two deployments (each `epd up` costs a minute of vLLM
 start-up on two cores): `transport = "mooncake"` with two batching encoder pools (`epd
-encoder`) and two decode instances, no master, started EPD_UP_STARTS times in a row (issue 40:
-every start comes up; 1 in the lane, 5 asked); `transport = "tiered"` (Transfer Engine,
-Mooncake Store, shared directory) with one vLLM encoder and one decode instance: `epd up`
-starts the store master first, the item lands in every tier, and the master is gone after the
-stop. Answers through the gateway must equal the aggregated server's greedy tokens; the decode
-instance must really load the embedding (vllm:epd_loads_total); a repeated image must be a
-gateway cache hit (Mooncake availability: the producers' announcements) with no encoder call.
+encoder`) and two decode instances, no master, started EPD_UP_STARTS times in a row (every
+start comes up; 1 in the lane); `transport = "tiered"` (Transfer Engine, Mooncake Store,
+shared directory) with one vLLM encoder and one decode instance, the shared TIERED fleet
+(tests/e2e/fleets.py): `epd up` starts the store master first, the item lands in every tier,
+and the master is gone after the stop. Answers through the gateway must equal the aggregated
+server's greedy tokens; the decode instance must really load the embedding
+(vllm:epd_loads_total); a repeated image must be a gateway cache hit (Mooncake availability:
+the producers' announcements) with no encoder call.
 Both run with a deployment secret: every encoder and prefill/decode server answers
 401 to a call without the deployment's API key while the gateway's answers still work. Each
 deployment's listening sockets are scanned (psutil): all on 127.0.0.1 but a Mooncake engine's
@@ -35,19 +36,19 @@ from encoder_service.local.processes import VllmServer
 from encoder_service.local.requests import sample_image_png
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up_config import UpConfig
+from tests.e2e import fleets
 from tests.e2e.client import MODEL_NAME, answer, encoder_calls, metric_at
-from tests.helpers import MASTER, MOONCAKE, WORK, alive, descendants, epd_up, port_block, wait_for
+from tests.helpers import MOONCAKE, WORK, alive, descendants, epd_up, port_block, wait_for
 
 pytest.importorskip("mooncake.engine")
 # each deployment: gateway, encoder +1, decode +2; a Mooncake side channel (announcements
 # +1000, data connections +2000); the tiered one a store master (RPC, metadata +1, metrics +2)
 # (the pool deployment: encoders +1 +2, decoders +3 +4, side channels POOL_MC + 10 * i)
-POOL_UP, TIERED_UP = port_block(__name__)[0], port_block(__name__)[10]
-POOL_MC, TIERED_MC = port_block(__name__, MOONCAKE)[0:30:20]
+POOL_UP = port_block(__name__)[0]
+POOL_MC = port_block(__name__, MOONCAKE)[0]
 # how often the pool deployment is started in a row (issue 40 asks for 5: EPD_UP_STARTS=5;
 # the lane starts it once, each start of its four servers costs ~40-80 s of the two cores)
 STARTS = max(1, int(os.environ.get("EPD_UP_STARTS", "1")))
-TIERED_MASTER = port_block(__name__, MASTER)[0]
 HIT = 'epd_gateway_items_total{outcome="cache_hit"}'
 ENCODED = 'epd_gateway_items_total{outcome="encoded"}'
 FALLBACK = 'epd_gateway_items_total{outcome="fallback"}'
@@ -71,21 +72,27 @@ def agg(aggregated):
     return aggregated
 
 
+def view(conf: dict, work: Path, log_path: Path, up_pid: int) -> dict:
+    """What the checks below read of a running `epd up` of config `conf`."""
+    up_cfg = UpConfig(**conf)
+    urls = [f"http://127.0.0.1:{conf['base_port'] + 1 + i}"
+            for i in range(up_cfg.encoders + up_cfg.decoders)]
+    encs, decs = urls[:up_cfg.encoders], urls[up_cfg.encoders:]
+    return {"gw": f"http://127.0.0.1:{conf['base_port']}", "enc": encs[0], "dec": decs[0],
+            "encs": encs, "decs": decs, "log": log_path, "work": work,
+            "procs": descendants(up_pid), "up_pid": up_pid, "servers": len(urls),
+            "engine_range": ports.engine_env(up_cfg.fixed_ports, os.environ)}
+
+
 @contextlib.contextmanager
 def deployment(name: str, conf: dict, agg: VllmServer | None):
     work = WORK / "test-up-mooncake" / name
     procs: set[int] = set()
-    up_cfg = UpConfig(**conf)
-    urls = [f"http://127.0.0.1:{conf['base_port'] + 1 + i}"
-            for i in range(up_cfg.encoders + up_cfg.decoders)]
     with epd_up(conf, work, also_ready=agg.healthy if agg else lambda: True) as (
             up, gw, log_path):
-        procs = descendants(up.pid)
-        encs, decs = urls[:up_cfg.encoders], urls[up_cfg.encoders:]
-        yield {"gw": gw, "enc": encs[0], "dec": decs[0], "encs": encs, "decs": decs,
-               "log": log_path, "work": work, "procs": procs, "up_pid": up.pid,
-               "servers": len(urls),
-               "engine_range": ports.engine_env(up_cfg.fixed_ports, os.environ)}
+        d = view(conf, work, log_path, up.pid)
+        procs = d["procs"]
+        yield d
     assert up.returncode == 0, log_path.read_text()[-3000:]
     assert wait_for(lambda: not any(alive(p) for p in procs), timeout=10), "left behind"
 
@@ -105,14 +112,10 @@ def secret_file(name: str) -> Path:
     return path
 
 
-def bearer(secret: Path) -> dict[str, str]:
-    return {"authorization": f"Bearer {api_key(read_secret(secret))}"}
-
-
 def assert_keyed(client, d, secret: Path, pool: bool = False) -> None:
     """Every encoder and prefill/decode server refuses a call without the deployment's key
     (401), health stays open, and the key opens them."""
-    key = bearer(secret)
+    key = fleets.bearer(secret)
     calls = [("dec", "POST", "/v1/chat/completions"), ("dec", "POST", "/v1/completions"),
              ("dec", "GET", "/v1/models"), ("dec", "POST", "/inference/v1/generate")]
     calls += ([("enc", "POST", "/v1/encode"), ("enc", "POST", "/v1/release"),
@@ -223,7 +226,7 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
         assert_keyed(client, d, secret, pool=True)
 
         def stats() -> list[dict]:
-            return [client.get(u + "/v1/stats", headers=bearer(secret)).json()
+            return [client.get(u + "/v1/stats", headers=fleets.bearer(secret)).json()
                     for u in d["encs"]]
 
         image = sample_image_png(seed=702)
@@ -251,53 +254,58 @@ def test_epd_up_mooncake_encoder_pool(model, client, agg):
 
 
 def test_epd_up_tiered_vllm_encoder_starts_the_store_master_first_and_stops_it(
-        model, client, agg):
+        tiered_fleet, client, agg):
     """The Transfer Engine in front of the store and the shared directory, a vLLM encoder,
-    a deployment secret. One deployment for the checks of `epd up` with a vLLM encoder over
-    the Transfer Engine (keys, listeners, announcements: a gateway cache hit, overlap) and
-    those of the tiered transport (store master first and last, every tier written)."""
-    secret = secret_file("tiered")
-    conf = config(model, TIERED_UP, TIERED_MC, transport="tiered", master_port=TIERED_MASTER,
-                  secret_file=str(secret))
-    master_metrics = f"http://127.0.0.1:{TIERED_MASTER + 2}"
-    with deployment("tiered", conf, agg) as d:
-        (master,) = [p for p in d["procs"] if b"mooncake_master" in _cmdline(p)]
-        assert_keyed(client, d, secret)
-        # four engines, the Store clients' (two per vLLM server: its scheduler's store probes
-        # and its worker; the TE transport over TCP starts none); the
-        # master's RPC and metrics ports on loopback, its HTTP metadata server on every
-        # interface (mooncake_master ignores --http_metadata_server_host)
-        loopback = assert_listeners(d, engines=4, library=frozenset({TIERED_MASTER + 1}))
-        assert {TIERED_MASTER, TIERED_MASTER + 2} <= {p for _, p in loopback}
-        log = d["log"].read_text()
-        assert log.index("mooncake-master healthy") < log.index("starting encoder-0")
-        assert "requires the API key" in log
-        key = api_key(read_secret(secret)).encode()  # never logged, by us or by vLLM
-        assert not [f for f in (d["log"], *(d["work"] / "up" / "logs").glob("*.log"))
-                    if key in f.read_bytes()]
-        image = sample_image_png(seed=701)
-        ref = answer(client, agg.url, image)
-        loads, encoded = metric_at(client, d["dec"], LOADS), metric_at(client, d["gw"], ENCODED)
-        assert answer(client, d["gw"], image) == ref
-        assert metric_at(client, d["gw"], ENCODED) == encoded + 1
-        assert metric_at(client, d["gw"], FALLBACK) == 0
-        assert wait_for(lambda: metric_at(client, d["dec"], LOADS) >= loads + 1, timeout=5,
-                        interval=0.1), "the decode instance did not load the embedding"
-        # saves write every tier: the store (a key on the master) and the shared directory
-        assert wait_for(lambda: metric_at(client, master_metrics, "master_key_count") >= 1,
-                        timeout=5, interval=0.1), "the item never reached the store"
-        assert list((d["work"] / "up" / "ec-cache").rglob("*.safetensors"))
-        # the same image again: the producer holds it (announced), no encoder call
-        calls, hits = encoder_calls(client, d["enc"]), metric_at(client, d["gw"], HIT)
-        assert answer(client, d["gw"], image) == ref
-        assert metric_at(client, d["gw"], HIT) == hits + 1
-        assert metric_at(client, d["gw"], ENCODED) == encoded + 1
-        assert encoder_calls(client, d["enc"]) == calls
-        assert "availability=mooncake" in d["log"].read_text()
-        # a new image: sent to the decode instance while encoded (overlap; the encoder was
-        # seen to publish no placeholder metadata); it waits for the announcement, then pulls
-        assert_overlapped(client, d, agg, seed=702)
-        assert metric_at(client, d["dec"], "vllm:epd_transport_down_total") == 0
+    a deployment secret: the shared TIERED fleet (tests/e2e/fleets.py). The checks of `epd
+    up` with a vLLM encoder over the Transfer Engine (keys, listeners, announcements: a
+    gateway cache hit, overlap) and those of the tiered transport (store master first and
+    last, every tier written). It ends by stopping the fleet's `epd up` (the master must go
+    with it): the fleet starts it again for a later user."""
+    fleet = tiered_fleet.ensure()
+    secret = fleet.extra["secret"]
+    master_metrics = f"http://127.0.0.1:{fleets.TIERED_MASTER + 2}"
+    d = view(fleet.conf, fleet.work, fleet.log_path, fleet.up.pid)
+    (master,) = [p for p in d["procs"] if b"mooncake_master" in _cmdline(p)]
+    assert_keyed(client, d, secret)
+    # four engines, the Store clients' (two per vLLM server: its scheduler's store probes
+    # and its worker; the TE transport over TCP starts none); the
+    # master's RPC and metrics ports on loopback, its HTTP metadata server on every
+    # interface (mooncake_master ignores --http_metadata_server_host)
+    loopback = assert_listeners(d, engines=4,
+                                library=frozenset({fleets.TIERED_MASTER + 1}))
+    assert {fleets.TIERED_MASTER, fleets.TIERED_MASTER + 2} <= {p for _, p in loopback}
+    log = d["log"].read_text()
+    assert log.index("mooncake-master healthy") < log.index("starting encoder-0")
+    assert "requires the API key" in log
+    key = api_key(read_secret(secret)).encode()  # never logged, by us or by vLLM
+    assert not [f for f in (d["log"], *(d["work"] / "up" / "logs").glob("*.log"))
+                if key in f.read_bytes()]
+    image = sample_image_png(seed=701)
+    ref = answer(client, agg.url, image)
+    loads, encoded = metric_at(client, d["dec"], LOADS), metric_at(client, d["gw"], ENCODED)
+    assert answer(client, d["gw"], image) == ref
+    assert metric_at(client, d["gw"], ENCODED) == encoded + 1
+    assert metric_at(client, d["gw"], FALLBACK) == 0
+    assert wait_for(lambda: metric_at(client, d["dec"], LOADS) >= loads + 1, timeout=5,
+                    interval=0.1), "the decode instance did not load the embedding"
+    # saves write every tier: the store (a key on the master) and the shared directory
+    assert wait_for(lambda: metric_at(client, master_metrics, "master_key_count") >= 1,
+                    timeout=5, interval=0.1), "the item never reached the store"
+    assert list((d["work"] / "up" / "ec-cache").rglob("*.safetensors"))
+    # the same image again: the producer holds it (announced), no encoder call
+    calls, hits = encoder_calls(client, d["enc"]), metric_at(client, d["gw"], HIT)
+    assert answer(client, d["gw"], image) == ref
+    assert metric_at(client, d["gw"], HIT) == hits + 1
+    assert metric_at(client, d["gw"], ENCODED) == encoded + 1
+    assert encoder_calls(client, d["enc"]) == calls
+    assert "availability=mooncake" in d["log"].read_text()
+    # a new image: sent to the decode instance while encoded (overlap; the encoder was
+    # seen to publish no placeholder metadata); it waits for the announcement, then pulls
+    assert_overlapped(client, d, agg, seed=702)
+    assert metric_at(client, d["dec"], "vllm:epd_transport_down_total") == 0
+    fleet.up.stop(90)
+    assert fleet.up.proc.returncode == 0, d["log"].read_text()[-3000:]
+    assert wait_for(lambda: not any(alive(p) for p in d["procs"]), timeout=10), "left behind"
     assert not alive(master), "the store master outlived epd up"
     assert "stopping mooncake-master" in d["log"].read_text()
 
