@@ -89,7 +89,6 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.fleets", HTTP): (19300, 30),  # the shared deployments: fleets.py
     ("tests.e2e.fleets", MOONCAKE): (26100, 20),
     ("tests.e2e.fleets", MASTER): (19870, 3),
-    ("tests.e2e.test_connector_store", HTTP): (18360, 3),
     ("tests.e2e.test_qwen3_deepstack", HTTP): (18370, 3),
     ("tests.e2e.conftest", HTTP): (18390, 1),  # the session's aggregated reference
     ("tests.prewarm", HTTP): (18395, 1),  # beside the fast lane (run.sh test)
@@ -97,7 +96,6 @@ PORT_BLOCKS: dict[tuple[str, str], tuple[int, int]] = {  # (module, kind): (firs
     ("tests.e2e.test_up", HTTP): (18660, 13),
     ("tests.e2e.test_qwen_modalities", HTTP): (18680, 5),
     ("tests.e2e.test_elastic", HTTP): (18920, 5),  # gateway, 2 encoders, 2 decode instances
-    ("tests.e2e.test_connector_store", MASTER): (19850, 3),
     ("tests.e2e.test_qwen3_deepstack", MOONCAKE): (21920, 10),
     ("tests.e2e.test_up", MOONCAKE): (21960, 30),
     # deploy lane: the `epd up` reference, the compose stack's published gateway and Prometheus;

@@ -10,8 +10,9 @@ its limit.
 The limit: a vLLM server costs 40-70 s of the machine's two cores to start (most of the e2e
 lane), so the e2e lane starts at most E2E_VLLM_SERVER_LIMIT distinct vLLM servers: a new
 end-to-end test joins a shared deployment (tests/e2e/fleets.py) instead of starting its own.
-Restarts (a server `epd up` starts again after a test killed it) are counted and printed
-beside them, not against the limit: they are what the fault tests prove.
+What `epd up` starts under test (a server started again after a test killed it, a scale-up
+under a burst) is counted and printed beside them, not against the limit: it is what the
+fault and scaling tests prove.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ def read_ledger(path: Path) -> list[dict]:
 
 
 def vllm_counts(starts: list[dict]) -> tuple[int, int]:
-    """(distinct vLLM servers started, restarts of one of them) in a ledger's starts."""
+    """(vLLM servers the lane's deployments started, those `epd up` started under test:
+    restarts after a kill and scale-ups) in a ledger's starts."""
     vllm = [s for s in starts if s.get("kind") == "VllmServer"]
-    restarts = sum(1 for s in vllm if s.get("start", 1) > 1)
-    return len(vllm) - restarts, restarts
+    deployed = sum(1 for s in vllm if s.get("reason") == "deploy")
+    return deployed, len(vllm) - deployed
 
 
 def over_limit(summary: dict) -> str:
@@ -76,7 +78,7 @@ def describe(summary: dict) -> str:
              f"{summary['passed']} passed, {summary['failed']} failed, "
              f"{summary['skipped']} skipped; vLLM servers started: "
              f"{summary['vllm_servers']} (limit {LIMITS.get(summary['lane'], 'none')}), "
-             f"restarted after a kill: {summary['vllm_restarts']}"]
+             f"started by epd up under test (restarts, scale-ups): {summary['vllm_restarts']}"]
     for nodeid, took in summary["slowest_setups"]:
         lines.append(f"    set-up {took:6.1f} s  {nodeid}")
     return "\n".join(lines)

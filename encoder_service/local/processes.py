@@ -14,9 +14,9 @@ Start them from a thread that lives as long as they should (the main thread: `ep
 `start_all`, test fixtures). `epd up` restarts what exits unasked: supervise.py.
 
 With `$EPD_START_LEDGER` set to a file path, every start appends one JSON line to it (kind,
-name, port, pid, time), from whichever process starts it (`epd up`, its supervisor and scaler
-inherit the variable): what an operator reads to count the starts and restarts of a fleet,
-and what the test suite counts vLLM starts by.
+name, port, pid, time, why: deploy, scale-up or restart), from whichever process starts it
+(`epd up`, its supervisor and scaler inherit the variable): what an operator reads to count
+the starts and restarts of a fleet, and what the test suite counts vLLM starts by.
 """
 
 from __future__ import annotations
@@ -101,9 +101,11 @@ def record_start(process: ManagedProcess) -> None:
     path = os.environ.get(LEDGER_ENV)
     if not path or process.proc is None:
         return
+    reason = process.start_reason if process.times_started == 1 else "restart"
     line = json.dumps({"kind": type(process).__name__, "name": process.name,
                        "port": process.port, "pid": process.proc.pid, "t": time.time(),
-                       "by": os.getpid(), "start": process.times_started}) + "\n"
+                       "by": os.getpid(), "start": process.times_started,
+                       "reason": reason}) + "\n"
     try:
         with open(path, "a", encoding="utf-8") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -132,6 +134,7 @@ class ManagedProcess:
     proc: subprocess.Popen | None
 
     times_started: int = 0  # start() calls: a second start is a restart (record_start)
+    start_reason: str = "deploy"  # why its first start: "deploy", or "scale-up" (scaler.py)
     startup_timeout_s: ClassVar[float] = 300.0  # wait()'s default
     # The child runs `child_process.guard_process_group_from_env()` (it has children of its
     # own and may miss its parent-death signal): start() tells it whose death to watch.

@@ -152,6 +152,7 @@ class Scaler:
             spare = [p for p in self.dep.spare if p.name.startswith(role.name + "-")
                      and p.name not in role.starting and not p.running]
             proc = min(spare, key=lambda p: p.port)
+            proc.start_reason = "scale-up"
             proc.start()
             role.starting[proc.name] = (proc, self.clock())
             self._event(role, d, proc, f"{proc.name} starting on :{proc.port} (log "

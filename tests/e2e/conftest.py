@@ -14,10 +14,30 @@ _HERE = __file__.rsplit("/", 1)[0]
 AGG_PORT = port_block(__name__)[0]  # the aggregated reference's own block
 
 
+FLEETS = ("e_pd_fleet", "e_p_d_fleet", "tiered_fleet")
+_LAST_USER: dict[str, str] = {}  # fleet fixture -> the node id of the last test using it
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path).startswith(_HERE):
             item.add_marker(pytest.mark.e2e)
+
+
+def pytest_collection_finish(session):
+    for item in session.items:  # in run order: the last one seen is the last user
+        for name in FLEETS:
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop a fleet once its last user is done: idle vLLM servers still hold memory and a
+    little CPU that the lane's later servers need (the session fixture's end stops it too)."""
+    for name in FLEETS:
+        if _LAST_USER.get(name) == item.nodeid and name in item.funcargs:
+            item.funcargs[name].close()
 
 
 @pytest.fixture(scope="session")

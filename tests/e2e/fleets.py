@@ -17,8 +17,9 @@ The fleets (tiny LLaVA; ports from this module's blocks):
 - E_P_D: `epd up --prefill 1 --decode 1` over NIXL (embeddings READ from the encoder's
   registered memory, vLLM's NixlConnector for the KV cache). The E/P/D tests and the
   connector's NIXL test.
-- TIERED: `epd up` with tiers mooncake, mooncake_store, safetensors and a deployment secret.
-  `epd up`'s tiered checks and the connector's Transfer Engine tests.
+- TIERED: `epd up` with tiers mooncake, mooncake_store, safetensors and a deployment secret,
+  and beside it a vLLM encoder on the store and the shared directory alone. `epd up`'s tiered
+  checks, the store's and the connector's Transfer Engine tests.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from pathlib import Path
 import httpx
 
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.secret import api_key, read_secret
+from ec_connectors.protocol.secret import IdSigner, api_key, read_secret
 from encoder_service.local.processes import ManagedProcess, UpProcess, VllmServer
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.trace_sink import TraceSink
 from encoder_service.local.up import DECODE_ARGS, epd_config
-from tests.helpers import MASTER, MOONCAKE, WORK, port_block, stop_all, wait_for
+from encoder_service.local.up_config import UpConfig, store_master_address, store_metadata_url
+from tests.helpers import LOOPBACK, MASTER, MOONCAKE, WORK, port_block, stop_all, wait_for
 
 _HTTP = port_block(__name__)
 _MC = port_block(__name__, MOONCAKE)
@@ -71,6 +73,8 @@ class Fleet:
     scratch: list[str] = field(default_factory=list)  # directories removed by close()
     on_close: list[Callable[[], object]] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # what its users read beside it (a trace sink)
+    late: list[ManagedProcess] = field(default_factory=list)  # beside, started once...
+    late_after: str = ""  # ...`epd up` has logged this (its store master is up)
     up: UpProcess | None = None
     starts: int = 0  # how often ensure() started `epd up`
 
@@ -100,7 +104,14 @@ class Fleet:
             self.starts += 1
             print(f"[fleet {self.name}] epd up started (start {self.starts})", flush=True)
         deadline = time.monotonic() + timeout_s
-        for server in self.beside:
+        if any(not server.running for server in self.late):
+            assert wait_for(lambda: self.late_after in self.up_log(), timeout=timeout_s,
+                            interval=0.2), f"fleet {self.name}: no {self.late_after!r}"
+            for server in self.late:
+                if not server.running:
+                    server.stop()
+                    server.start()
+        for server in (*self.beside, *self.late):
             server.wait(max(1.0, deadline - time.monotonic()))
         assert wait_for(self.all_up, timeout=max(1.0, deadline - time.monotonic()),
                         interval=0.25), f"fleet {self.name} not healthy: {self.log_tail()}"
@@ -117,6 +128,12 @@ class Fleet:
         states = [*health.get("encoders", {}).values(), *health.get("decoders", {}).values()]
         return bool(states) and all(states)
 
+    def up_log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
     def log_tail(self) -> str:
         return self.up.log_tail(60) if self.up is not None else "(not started)"
 
@@ -129,14 +146,15 @@ class Fleet:
         """Stop all of it (a later `ensure()` starts it again)."""
         if self.up is not None:
             self.up.stop(90)
-        stop_all(self.beside)
+        stop_all([*self.beside, *self.late])
 
     def close(self) -> None:
+        """Stop it and remove what it left (its last user's end, then the session's end)."""
         self.stop()
         for path in self.scratch:
             shutil.rmtree(path, ignore_errors=True)
-        for fn in self.on_close:
-            fn()
+        while self.on_close:
+            self.on_close.pop()()
 
 
 def e_pd(storage: Path) -> Fleet:
@@ -189,21 +207,46 @@ def e_p_d_endpoint() -> str:
 
 
 def tiered() -> Fleet:
-    """The TIERED fleet (module docstring); its secret in its work dir (`secret_path`)."""
+    """The TIERED fleet (module docstring): its secret in its work dir (extra["secret"]);
+    beside it, once its store master is up, a vLLM encoder of its own (extra["producer"])
+    on the store and the shared directory alone: an encoder instance the decode instance
+    does not subscribe to, whose items it can find only in the store or the directory."""
     fleet = Fleet("tiered", {})
     secret = fleet.work / "secret"
     secret.parent.mkdir(parents=True, exist_ok=True)
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
+    storage = fleet.work / "up" / "ec-cache"  # `epd up`'s default
     fleet.conf = {
         "model": str(llava()), "base_port": TIERED_PORT, "transport": "tiered",
         "mooncake_base_port": TIERED_MC, "master_port": TIERED_MASTER, "cpu_cores": [0, 1],
         "secret_file": str(secret),
         "connector_extra": {"memory_pool_bytes": 128 << 20, "load_timeout_s": 10,
-                            "inline_max_bytes": 0},  # tiny items too go through the engine
+                            "inline_max_bytes": 0,  # tiny items too go through the engine
+                            "store_health_interval_s": 0.5},  # a dead master noticed soon
+        # a killed master comes back after a while: the tests see the tiers without it first
+        "restart": {"backoff_s": 8},
         "gateway": {"timeouts": {"encoder_s": 30}}}
-    fleet.extra["secret"] = secret
+    up_cfg = UpConfig(**fleet.conf)
+    producer = VllmServer("producer-store", llava(), TIERED_PORT + 3, fleet.work, epd_config(
+        "ec_producer", storage, {
+            "transport": ["mooncake_store", "safetensors"], "host": "127.0.0.1",
+            "store_master": store_master_address(up_cfg),
+            "store_metadata": store_metadata_url(up_cfg), "store_segment_bytes": 0,
+            "store_buffer_bytes": 128 << 20, "store_health_interval_s": 0.5,
+            "load_timeout_s": 10,
+            "secret_file": str(secret)}),  # seals what it stores, shares vouched ids only
+        cpu_core=0, env=dict(LOOPBACK))
+    fleet.late.append(producer)
+    fleet.late_after = "mooncake-master healthy"
+    fleet.extra.update(secret=secret, producer=producer)
     return fleet
+
+
+def vouched(secret: Path, content_id: str) -> str:
+    """`content_id` signed as the gateway of the deployment whose secret is `secret` signs
+    it: an id its producers share (a bare id a client chose is encoded for its request only)."""
+    return IdSigner(read_secret(secret)).sign(content_id)
 
 
 def bearer(secret: Path) -> dict[str, str]:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from ec_connectors.protocol import ports
-from encoder_service.local.requests import chat_body
+from ec_connectors.protocol.keys import content_item_id
+from encoder_service.local.requests import chat_body, sample_image_png
 from tests.e2e import fleets
 from tests.e2e.client import (
     MODEL_NAME,
@@ -31,6 +32,13 @@ pytest.importorskip("mooncake.engine")
 TE_HITS = "tier_mooncake_hits_total"  # loads the Transfer Engine tier delivered
 
 
+def signed_case(c, seed: int):
+    """`case` under the id the deployment's gateway would give the image (with a deployment
+    secret its producers share only such ids)."""
+    image = sample_image_png(seed=seed)
+    return case(c, seed, fleets.vouched(c["secret"], content_item_id(image, MODEL_NAME)))
+
+
 @pytest.fixture(scope="module")
 def cluster(tiered_fleet, aggregated):
     """The shared TIERED fleet (tests/e2e/fleets.py): its encoder is the producer, its decode
@@ -41,12 +49,13 @@ def cluster(tiered_fleet, aggregated):
     with httpx.Client(timeout=120, headers=fleets.bearer(fleet.extra["secret"])) as client:
         yield {"agg": aggregated, "prod": ServerAt(fleet.url(1)),
                "cons": ServerAt(fleet.url(2)), "client": client,
+               "secret": fleet.extra["secret"],
                "endpoint": f"127.0.0.1:{ports.encoder_base_port(fleets.TIERED_MC, 0)}"}
 
 
 def test_consumer_pulls_over_mooncake_and_equals_aggregated(cluster):
     c = cluster
-    image, item_id, reference = case(c, seed=501)
+    image, item_id, reference = signed_case(c, 501)
     params = encode(c, image, item_id)
     body = params["epd"]
     assert body["transport"] == "tiered" and body["endpoint"] == c["endpoint"]
@@ -61,7 +70,7 @@ def test_deferred_request_without_location_finds_item_by_announcement(cluster):
     the item, with nothing else running: zero-token steps on vLLM's V1 runner must not lose
     the pull; the item is found through the producer's announcement."""
     c = cluster
-    image, item_id, reference = case(c, seed=502)
+    image, item_id, reference = signed_case(c, 502)
     loads, hits = cons_metric(c, "loads_total"), cons_metric(c, TE_HITS)
     assert tokens(ask_before_encoding(c, image, item_id, wait_s=1.5)) == reference
     assert wait_metric(c, "loads_total", loads + 1) == loads + 1
@@ -70,7 +79,7 @@ def test_deferred_request_without_location_finds_item_by_announcement(cluster):
 
 def test_no_params_at_all_uses_the_availability_index(cluster):
     c = cluster
-    image, item_id, reference = case(c, seed=503)
+    image, item_id, reference = signed_case(c, 503)
     encode(c, image, item_id)
     time.sleep(0.5)  # the announcement reaches the consumer's scheduler
     loads, hits = cons_metric(c, "loads_total"), cons_metric(c, TE_HITS)
@@ -84,7 +93,7 @@ def test_params_naming_a_foreign_producer_are_not_followed(cluster):
     by the consumer's server guard with a reason, never connected to (behind the guard, the
     scheduler would ignore it too: scheduler_hooks.decisions.pull_location)."""
     c = cluster
-    image, item_id, reference = case(c, seed=504)
+    image, item_id, reference = signed_case(c, 504)
     params = encode(c, image, item_id)
     forged = {"epd": {**params["epd"], "endpoint": "10.66.66.66:1"}}
     forged["epd"]["items"] = {k: {**v, "location": "10.66.66.66:1"}

@@ -1,4 +1,4 @@
-"""Elastic roles end to end (issue 50): a real `epd up --encoders 1:2 --decoders 1:2` (tiny
+"""Elastic roles end to end: a real `epd up --encoders 1:2 --decoders 1:2` (tiny
 LLaVA, encoder pools, vLLM decode instances) with short windows and cooldowns from its config.
 
 A burst of new images (six clients, each image new) makes a second encoder and a second

@@ -1,7 +1,8 @@
 """Image, video and audio end to end on the tiny Qwen2.5-Omni thinker: `epd up` (a vLLM
-encoder, a vLLM prefill/decode instance, the gateway) beside an aggregated vLLM server (the
-reference). Through the gateway the decode instance gets metadata-only parts (no media
-bytes); its greedy tokens must equal the aggregated server's. A metadata-only part the decode
+encoder, a vLLM prefill/decode instance, the gateway); the reference answers are the encoder
+instance's own, a whole vLLM server computing every item itself (the aggregated path). Through
+the gateway the decode instance gets metadata-only parts (no media bytes); its greedy tokens
+must equal the reference's. A metadata-only part the decode
 instance cannot get fails that request only, with a 503 and its reason, and the engine keeps
 serving. Hostile metadata-only requests (tests/hostile.py) sent straight to the decode
 instance end in a 4xx with a reason within 1 s, its memory stays put (server_guard.py)."""
@@ -25,7 +26,6 @@ from ec_connectors.protocol.keys import item_key
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 from encoder_service.encoder_pool.config import PoolConfig
 from encoder_service.encoder_pool.server import create_app
-from encoder_service.local.processes import VllmServer
 from encoder_service.local.requests import (
     audio_part,
     image_part,
@@ -39,14 +39,13 @@ from encoder_service.local.requests import (
 )
 from encoder_service.local.testmodels import SPECS, build
 from tests.e2e.client import answer_parts, metric, metric_at, post_parts
-from tests.helpers import WORK, Served, epd_up, port_block, wait_for
+from tests.helpers import WORK, Served, ServerAt, epd_up, port_block, wait_for
 from tests.hostile import HUGE_GRID, grid_part, hostile_request, meta_part
 
 SPEC = SPECS["qwen-omni"]
 MODEL = SPEC.model_name
 PROMPT = "describe this"
 UP_PORT = port_block(__name__)[0]  # up: gateway, encoder +1, decode +2
-AGG_PORT = UP_PORT + 3
 POOL_PORT = UP_PORT + 4  # the encoder pool's tests (below)
 ENC_URL, DEC_URL = f"http://127.0.0.1:{UP_PORT + 1}", f"http://127.0.0.1:{UP_PORT + 2}"
 GW = f"http://127.0.0.1:{UP_PORT}"
@@ -60,21 +59,19 @@ LOAD_TIMEOUT_S = 4  # a promised item that never lands fails its request after t
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    model = build(WORK / "models" / MODEL, SPEC)
+    """`epd up`; the reference answers come from its encoder instance: a whole vLLM server
+    of the model that computes every item of a request itself (the aggregated path; given
+    no ids, its requests name items by vLLM's own hashes, which no gateway request uses)."""
+    build(WORK / "models" / MODEL, SPEC)
     work = WORK / "test-qwen-e2e"
     storage = tmp_path_factory.mktemp("ec-store")
     conf = {"model": "qwen-omni", "base_port": UP_PORT, "cpu_cores": [0, 1],
             "storage_path": str(storage), "transport": "safetensors",  # tests read its files
             "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
             "vllm_args": TRUST_KWARGS, "gateway": {"timeouts": {"encoder_s": 30}}}
-    agg = VllmServer("aggregated", model, AGG_PORT, work, None, cpu_core=0,
-                     served_name=MODEL, extra_args=TRUST_KWARGS).start()
-    try:
-        with epd_up(conf, work, also_ready=agg.healthy, interval=1.0), \
-                httpx.Client(timeout=120) as client:
-            yield {"agg": agg, "client": client, "storage": storage, "cons": DEC_URL}
-    finally:
-        agg.stop()
+    with epd_up(conf, work, interval=1.0), httpx.Client(timeout=120) as client:
+        yield {"agg": ServerAt(ENC_URL), "client": client, "storage": storage,
+               "cons": DEC_URL}
 
 
 def post(c, url, parts, **extra) -> httpx.Response:
