@@ -1,8 +1,8 @@
 """Image, video and audio end to end on the tiny Qwen2.5-Omni thinker: `epd up` (a vLLM
-encoder, a vLLM prefill/decode instance, the gateway); the reference answers are the encoder
-instance's own, a whole vLLM server computing every item itself (the aggregated path). Through
-the gateway the decode instance gets metadata-only parts (no media bytes); its greedy tokens
-must equal the reference's. A metadata-only part the decode
+encoder, a vLLM prefill/decode instance, the gateway); the reference answers are the decode
+instance's own, given the raw media with no ids: it computes every item itself, as an
+aggregated server does. Through the gateway the decode instance gets metadata-only parts (no
+media bytes); its greedy tokens must equal the reference's. A metadata-only part the decode
 instance cannot get fails that request only, with a 503 and its reason, and the engine keeps
 serving. Hostile metadata-only requests (tests/hostile.py) sent straight to the decode
 instance end in a 4xx with a reason within 1 s, its memory stays put (server_guard.py)."""
@@ -59,9 +59,9 @@ LOAD_TIMEOUT_S = 4  # a promised item that never lands fails its request after t
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """`epd up`; the reference answers come from its encoder instance: a whole vLLM server
-    of the model that computes every item of a request itself (the aggregated path; given
-    no ids, its requests name items by vLLM's own hashes, which no gateway request uses)."""
+    """`epd up`; the reference answers come from its decode instance sent the raw media
+    with no ids: it computes every item itself, as an aggregated server does (vLLM names
+    such items by its own hashes, which no gateway request uses, so nothing is loaded)."""
     build(WORK / "models" / MODEL, SPEC)
     work = WORK / "test-qwen-e2e"
     storage = tmp_path_factory.mktemp("ec-store")
@@ -70,7 +70,7 @@ def cluster(tmp_path_factory):
             "connector_extra": {"load_timeout_s": LOAD_TIMEOUT_S},
             "vllm_args": TRUST_KWARGS, "gateway": {"timeouts": {"encoder_s": 30}}}
     with epd_up(conf, work, interval=1.0), httpx.Client(timeout=120) as client:
-        yield {"agg": ServerAt(ENC_URL), "client": client, "storage": storage,
+        yield {"agg": ServerAt(DEC_URL), "client": client, "storage": storage,
                "cons": DEC_URL}
 
 

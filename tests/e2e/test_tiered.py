@@ -67,7 +67,9 @@ def cluster(tiered_fleet, aggregated):
 
 @pytest.fixture(scope="module")
 def client(cluster):
-    return cluster["client"]
+    """A client without the deployment's key (cluster["client"] sends it with every call)."""
+    with httpx.Client(timeout=120) as plain:
+        yield plain
 
 
 @pytest.fixture(scope="module")
