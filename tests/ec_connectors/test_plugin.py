@@ -121,34 +121,48 @@ _SPIN_PROBE = """
 import os, sys, tempfile, time, types, zmq
 from ec_connectors.plugin import shorten_worker_spin
 from vllm.distributed.device_communicators import shm_broadcast as sb
-spin_s = float(sys.argv[1])
-if spin_s >= 0:
-    assert shorten_worker_spin(spin_s)
 ctx = zmq.Context()
-addr = "ipc://" + os.path.join(tempfile.mkdtemp(), "notify")
-writer = sb.SpinCondition(is_reader=False, context=ctx, notify_address=addr)
-reader = sb.SpinCondition(is_reader=True, context=ctx, notify_address=addr)  # as vLLM makes it
-reader.record_read()  # a step was just read
-time.sleep(0.02)  # the engine's gap between two empty steps
-t0 = time.perf_counter()
-reader.wait(timeout_ms=200)  # no step comes: does it sleep (200 ms) or spin (returns now)?
-print(reader.busy_loop_s, time.perf_counter() - t0)
+for spin_s in map(float, sys.argv[1:]):  # vLLM's default (-1: left alone) first
+    if spin_s >= 0:
+        assert shorten_worker_spin(spin_s)
+    addr = "ipc://" + os.path.join(tempfile.mkdtemp(), "notify")
+    writer = sb.SpinCondition(is_reader=False, context=ctx, notify_address=addr)
+    reader = sb.SpinCondition(is_reader=True, context=ctx, notify_address=addr)  # as vLLM does
+    reader.record_read()  # a step was just read
+    time.sleep(0.02)  # the engine's gap between two empty steps
+    t0 = time.perf_counter()
+    reader.wait(timeout_ms=200)  # no step comes: does it sleep (200 ms) or spin (returns now)?
+    print(spin_s, reader.busy_loop_s, time.perf_counter() - t0)
 print(shorten_worker_spin(1.0, types.SimpleNamespace()))  # no such reader: left alone
 """
+SPINS = (-1, 0.002)
 
 
-@pytest.mark.parametrize("spin_s", [-1, 0.002])
-def test_worker_spin_shortened_makes_the_step_reader_sleep_between_sparse_steps(spin_s):
+@pytest.fixture(scope="module")
+def spin_probe() -> dict[float, tuple[float, float]]:
+    """Each of SPINS' readers in one fresh vLLM process (one import of vLLM, not two):
+    spin_s -> (its busy_loop_s, how long its wait took); None -> whether a module without
+    the reader is left alone."""
+    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE, *map(str, SPINS)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().split("\n")
+    found: dict = {float(s): (float(b), float(w)) for s, b, w in
+                   (line.split() for line in lines[-len(SPINS) - 1:-1])}
+    found[None] = lines[-1] == "True"
+    return found
+
+
+@pytest.mark.parametrize("spin_s", SPINS)
+def test_worker_spin_shortened_makes_the_step_reader_sleep_between_sparse_steps(spin_s,
+                                                                                 spin_probe):
     """What a worker's EPDConnector does to vLLM's own step-queue reader (SpinCondition), in a
     fresh process: by vLLM's default (1 s) a reader that read a step 20 ms ago still spins
     (its wait returns at once, to be called again: a busy core); with `worker_spin_s` 2 ms it
     sleeps on the notification socket until the next step (here: the 200 ms timeout)."""
-    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE, str(spin_s)], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (busy, waited), left_alone = (line.split() for line in out.stdout.split("\n")[-3:-1])
-    assert left_alone == ["False"]
+    busy, waited = spin_probe[spin_s]
+    assert spin_probe[None] is False  # a module without the reader: left alone
     if spin_s < 0:
-        assert float(busy) == 1 and float(waited) < 0.1
+        assert busy == 1 and waited < 0.1
     else:
-        assert float(busy) == spin_s and float(waited) >= 0.15
+        assert busy == spin_s and waited >= 0.15
