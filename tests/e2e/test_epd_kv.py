@@ -1,7 +1,8 @@
 """E/P/D end to end: `epd up --prefill 1 --decode 1` (a vLLM encoder, a prefill instance and a
 decode instance, both EC consumers with vLLM's NixlConnector on cpu buffers, the gateway in
 front; tiny LLaVA, embeddings read over NIXL: the shared E_P_D fleet, tests/e2e/fleets.py)
-beside the session's aggregated vLLM server.
+beside the session's aggregated vLLM server. First the connector over NIXL alone, between the
+encoder and the prefill instance called directly, its producer killed mid-read.
 An image request through the gateway answers the aggregated server's greedy tokens; the
 decode instance's own metrics show it loaded the prompt's KV cache (vLLM's
 prompt_tokens_by_source: external_kv_transfer, at most the last token computed) and neither
@@ -26,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -34,8 +36,20 @@ import pytest
 
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.e2e import fleets
-from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at, stream_killing
-from tests.helpers import descendants, server_pid, wait_for
+from tests.e2e.client import (
+    MODEL_NAME,
+    PROMPT,
+    answer,
+    ask,
+    case,
+    encode,
+    metric,
+    metric_at,
+    stream_killing,
+    tokens,
+    wait_metric,
+)
+from tests.helpers import ServerAt, descendants, server_pid, wait_for
 
 pytest.importorskip("nixl._api")
 # the shared E_P_D fleet: gateway, encoder +1, decode +2, prefill +3
@@ -88,6 +102,53 @@ def deployment(e_p_d_fleet, aggregated):
     with httpx.Client(timeout=120) as c:
         yield {"up": fleet.up.proc, "gw": fleet.gw, "log": fleet.log_path, "c": c,
                "sink": fleet.extra["sink"], "agg": aggregated}
+
+
+@pytest.fixture(scope="module")
+def nixl_pair(deployment):
+    """The encoder (the NIXL producer) and the prefill instance (a NIXL consumer), called
+    directly."""
+    yield {"agg": deployment["agg"], "prod": ServerAt(ENCODER), "cons": ServerAt(PREFILL),
+           "client": deployment["c"], "endpoint": fleets.e_p_d_endpoint(),
+           "up": deployment["up"]}
+
+
+def test_nixl_reads_equal_aggregated_and_a_killed_producer_costs_a_recompute(nixl_pair,
+                                                                            e_p_d_fleet):
+    """EPDConnector over NIXL (UCX on loopback) between the encoder, whose agent registers
+    its items where they lie, and the prefill instance, which READs them: the answer equals
+    the aggregated server's; the encoder killed while the prefill instance's read is in
+    flight costs a local encode, never an error or another answer. `epd up` restarts the
+    encoder; the test ends once it is back."""
+    c = nixl_pair
+    image, item_id, reference = case(c, seed=601)
+    params = encode(c, image, item_id)
+    assert params["epd"]["transport"] == "nixl" and params["epd"]["endpoint"] == c["endpoint"]
+    loads = metric(c, "loads_total")
+    assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert metric(c, "held_in_place_total", server=c["prod"]) >= 1
+    # Killed mid-transfer: the next item is encoded, then its producer (API server,
+    # EngineCore, the worker holding the NIXL agent) is frozen, so the consumer's pull is
+    # surely in flight when the kill lands.
+    image, item_id, reference = case(c, seed=602)
+    params = encode(c, image, item_id)
+    fallbacks = metric(c, "local_encode_fallbacks_total")
+    producer = os.getpgid(server_pid(c["up"].pid, fleets.E_P_D_PORT + 1))
+    os.killpg(producer, signal.SIGSTOP)
+    answer: dict = {}
+    asking = threading.Thread(target=lambda: answer.update(
+        ask(c, c["cons"], image, item_id, params)))
+    t0 = time.monotonic()
+    asking.start()
+    time.sleep(1.0)
+    assert asking.is_alive()  # waiting on the frozen producer
+    os.killpg(producer, signal.SIGKILL)
+    asking.join(60)
+    assert tokens(answer) == reference  # encoded locally: the same answer, no error
+    assert time.monotonic() - t0 < 12  # within the load deadline, not a hang
+    assert wait_metric(c, "local_encode_fallbacks_total", fallbacks + 1) >= fallbacks + 1
+    e_p_d_fleet.ensure()  # the encoder restarted by `epd up`, for the tests after
 
 
 def test_epd_up_prefill_decode_hands_the_kv_cache_over(deployment):

@@ -4,6 +4,10 @@ and a decode instance, a deployment secret, and beside it a vLLM encoder of its 
 store and the shared directory alone (the store producer: the decode instance does not
 subscribe to it); the session's aggregated vLLM server is the reference.
 
+The connector over the Transfer Engine (the encoder's registered pool, TCP loopback), each load
+counted as that tier's hit: with params, deferred before the item exists, found by
+announcement with no params, and a forged location refused by the server guard.
+
 `epd up`'s checks: its listeners (psutil: all on 127.0.0.1 but the Mooncake engines' own,
 which Mooncake binds to every interface: docs/trust.md), its keys (every server answers 401
 without the deployment's API key), the store master started first, every tier written, a
@@ -21,14 +25,19 @@ import time
 import httpx
 import pytest
 
+from ec_connectors.protocol import ports
 from ec_connectors.protocol.keys import content_item_id
 from ec_connectors.protocol.secret import api_key, read_secret
-from encoder_service.local.requests import sample_image_png
+from encoder_service.local.requests import chat_body, sample_image_png
 from tests.e2e import fleets
 from tests.e2e.client import (
     MODEL_NAME,
+    PROMPT,
     answer,
     ask,
+    ask_before_encoding,
+    case,
+    encode,
     encoder_calls,
     metric,
     metric_at,
@@ -50,6 +59,7 @@ from tests.helpers import ServerAt, alive, descendants, wait_for
 
 pytest.importorskip("mooncake.store")
 MASTER_METRICS = f"http://127.0.0.1:{fleets.TIERED_MASTER + 2}"
+TE_HITS = "tier_mooncake_hits_total"  # loads the Transfer Engine tier delivered
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +71,10 @@ def cluster(tiered_fleet, aggregated):
     with httpx.Client(timeout=120, headers=fleets.bearer(fleet.extra["secret"])) as client:
         yield {"fleet": fleet, "client": client, "agg": aggregated,
                "d": view(fleet.conf, fleet.work, fleet.log_path, fleet.up.proc.pid),
-               "a": ServerAt(fleet.url(1)), "cons": ServerAt(fleet.url(2)),
-               "b": fleet.extra["producer"]}
+               "a": ServerAt(fleet.url(1)), "prod": ServerAt(fleet.url(1)),
+               "cons": ServerAt(fleet.url(2)), "b": fleet.extra["producer"],
+               "secret": fleet.extra["secret"],
+               "endpoint": f"127.0.0.1:{ports.encoder_base_port(fleets.TIERED_MC, 0)}"}
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +133,75 @@ def test_epd_up_tiered_vllm_encoder_starts_the_store_master_first(cluster, clien
     # seen to publish no placeholder metadata); it waits for the announcement, then pulls
     assert_overlapped(client, d, agg, seed=702)
     assert metric_at(client, d["dec"], "vllm:epd_transport_down_total") == 0
+
+
+# -- the Transfer Engine between the encoder and the decode instance (its first tier) --
+
+def signed_case(c, seed: int):
+    """`case` under the id the deployment's gateway would give the image (with a deployment
+    secret its producers share only such ids)."""
+    image = sample_image_png(seed=seed)
+    return case(c, seed, fleets.vouched(c["secret"], content_item_id(image, MODEL_NAME)))
+
+
+def test_consumer_pulls_over_mooncake_and_equals_aggregated(cluster):
+    c = cluster
+    image, item_id, reference = signed_case(c, 501)
+    params = encode(c, image, item_id)
+    body = params["epd"]
+    assert body["transport"] == "tiered" and body["endpoint"] == c["endpoint"]
+    loads, hits = metric(c, "loads_total"), metric(c, TE_HITS)
+    assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert wait_metric(c, TE_HITS, hits + 1) == hits + 1  # over the Transfer Engine
+
+
+def test_deferred_request_without_location_finds_item_by_announcement(cluster):
+    """The consumer gets the request (ids only, no location) before the producer has made
+    the item, with nothing else running: zero-token steps on vLLM's V1 runner must not lose
+    the pull; the item is found through the producer's announcement."""
+    c = cluster
+    image, item_id, reference = signed_case(c, 502)
+    loads, hits = metric(c, "loads_total"), metric(c, TE_HITS)
+    assert tokens(ask_before_encoding(c, image, item_id, wait_s=1.5)) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert wait_metric(c, TE_HITS, hits + 1) == hits + 1
+
+
+def test_no_params_at_all_uses_the_availability_index(cluster):
+    c = cluster
+    image, item_id, reference = signed_case(c, 503)
+    encode(c, image, item_id)
+    time.sleep(0.5)  # the announcement reaches the consumer's scheduler
+    loads, hits = metric(c, "loads_total"), metric(c, TE_HITS)
+    assert tokens(ask(c, c["cons"], image, item_id, None)) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+    assert wait_metric(c, TE_HITS, hits + 1) == hits + 1
+
+
+def test_params_naming_a_foreign_producer_are_not_followed(cluster):
+    """Params are client-controlled: a location outside the configured producers is refused
+    by the consumer's server guard with a reason, never connected to (behind the guard, the
+    scheduler would ignore it too: scheduler_hooks.decisions.pull_location)."""
+    c = cluster
+    image, item_id, reference = signed_case(c, 504)
+    params = encode(c, image, item_id)
+    forged = {"epd": {**params["epd"], "endpoint": "10.66.66.66:1"}}
+    forged["epd"]["items"] = {k: {**v, "location": "10.66.66.66:1"}
+                              for k, v in params["epd"]["items"].items()}
+    loads = metric(c, "loads_total")
+    r = c["client"].post(c["cons"].url + "/v1/chat/completions",
+                         json=chat_body(MODEL_NAME, image, PROMPT, item_id=item_id,
+                                        ec_transfer_params=forged))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "bad_ec_transfer_params" and "10.66.66.66:1" in err["message"]
+    assert metric(c, "loads_total") == loads  # nothing was pulled
+    assert tokens(ask(c, c["cons"], image, item_id, params)) == reference
+    assert wait_metric(c, "loads_total", loads + 1) == loads + 1
+
+
+# -- the store --------------------------------------------------------------------------------
 
 
 def encode_and_store(c, server, image, item_id) -> None:
