@@ -28,7 +28,6 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from encoder_service.local.conformance import CuttingProxy, ask, cases  # noqa: E402
 from encoder_service.local.processes import (  # noqa: E402
     UpProcess,
     VllmServer,
@@ -37,6 +36,7 @@ from encoder_service.local.processes import (  # noqa: E402
 )
 from encoder_service.local.testmodels import SPECS, build  # noqa: E402
 from epd_common import child_process  # noqa: E402
+from epd_testkit.conformance import CuttingProxy, ask, cases  # noqa: E402
 
 WORK = default_work_dir(ROOT)
 STACKS = {  # name: (encoder backend, transport, decoders, prefill instances)

@@ -34,8 +34,8 @@ import uuid
 
 import torch
 
-from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, host_copy, tensor_bytes
+from epd_testkit.peer_process import PeerClient, seeded_tensor
 
 HIDDEN = 4096
 MiB = 1 << 20

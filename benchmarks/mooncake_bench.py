@@ -25,7 +25,7 @@ import time
 import torch
 
 from ec_connectors.protocol import ports
-from ec_connectors.testing.peer_process import PeerClient
+from epd_testkit.peer_process import PeerClient
 
 HIDDEN = 4096
 MiB = 1 << 20

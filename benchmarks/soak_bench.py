@@ -34,9 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ec_connectors.config import EPDConfig  # noqa: E402
-from ec_connectors.testing.peer_process import PeerClient  # noqa: E402
 from ec_connectors.transports.base import Placement, checksum, tensor_bytes  # noqa: E402
 from ec_connectors.transports.mooncake_te.transport import MooncakeTransport  # noqa: E402
+from epd_testkit.peer_process import PeerClient  # noqa: E402
 
 MiB = 1 << 20
 ITEMS = 120

@@ -33,9 +33,9 @@ from pathlib import Path
 
 from mooncake_bench import HIDDEN, MiB, mooncake_s, raw_tcp_s
 
-from ec_connectors.testing.peer_process import PeerClient
 from encoder_service.local.mooncake_master import master_server
 from encoder_service.local.processes import default_work_dir
+from epd_testkit.peer_process import PeerClient
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = default_work_dir(ROOT) / "store-bench"

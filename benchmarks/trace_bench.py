@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.serve_processes import GatewayProcess, StandIn  # noqa: E402
+
 from encoder_service.gateway.config import GatewayConfig, TracingConfig  # noqa: E402
 from encoder_service.gateway.server import GatewayThread  # noqa: E402
 from encoder_service.gateway.telemetry import tracing  # noqa: E402
@@ -190,7 +191,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     a = p.parse_args()
     work = default_work_dir(ROOT) / "trace-bench"
-    sink = subprocess.Popen([sys.executable, "-m", "encoder_service.local.trace_sink",
+    sink = subprocess.Popen([sys.executable, "-m", "epd_testkit.trace_sink",
                              "--port", str(PORT), "--quiet"], cwd=ROOT)
     url = f"http://127.0.0.1:{PORT}/v1/traces"
     enc = StandIn("encoder", PORT + 1, work).start()

@@ -62,10 +62,10 @@ from mooncake_bench import memcpy_s, raw_tcp_s
 from netns_pair import ADDR_A, ADDR_B, NetnsPair, raw_tcp_netns_s
 from nixl_floor import nixl_read_s, ucx_get_s
 
-from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
 from encoder_service.local.processes import default_work_dir
 from epd_common.net import port_open
+from epd_testkit.peer_process import PeerClient, seeded_tensor
 
 HIDDEN = 4096
 MiB = 1 << 20

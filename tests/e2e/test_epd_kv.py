@@ -33,7 +33,7 @@ import pytest
 
 from encoder_service.local.requests import chat_body, sample_image_png
 from encoder_service.local.testmodels import SPECS, build
-from encoder_service.local.trace_sink import TraceSink
+from epd_testkit.trace_sink import TraceSink
 from tests.e2e.client import MODEL_NAME, PROMPT, answer, ask, metric_at, stream_killing
 from tests.helpers import WORK, descendants, epd_up, port_block, wait_for
 

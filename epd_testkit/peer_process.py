@@ -1,6 +1,6 @@
 """A standalone transport peer driven by JSON lines on stdin (tests, benchmarks, debugging).
 
-    python -m ec_connectors.testing.peer_process
+    python -m epd_testkit.peer_process
     {"op": "init", "config": {"transport": "mooncake", "host": "127.0.0.1"},
      "placement": {"is_producer": true, "is_consumer": false}}
     {"op": "put", "id": "img-1", "seed": 1, "shape": [4096, 4096], "dtype": "bfloat16"}
@@ -46,6 +46,12 @@ from ec_connectors.transports.base import (
     tensor_bytes,
 )
 from epd_common import child_process
+
+# This package is not installed (a clone's test support): the peer finds it through the
+# repository root on its path, wherever the caller's working directory is.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT_ON_PATH = {"PYTHONPATH": os.pathsep.join(
+    p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
 
 
 def seeded_tensor(seed: int, shape: list[int], dtype: str) -> torch.Tensor:
@@ -180,9 +186,10 @@ class PeerClient:
         # dies with this thread even if this process is SIGKILLed (create clients from a
         # long-lived thread: epd_common.child_process)
         self.proc = child_process.popen(
-            [*(prefix or []), sys.executable, "-m", "ec_connectors.testing.peer_process"],
+            [*(prefix or []), sys.executable, "-m", "epd_testkit.peer_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            env={**os.environ, **(env or {})}, text=True, bufsize=1, start_new_session=True)
+            env={**os.environ, **_ROOT_ON_PATH, **(env or {})}, text=True, bufsize=1,
+            start_new_session=True)
         self._lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         threading.Thread(target=self._read, daemon=True).start()
         self._next(ready_timeout_s)

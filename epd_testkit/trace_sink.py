@@ -2,7 +2,7 @@
 
 A minimal OTLP/HTTP trace receiver: `POST /v1/traces` (protobuf, gzip or not), each span
 kept in memory as a plain dict. For tests, benchmarks and a quick look at what the gateway
-and vLLM send without a collector (`python -m encoder_service.local.trace_sink --port 4318`
+and vLLM send without a collector (`python -m epd_testkit.trace_sink --port 4318`
 prints one line per span); not a collector: nothing is stored or forwarded."""
 
 from __future__ import annotations

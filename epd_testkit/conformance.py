@@ -13,8 +13,8 @@ one to three items per request, sometimes several turns, and sampling fields (gr
 min/max tokens, ignore_eos, stop token ids, logit bias, penalties, stop strings; seeded
 sampling). Each case runs on a path (`PATHS`): its first encode, a cache hit (the same request
 again), or failover (a streamed answer whose decode instance breaks off mid-stream; see
-`CuttingProxy`). `benchmarks/conformance.py` starts the stacks and prints the table; the CI
-slice runs a fixed few cases in tests/e2e.
+`CuttingProxy`). `benchmarks/serving/conformance.py` starts the stacks and prints the
+table; the CI slice runs a fixed few cases in tests/e2e.
 """
 
 from __future__ import annotations
