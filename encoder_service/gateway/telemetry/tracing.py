@@ -24,7 +24,7 @@ OTLP protobuf and POSTs them (otlp.py) every `export_interval_s`, sooner once 20
 a queue past `max_queued_spans` drops (counted), a failed POST drops its batch. Not the
 OpenTelemetry SDK's tracer: its sampler, context and attribute checks and its batch
 processor's lock cost 45 us a span on the event loop here (0.4 ms a request), its exporter
-another 32 us a span (benchmarks/trace_bench.py, docs/observability.md).
+another 32 us a span (benchmarks/gateway/tracing.py, docs/observability.md).
 Off: no tracer, no thread; chat.py holds None for the request's trace (one `is None` per
 stage) and an upstream call reads one ContextVar (`inject`, `call`).
 """
