@@ -248,6 +248,39 @@ def test_no_measured_figure_in_a_production_comment():
     assert not bad, "measured figures in comments:\n" + "\n".join(bad)
 
 
+def _help_texts(path: Path) -> list[tuple[int, str]]:
+    """The literal help texts of `path`: a pydantic Field's `description=`, argparse's
+    `help=` (what `--help` and the config docs print)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg in ("description", "help"):
+                    try:
+                        text = ast.literal_eval(kw.value)
+                    except ValueError:
+                        continue
+                    if isinstance(text, str):
+                        out.append((kw.value.lineno, text))
+    return out
+
+
+def test_no_measured_figure_in_a_production_help_text():
+    """A help text states what a setting does; what it was measured to cost is in
+    docs/benchmarks.md (a figure with a unit in a help text goes stale as a comment's does)."""
+    bad = [f"{p.relative_to(ROOT)}:{n}: {t[:120]}" for m, p in MODULES.items()
+           for n, t in _help_texts(p) if _FIGURE.search(t)]
+    assert not bad, "measured figures in help texts:\n" + "\n".join(bad)
+
+
+def test_help_text_rule_reads_fields_and_arguments(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("x = Field(8, description='calls share: 5.0 ms per image alone')\n"
+                 "p.add_argument('--n', help='how many')\n")
+    texts = _help_texts(f)
+    assert [n for n, _ in texts] == [1, 2] and _FIGURE.search(texts[0][1])
+
+
 def test_figure_rule_sees_a_figure():
     assert _FIGURE.search("# took 12.5 ms per call") and _FIGURE.search("# 125 MiB")
     assert not _FIGURE.search("# two calls, then the next") and not _FIGURE.search("# x2")
