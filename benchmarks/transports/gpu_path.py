@@ -153,7 +153,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_path_bench: no CUDA device here", file=sys.stderr)
+        print("gpu_path: no CUDA device here", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     sizes = [m * MiB for m in args.sizes_mb]
