@@ -22,7 +22,6 @@ Shared below them:
   Store, tiers). `channel.py`: a ZMQ message channel (one owner thread, doorbell, monitor,
   CURVE) under the control wire and the Mooncake TE side channel. `protocol/`: the wire
   protocol every EPD process shares.
-- `testing/`: transport peers in processes of their own (tests and benchmarks only).
 """
 
 __version__ = "0.1.0"

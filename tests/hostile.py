@@ -18,7 +18,7 @@ import torch
 from hypothesis import strategies as st
 
 MAX_MODEL_LEN, MERGE, HIDDEN, MAX_ITEMS = 1024, 2, 128, 64
-HUGE_GRID = [1, 100000, 100000]  # the request: 2.5e9 placeholder tokens
+HUGE_GRID = [1, 100000, 100000]  # a grid that once grew a server out of memory: 2.5e9 tokens
 
 
 def body(model: str, parts: list[Any], **extra: Any) -> dict[str, Any]:

@@ -4,13 +4,15 @@ imports flowing one way between and inside the top-level packages (type-only imp
 included), no import cycle, no production file over 450 lines, no module of 25 lines or fewer
 that is not a package's face, `encoder_service` importing only the wire protocol and the
 connector's config from `ec_connectors`, no running machinery in the protocol, no measured
-figure in a production comment."""
+figure in a production comment, and the test support (`epd_testkit/`, `benchmarks/`, `tests/`)
+out of the product: imported by no production module and left out of the wheel."""
 
 from __future__ import annotations
 
 import ast
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 
@@ -246,6 +248,102 @@ def test_no_measured_figure_in_a_production_comment():
     assert not bad, "measured figures in comments:\n" + "\n".join(bad)
 
 
+def _help_texts(path: Path) -> list[tuple[int, str]]:
+    """The literal help texts of `path`: a pydantic Field's `description=`, argparse's
+    `help=` (what `--help` and the config docs print)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg in ("description", "help"):
+                    try:
+                        text = ast.literal_eval(kw.value)
+                    except ValueError:
+                        continue
+                    if isinstance(text, str):
+                        out.append((kw.value.lineno, text))
+    return out
+
+
+def test_no_measured_figure_in_a_production_help_text():
+    """A help text states what a setting does; what it was measured to cost is in
+    docs/benchmarks.md (a figure with a unit in a help text goes stale as a comment's does)."""
+    bad = [f"{p.relative_to(ROOT)}:{n}: {t[:120]}" for m, p in MODULES.items()
+           for n, t in _help_texts(p) if _FIGURE.search(t)]
+    assert not bad, "measured figures in help texts:\n" + "\n".join(bad)
+
+
+def test_help_text_rule_reads_fields_and_arguments(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("x = Field(8, description='calls share: 5.0 ms per image alone')\n"
+                 "p.add_argument('--n', help='how many')\n")
+    texts = _help_texts(f)
+    assert [n for n, _ in texts] == [1, 2] and _FIGURE.search(texts[0][1])
+
+
 def test_figure_rule_sees_a_figure():
     assert _FIGURE.search("# took 12.5 ms per call") and _FIGURE.search("# 125 MiB")
     assert not _FIGURE.search("# two calls, then the next") and not _FIGURE.search("# x2")
+
+
+# What tests and benchmarks run beside the product: never imported by it, never in the wheel.
+TEST_SUPPORT = ("epd_testkit", "benchmarks", "tests")
+# a test-support module named in a string (to run it: `-m epd_testkit.peer_process`); not a
+# path (`docs/benchmarks.md`) nor the doc's name (`benchmarks.md`)
+_RUN_NAME = re.compile(r"(?<![\w/.-])((?:epd_testkit|benchmarks)\.(?!md\b)\w+)")
+
+
+def _test_support_uses(path: Path) -> list[str]:
+    """Where `path` imports the test support, or names one of its modules to run (a string
+    such as `-m epd_testkit.peer_process`'s): `line: what`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = re.findall(_RUN_NAME, node.value)
+        else:
+            continue
+        found += [f"{node.lineno}: {n}" for n in names if n.split(".")[0] in TEST_SUPPORT]
+    return found
+
+
+def test_no_production_module_uses_the_test_support():
+    bad = [f"{p.relative_to(ROOT)}:{use}" for p in MODULES.values()
+           for use in _test_support_uses(p)]
+    assert not bad, ("the product must not need what tests and benchmarks run (epd_testkit/, "
+                     "benchmarks/ are not in the wheel):\n" + "\n".join(bad))
+
+
+def test_the_test_support_rule_sees_an_import_and_a_module_named_to_run(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("import json\nfrom epd_testkit.peer_process import PeerClient\n"
+                 "CMD = ['python', '-m', 'benchmarks.harness.processes']\n"
+                 "DOC = 'see docs/benchmarks.md, benchmarks.md and epd_testkit/'\n")
+    assert _test_support_uses(f) == ["2: epd_testkit.peer_process",
+                                     "3: benchmarks.harness"]
+
+
+def _wheel_packages(find: dict) -> list[str]:
+    """The packages setuptools puts in the wheel under pyproject's `packages.find`."""
+    from setuptools import find_packages
+
+    return find_packages(where=str(ROOT / find.get("where", ["."])[0]),
+                         include=find.get("include", ["*"]), exclude=find.get("exclude", ()))
+
+
+def test_the_wheel_holds_the_product_and_none_of_the_test_support():
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]
+    packages = _wheel_packages(find)
+    assert set(PACKAGES) <= set(packages), f"the wheel lacks product packages: {packages}"
+    leaked = [p for p in packages if p.split(".")[0] in TEST_SUPPORT]
+    assert not leaked, f"test support in the wheel: {leaked}"
+    # the check itself: without the package list, the test support would be found
+    assert "epd_testkit" in _wheel_packages({})

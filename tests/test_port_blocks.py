@@ -61,11 +61,11 @@ def test_the_benchmarks_default_ports_are_clear_of_every_test_block():
 
     held = set().union(*FOOTPRINTS.values())
     found = {}
-    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
         text = path.read_text()
         for m in re.finditer(r"^(?:BASE_)?PORT = (\d+)|\"--(?:base|master)-port\", type=int, "
                              r"default=(\d+)", text, re.MULTILINE):
             first = int(m.group(1) or m.group(2))
-            found[(path.name, first)] = held & set(range(first, first + 10))
+            found[(str(path.relative_to(ROOT)), first)] = held & set(range(first, first + 10))
     assert len(found) >= 6  # the pattern still finds them
     assert not {k: sorted(v)[:3] for k, v in found.items() if v}

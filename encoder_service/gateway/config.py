@@ -126,8 +126,8 @@ class RoutingConfig(_Strict):
         "itself")
     coalesce_items: int = Field(8, ge=1, description="vLLM encoders: new images of "
                                 "concurrent requests share one call, up to this many items "
-                                "(a vLLM server's cost is per request: one core, tiny LLaVA, "
-                                "5.0 ms of CPU per image alone, about 2.5 ms eight per call); "
+                                "(a vLLM server's cost is per request: docs/benchmarks.md, "
+                                "shared calls to vLLM encoders); "
                                 "at most vLLM's --limit-mm-per-prompt image limit (epd up sets "
                                 "it; a refusal for it lowers it); 1: one call per request")
     encoder_calls: int = Field(2, ge=1, description="coalescing calls in flight per vLLM "

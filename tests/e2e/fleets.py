@@ -38,9 +38,9 @@ from ec_connectors.protocol import ports
 from ec_connectors.protocol.secret import IdSigner, api_key, read_secret
 from encoder_service.local.processes import ManagedProcess, UpProcess, VllmServer
 from encoder_service.local.testmodels import SPECS, build
-from encoder_service.local.trace_sink import TraceSink
 from encoder_service.local.up import DECODE_ARGS, epd_config
 from encoder_service.local.up_config import UpConfig, store_master_address, store_metadata_url
+from epd_testkit.trace_sink import TraceSink
 from tests.helpers import LOOPBACK, MASTER, MOONCAKE, WORK, port_block, stop_all, wait_for
 
 _HTTP = port_block(__name__)

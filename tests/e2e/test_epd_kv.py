@@ -9,7 +9,7 @@ prompt_tokens_by_source: external_kv_transfer, at most the last token computed) 
 encoded nor loaded the image (EPDConnector: no load, no local encode; the prefix it was
 handed covers the item); the gateway counts one handoff and no failure; a streamed answer is
 the same too. The same deployment runs with tracing on (a receiver in this process,
-local/trace_sink.py): one image request with a caller's traceparent is one trace across the
+epd_testkit/trace_sink.py): one image request with a caller's traceparent is one trace across the
 gateway, the encoder's vLLM, the prefill instance's vLLM (and its connector's load) and the
 decode instance's vLLM; `epd top --once` lists every instance; idle, the KV instances do not
 spin (NIXL's progress thread off: ec_connectors/plugin.py). Then the decode instance is

@@ -307,7 +307,7 @@ def test_streams_cut_mid_answer_continue_exactly_for_each_field_or_end_with_an_e
     (a real TCP close, as a dying instance does). Per request field the answer either goes
     on exactly (ids and text equal the aggregated server's, the usage chunk too) or stops
     with an error event after a correct prefix: never a wrong token."""
-    from encoder_service.local.conformance import CuttingProxy
+    from epd_testkit.conformance import CuttingProxy
 
     c, dec2 = cluster, second_decoder
     proxies = [CuttingProxy(u, UP_PORT + 24 + i, seed=i, max_events=12).start()

@@ -170,7 +170,7 @@ def test_generated_cases_equal_the_aggregated_server_first_encode_and_cache_hit(
     mp4 videos, audio at 8-48 kHz mono/stereo in wav/flac/ogg, several items, multi-turn,
     sampling fields) through the gateway, answered twice (first encode, cache hit): ids and
     text equal the aggregated server's."""
-    from encoder_service.local.conformance import ask, cases
+    from epd_testkit.conformance import ask, cases
 
     c = cluster
     diffs = []
@@ -190,7 +190,7 @@ def test_audio_at_every_common_rate_and_layout_equals_the_aggregated_server(clus
     to the model's 16 kHz (torchaudio, pure Python here); answers equal, never a 500."""
     import random
 
-    from encoder_service.local.conformance import audio
+    from epd_testkit.conformance import audio
 
     c = cluster
     for rate, channels, fmt in ((44100, 2, "WAV"), (22050, 1, "FLAC"), (48000, 2, "OGG"),

@@ -9,9 +9,9 @@ both serves reads (notifications) and makes them (its loader threads).
 
 Reads are posted by the agent's lanes, a thread per UCX worker: UCX binds a worker to a
 thread at its first transfer, and on one host its get is a kernel copy made in the posting
-thread, so a large read split across two lanes copies on two cores (about twice as fast,
-docs/transports.md). Only lanes post, so each keeps a worker of its own. Nothing a peer
-sends is trusted: its metadata must name the agent it claims to be, and every read is
+thread, so a large read split across two lanes copies on two cores (docs/benchmarks.md,
+"Figures behind the code's choices"). Only lanes post, so each keeps a worker of its own.
+Nothing a peer sends is trusted: its metadata must name the agent it claims to be, and every read is
 checked against the range the peer said it registered before NIXL sees it (NIXL checks it
 again against the metadata).
 """
@@ -41,7 +41,7 @@ _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # is rebuilt from the producer's full metadata once its reads in flight ended.
 MAX_REMOTE_REGIONS = 1024
 _REBUILD_WAIT_S = 2.0
-_MAX_REGION_BYTES = 16 << 10  # one region's metadata is about 200 bytes with UCX
+_MAX_REGION_BYTES = 16 << 10  # far above one region's metadata with UCX (docs/benchmarks.md)
 
 
 class Region(NamedTuple):
@@ -95,7 +95,7 @@ def kernel_identity() -> str:
     Two processes that share both read each other's memory with one kernel copy (UCX's cma),
     which one thread makes: a read between them is split across the lanes. Between hosts
     (TCP, RDMA) a split only adds connections for the producer to serve; so it does where
-    `UCX_TLS` leaves UCX no cma (measured: over UCX's TCP a split read was slower)."""
+    `UCX_TLS` leaves UCX no cma (docs/benchmarks.md has the split read over UCX's TCP)."""
     if not _cma_allowed(os.environ.get("UCX_TLS", "")):
         return ""
     try:

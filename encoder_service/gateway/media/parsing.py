@@ -41,7 +41,8 @@ _KWARGS_FIELDS = ("mm_processor_kwargs", "media_io_kwargs")
 _MAX_KWARGS_BYTES = 4096
 _OFFLOAD_FROM = 1 << 20  # inline media from this length on are decoded off the event loop
 # ... on one thread: hashlib and pybase64 let go of the GIL, so a thread per clip would take
-# every core at once from the servers beside the gateway (docs/benchmarks.md, video path)
+# every core at once from the servers beside the gateway (docs/benchmarks.md, the code's
+# figures)
 _MEDIA_THREAD = ThreadPoolExecutor(1, thread_name_prefix="epd-media")
 
 

@@ -3,9 +3,9 @@
 OTLP/HTTP for the gateway's traces (tracing.py): recorded spans encoded straight into an
 `ExportTraceServiceRequest` (protobuf wire format of opentelemetry/proto/trace/v1/trace.proto,
 the fields below) and POSTed to the collector (`application/x-protobuf`). Hand-encoded: the
-SDK's way (a ReadableSpan per span, then its encoder's message objects) cost 32 us a span on
-the export thread here, this a fraction (benchmarks/trace_bench.py). A failed POST drops
-its batch (counted by the caller): traces never hold the gateway up."""
+SDK's way (a ReadableSpan per span, then its encoder's message objects) cost the export
+thread several times this (benchmarks/gateway/tracing.py; docs/observability.md). A failed
+POST drops its batch (counted by the caller): traces never hold the gateway up."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ request's list, a finished trace one deque append; one thread of its own encodes
 OTLP protobuf and POSTs them (otlp.py) every `export_interval_s`, sooner once 2048 wait;
 a queue past `max_queued_spans` drops (counted), a failed POST drops its batch. Not the
 OpenTelemetry SDK's tracer: its sampler, context and attribute checks and its batch
-processor's lock cost 45 us a span on the event loop here (0.4 ms a request), its exporter
-another 32 us a span (benchmarks/trace_bench.py, docs/observability.md).
+processor's lock cost the event loop several times this per span, and its exporter more on
+top (benchmarks/gateway/tracing.py; the figures in docs/observability.md).
 Off: no tracer, no thread; chat.py holds None for the request's trace (one `is None` per
 stage) and an upstream call reads one ContextVar (`inject`, `call`).
 """
@@ -139,8 +139,8 @@ Span = tuple[str, int, int | None, str, float, float, dict[str, Any] | None, boo
 # a finished trace as queued for export: trace id, perf_counter -> epoch offset (ns),
 # tracestate, the root's id when its parent is the caller's (remote; else 0), the spans.
 # Plain tuples: nothing of the request stays alive in the queue, and the garbage collector
-# stops tracking them after its first pass (measured: queued RequestTraces, kept alive for
-# up to `export_interval_s`, doubled the gateway's GC time).
+# stops tracking them after its first pass (queued RequestTraces, kept alive for up to
+# `export_interval_s`, cost the gateway GC time: docs/benchmarks.md).
 Finished = tuple[int, int, str | None, int, tuple[Span, ...]]
 
 

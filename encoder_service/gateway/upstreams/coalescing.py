@@ -53,9 +53,9 @@ class CoalescingClient:
     """An encoder client that batches concurrent requests' images into shared calls.
 
     An EncoderClient in front of one whose cost is per call rather than per item (a vLLM
-    encoder: its API server and engine work per request; measured on one core, tiny LLaVA:
-    5.0 ms of its CPU per image one per call, about 2.5 ms eight per call): concurrent requests'
-    new images share calls. At most `max_calls` calls are in flight; images that arrive while
+    encoder: its API server and engine work per request; docs/benchmarks.md, "Shared calls to
+    vLLM encoders", has the CPU per image by call size): concurrent requests' new images
+    share calls. At most `max_calls` calls are in flight; images that arrive while
     they all are wait and go together in the next (no timer: an idle encoder gets a request
     at once), at most `max_items` per call, only with the same processor settings. Video and
     audio go alone at once (their cost is the encode, and their token counts could overflow

@@ -21,7 +21,7 @@ Two kinds of continuation (`plan`):
   emitted a one-token chunk with text: vLLM's detokenizer (tokenizers' `DecodeStream`) holds no
   bytes back there. At any other point (inside a multi-byte character, after skipped special
   tokens) a detokenizer primed with prompt + tokens starts with no prefix and emits the whole
-  prompt as new text: measured on tiny LLaVA with `ignore_eos`, 45 of 159 cut points. Only
+  prompt as new text (how often on the tiny model: docs/benchmarks.md). Only
   for requests whose next tokens do not depend on which tokens are "output" and which
   "prompt" (`TOKEN_IN_KEYS`): greedy, or unseeded sampling cut exactly where the client is.
 - **replay**: the same chat request again, from its first token, for a deterministic request

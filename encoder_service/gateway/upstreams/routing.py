@@ -9,7 +9,7 @@ over for the next in the item's order, so a hot item cannot pile onto one instan
 or removing an instance moves only the items whose first choice it was.
 
 Policies: `affinity` (the above), `least_loaded` (fewest in flight, ties rotating),
-`round_robin` (strict rotation), for comparison (benchmarks/routing_bench.py). `Members`: the
+`round_robin` (strict rotation), for comparison (benchmarks/gateway/routing.py). `Members`: the
 per-instance state both upstream pools keep (in flight, cool-down, draining, down, counts);
 `Hold`: one call counted in flight, taken off exactly once.
 """

@@ -71,7 +71,7 @@ SPECS = {
         lm_hidden=1024, lm_layers=2, lm_heads=16,
     ),
     # ViT-L/32-style tower (1024 wide, 12 layers, 49 tokens per 224 px image): per-image
-    # matrices are small, so cross-request batching pays on CPU (benchmarks/pool_bench.py).
+    # matrices are small, so cross-request batching pays on CPU (benchmarks/encoder/pool.py).
     "vitl32": ModelSpec(
         name="vitl32", image_size=224, patch_size=32, vision_hidden=1024, vision_layers=12,
         vision_heads=16, lm_hidden=2048, lm_layers=1, lm_heads=16,
@@ -87,8 +87,8 @@ SPECS = {
     "qwen-vl": ModelSpec(name="qwen-vl", family="qwen2_5_vl", lm_heads=2),
     "qwen-omni": ModelSpec(name="qwen-omni", family="qwen2_5_omni", lm_heads=2),
     # Qwen2.5-VL with a vision tower that costs what a real one does relative to the tiny
-    # language model: a 120-frame 112 px video takes over a second on one CPU core, long
-    # enough to hold images queued behind it (benchmarks/video_chunk_bench.py)
+    # language model: on one CPU core a 120-frame 112 px video takes long enough to hold
+    # images queued behind it (benchmarks/encoder/video_chunk.py; docs/benchmarks.md)
     "qwen-vl-heavy": ModelSpec(name="qwen-vl-heavy", family="qwen2_5_vl", lm_heads=2,
                                vision_hidden=512, vision_layers=8, vision_heads=8),
     # 16 px patches; a 128 px image -> 16 tokens, each 256 wide (DeepStack) for a 128-wide LM
@@ -96,7 +96,7 @@ SPECS = {
     # Video at real sizes: Qwen3-VL with a 2048-wide LM (one layer, one 64-wide head, a
     # 64-wide MLP) and DeepStack, so a 512-pixel frame pair is 256 rows of 2 x 2048 bf16:
     # the items are as large as the real models' (docs/benchmarks.md, video sizes), at a
-    # prefill cost one CPU core pays (benchmarks/video_serve_bench.py)
+    # prefill cost one CPU core pays (benchmarks/serving/video.py)
     "qwen3-vl-video": ModelSpec(
         name="qwen3-vl-video", family="qwen3_vl", patch_size=16, lm_hidden=2048, lm_layers=1,
         lm_heads=1, lm_head_dim=64, lm_intermediate=64, max_positions=32768,

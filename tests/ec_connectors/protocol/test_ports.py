@@ -196,8 +196,9 @@ def test_no_benchmark_or_deployment_setting_names_a_port_in_the_default_engine_r
     """The benchmarks' and deployment files' fixed ports stay out of ENGINE_PORTS, which
     their Mooncake processes draw from (the tests' own ports: tests/test_port_blocks.py)."""
     first, last = ports.ENGINE_PORTS
-    files = [*(ROOT / "benchmarks").glob("*.py"), ROOT / "deploy" / "settings.toml"]
-    hits = [(f.name, n) for f in files
+    files = [*(ROOT / "benchmarks").rglob("*.py"), ROOT / "deploy" / "settings.toml"]
+    assert len(files) > 10  # the benchmarks are found where they are
+    hits = [(str(f.relative_to(ROOT)), n) for f in files
             for n in map(int, re.findall(r"\b\d{5}\b", f.read_text())) if first <= n <= last]
     assert not hits
 

@@ -1,6 +1,6 @@
 """Transport peer processes forked from a warm server instead of started as fresh interpreters.
 
-`python -m ec_connectors.testing.peer_process` spends about 1.2 s of CPU importing torch
+`python -m epd_testkit.peer_process` spends about 1.2 s of CPU importing torch
 before it answers; the Mooncake test modules start some 75 peers. Here each peer is a child of
 multiprocessing's forkserver (one per test process) that has torch and `peer_process`
 imported already: it starts in tens of milliseconds and runs the same `peer_process.main` on
@@ -29,8 +29,8 @@ from multiprocessing import reduction
 
 import pytest
 
-from ec_connectors.testing import peer_process
-from ec_connectors.testing.peer_process import PeerClient
+from epd_testkit import peer_process
+from epd_testkit.peer_process import PeerClient
 from tests.helpers import LOOPBACK, WORK, Peers
 
 _context = multiprocessing.get_context("forkserver")

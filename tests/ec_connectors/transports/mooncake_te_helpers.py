@@ -9,7 +9,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from ec_connectors.testing.peer_process import PeerClient
+from epd_testkit.peer_process import PeerClient
 from tests.helpers import MOONCAKE, port_block
 
 MiB = 1 << 20

@@ -169,7 +169,7 @@ def test_host_copy_keeps_cpu_tensors_and_copies_device_ones_exactly():
     cpu = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
     assert host_copy(cpu).data_ptr() == cpu.data_ptr()  # already on the host: no copy
     if not torch.cuda.is_available():
-        pytest.skip("the device branch needs CUDA (benchmarks/gpu_path_bench.py runs it)")
+        pytest.skip("the device branch needs CUDA (benchmarks/transports/gpu_path.py runs it)")
     dev = torch.randn(300, 4096, device="cuda").to(torch.bfloat16)
     for pinned in (True, False):
         out = host_copy(dev, pinned=pinned)

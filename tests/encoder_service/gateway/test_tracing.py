@@ -1,9 +1,9 @@
 """Traces (encoder_service/gateway/telemetry/tracing.py) through a real gateway in front of stub
-upstreams (stubs.py), exported over OTLP/HTTP to a receiver on loopback (local/trace_sink.py):
-one trace per request with a span per stage and the right parents, a caller's traceparent
-continued, `traceparent` sent to the encoder and the decode instance (the span ids of the
-calls that carried it); off by default: no traceparent, no tracer, nothing of OpenTelemetry
-imported."""
+upstreams (stubs.py), exported over OTLP/HTTP to a receiver on loopback
+(epd_testkit/trace_sink.py): one trace per request with a span per stage and the right
+parents, a caller's traceparent continued, `traceparent` sent to the encoder and the decode
+instance (the span ids of the calls that carried it); off by default: no traceparent, no
+tracer, nothing of OpenTelemetry imported."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ec_connectors.protocol.keys import content_item_id
 from encoder_service.gateway.telemetry.tracing import _parse_traceparent
 from encoder_service.gateway.upstreams.availability import SafetensorsAvailability
 from encoder_service.local.requests import chat_body, sample_image_png
-from encoder_service.local.trace_sink import TraceSink
+from epd_testkit.trace_sink import TraceSink
 from tests.encoder_service.gateway.stubs import MODEL, Lab, metric, post
 from tests.helpers import ROOT, port_block, wait_for
 

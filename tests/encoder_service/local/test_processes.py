@@ -80,7 +80,7 @@ PARENT = textwrap.dedent("""
         m.wait()
         out["children"] = [m.proc.pid]
     elif kind == "peer":
-        from ec_connectors.testing.peer_process import PeerClient
+        from epd_testkit.peer_process import PeerClient
         out["children"] = [PeerClient().proc.pid]
     elif kind == "plain":  # control: without the helper the child outlives its parent
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
