@@ -47,9 +47,9 @@ def vllm_env(work_dir: Path, cpu_core: int | None = None) -> dict[str, str]:
     Environment that keeps temp files in the server's work dir and vLLM's and torch
     inductor's caches in the project's (`$VLLM_CACHE_ROOT`, `$TORCHINDUCTOR_CACHE_DIR` when
     set), offline. One cache for every server: vLLM inspects a model class in a fresh
-    interpreter unless its cache knows it (about 7 s of a 21 s start here), and compiles its
-    sampler's logprobs kernels at the first request that asks for logprobs (25 s here, 0.1 s
-    from the cache); a cache per server paid both on every server."""
+    interpreter unless its cache knows it, and compiles its sampler's logprobs kernels at the
+    first request that asks for logprobs; a cache per server paid both on every server
+    (figures: docs/benchmarks.md, "Figures behind the code's choices")."""
     tmp = work_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -73,12 +73,11 @@ def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
     """`cmd` run on `cpu_core` alone, every process and thread of it (taskset), when given.
 
     vLLM binds only its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND); its API server and
-    EngineCore, which busy-poll, otherwise wander onto the other servers' cores. Measured on 2
-    cores, encoder and decode instance each on its own core: 72-76 req/s within a few percent
-    run to run pinned, 15-70 req/s unpinned (benchmarks/serve_bench.py workload). Pinned from
-    its first instruction, not once up: a server moved onto one core after it started keeps the
-    thread pools it sized for every core (tried: the e2e lane took 20 instead of 12 min, and
-    embeddings were no longer bit-identical to a pinned server's)."""
+    EngineCore, which busy-poll, otherwise wander onto the other servers' cores: unpinned, the
+    same workload's throughput varies several-fold run to run (docs/benchmarks.md, "Figures
+    behind the code's choices"). Pinned from its first instruction, not once up: a server
+    moved onto one core after it started keeps the thread pools it sized for every core (its
+    embeddings were then no longer bit-identical to a pinned server's)."""
     if cpu_core is None or not shutil.which("taskset"):
         return cmd
     return ["taskset", "-c", str(cpu_core), *cmd]
@@ -239,9 +238,8 @@ class VllmServer(ManagedProcess):
         Run the model inside EngineCore (vLLM's `uni` executor), as vLLM does on one GPU,
         instead of in a worker process of its own (what vllm-cpu picks). Only for a server on
         one core: there the worker and EngineCore busy-wait on each other through a shared-
-        memory queue. Measured (tiny LLaVA, encoder and decode instance on a core each,
-        serve_bench workload): 62-66 -> 82-83 req/s, the servers' CPU 6.4 -> 3.7 s per 200
-        requests. `--distributed-executor-backend` in `extra_args` overrides it."""
+        memory queue (the serving benchmark's figures: docs/benchmarks.md, "Figures behind the
+        code's choices"). `--distributed-executor-backend` in `extra_args` overrides it."""
         return self.cpu_core is not None and not any(
             a.split("=")[0] == "--distributed-executor-backend" for a in self.extra_args)
 

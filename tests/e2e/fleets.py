@@ -222,8 +222,7 @@ def tiered() -> Fleet:
         "mooncake_base_port": TIERED_MC, "master_port": TIERED_MASTER, "cpu_cores": [0, 1],
         "secret_file": str(secret),
         "connector_extra": {"memory_pool_bytes": 128 << 20, "load_timeout_s": 10,
-                            "inline_max_bytes": 0,  # tiny items too go through the engine
-                            "store_health_interval_s": 0.5},  # a dead master noticed soon
+                            "inline_max_bytes": 0},  # tiny items too go through the engine
         # a killed master comes back after a while: the tests see the tiers without it first
         "restart": {"backoff_s": 8},
         "gateway": {"timeouts": {"encoder_s": 30}}}
@@ -233,8 +232,7 @@ def tiered() -> Fleet:
             "transport": ["mooncake_store", "safetensors"], "host": "127.0.0.1",
             "store_master": store_master_address(up_cfg),
             "store_metadata": store_metadata_url(up_cfg), "store_segment_bytes": 0,
-            "store_buffer_bytes": 128 << 20, "store_health_interval_s": 0.5,
-            "load_timeout_s": 10,
+            "store_buffer_bytes": 128 << 20, "load_timeout_s": 10,
             "secret_file": str(secret)}),  # seals what it stores, shares vouched ids only
         cpu_core=0, env=dict(LOOPBACK))
     fleet.late.append(producer)

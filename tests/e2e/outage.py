@@ -18,7 +18,7 @@ from epd_common.child_process import session_members
 from tests.e2e.client import MODEL_NAME, PROMPT, answer
 from tests.helpers import descendants, wait_for
 
-BACK_WITHIN_S = 120.0  # a killed instance serves again within this (issue: supervise)
+BACK_WITHIN_S = 120.0  # a killed instance serves again within this (supervise.py)
 
 
 def _cmdline(pid: int) -> bytes:

@@ -165,11 +165,11 @@ def test_unknown_metadata_only_item_fails_that_request_only(cluster):
 
 
 def test_generated_cases_equal_the_aggregated_server_first_encode_and_cache_hit(cluster):
-    """The CI slice of the conformance harness (benchmarks/conformance.py runs the whole
-    matrix): seeded generated requests (images of several modes and formats, frame-list and
-    mp4 videos, audio at 8-48 kHz mono/stereo in wav/flac/ogg, several items, multi-turn,
-    sampling fields) through the gateway, answered twice (first encode, cache hit): ids and
-    text equal the aggregated server's."""
+    """The CI slice of the conformance harness (`python -m benchmarks.serving.conformance`
+    runs the whole matrix): seeded generated requests (images of several modes and formats,
+    frame-list and mp4 videos, audio at 8-48 kHz mono/stereo in wav/flac/ogg, several items,
+    multi-turn, sampling fields) through the gateway, answered twice (first encode, cache
+    hit): ids and text equal the reference's."""
     from epd_testkit.conformance import ask, cases
 
     c = cluster
@@ -302,7 +302,7 @@ def _server_rss(port: int) -> tuple[psutil.Process, int]:
 
 
 def test_hostile_metadata_only_requests_end_in_a_4xx_within_a_second(cluster):
-    """The issue's grid [1, 100000, 100000] (it OOM-killed this server), then 500 generated
+    """A reported grid [1, 100000, 100000] (it OOM-killed this server), then 500 generated
     hostile requests: each a 4xx with a reason within 1 s, memory within 1 GiB of the start,
     the server healthy and answering after."""
     c = cluster
