@@ -3,6 +3,8 @@ model. Everything under tests/e2e is marked `e2e`; the fast lane is `-m "not e2e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from encoder_service.local.processes import VllmServer
@@ -54,31 +56,21 @@ def aggregated():
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def e_pd_fleet(tmp_path_factory):
-    """The E_PD fleet (tests/e2e/fleets.py), started by its first user, stopped at the end."""
-    fleet = fleets.e_pd(tmp_path_factory.mktemp("e-pd-store"))
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+def _session_fleet(name: str, make: Callable[[], fleets.Fleet]):
+    """The session fixture `name` of the fleet `make` builds (tests/e2e/fleets.py): started
+    by its first user, stopped after its last (pytest_runtest_teardown) or at the end."""
+
+    @pytest.fixture(scope="session", name=name)
+    def fixture():
+        fleet = make()
+        try:
+            yield fleet
+        finally:
+            fleet.close()
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def e_p_d_fleet():
-    """The E_P_D fleet (tests/e2e/fleets.py), started by its first user, stopped at the end."""
-    fleet = fleets.e_p_d()
-    try:
-        yield fleet
-    finally:
-        fleet.close()
-
-
-@pytest.fixture(scope="session")
-def tiered_fleet():
-    """The TIERED fleet (tests/e2e/fleets.py), started by its first user, stopped at the end."""
-    fleet = fleets.tiered()
-    try:
-        yield fleet
-    finally:
-        fleet.close()
+e_pd_fleet = _session_fleet("e_pd_fleet", fleets.e_pd)
+e_p_d_fleet = _session_fleet("e_p_d_fleet", fleets.e_p_d)
+tiered_fleet = _session_fleet("tiered_fleet", fleets.tiered)

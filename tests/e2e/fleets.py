@@ -157,9 +157,10 @@ class Fleet:
             self.on_close.pop()()
 
 
-def e_pd(storage: Path) -> Fleet:
-    """The E_PD fleet (module docstring) on the shared directory `storage`."""
+def e_pd() -> Fleet:
+    """The E_PD fleet (module docstring); its shared directory in its work dir."""
     model = llava()
+    storage = WORK / "fleets" / "e-pd" / "ec-store"
     shm = f"/dev/shm/epd-e2e-{uuid.uuid4().hex[:8]}"
     conf = {"model": str(model), "base_port": E_PD_PORT, "cpu_cores": [0, 1],
             "storage_path": str(storage), "transport": "safetensors",
