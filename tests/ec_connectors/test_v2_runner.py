@@ -105,6 +105,7 @@ class V2Instance:
         assert not sent & self.saved and not received & self.loaded, "reported twice"
         self.saved |= sent
         self.loaded |= received
+        self.sched.update_connector_output(out)  # what vLLM's scheduler does with it
 
     def forward(self, computed: dict[str, torch.Tensor] | None = None) -> None:
         """A step with work: the model runner computes `computed` into the encoder cache."""
