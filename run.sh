@@ -11,11 +11,20 @@
 #                   image (cached), then, under the machine's vLLM lock, runs docker-compose.yml
 #                   and checks it through the gateway; removes every container, network and
 #                   volume it made, and fails if one is left
+#   ./run.sh test-compat    the version lane (tests/compat, marker compat; docs/compatibility.md):
+#                   vLLM 0.32 (.venv), 0.33.0 and 0.34.0 (GPU wheels in side environments under
+#                   .work/compat, made once): API surface, plugin, both roles, unit subset
+#   ./run.sh gpu-wheels     the wheels `gpu-check` installs, into .work/gpu-wheels (network)
+#   ./run.sh gpu-check      on an NVIDIA GPU machine (PyTorch, no vLLM, no network): installs
+#                   .work/gpu-wheels, runs the CUDA tests and the GPU path benchmark; "no GPU"
+#                   and exit 0 elsewhere
 set -euo pipefail
 cd "$(dirname "$0")"
+# a GPU machine has no network: no setup there, only the carried wheels (scripts/gpu_check.py)
+if [ "${1:-}" = gpu-check ]; then shift; exec python3 scripts/gpu_check.py "$@"; fi
 python3 scripts/setup_env.py
 PYTEST=(.venv/bin/python -m pytest -q -rs)
-FAST=(-m "not e2e" -n 2 --dist loadfile)  # one module per worker; ports: tests/helpers.py PORT_BLOCKS
+FAST=(-m "not e2e and not compat" -n 2 --dist loadfile)  # one module per worker; ports: tests/helpers.py PORT_BLOCKS
 case "${1:-}" in
   demo) shift; exec .venv/bin/epd up --demo "$@" ;;
   test)
@@ -43,5 +52,10 @@ case "${1:-}" in
     flock /tmp/epd-vllm.lock "${PYTEST[@]}" -m deploy tests/deploy "$@" || rc=$?
     .venv/bin/python -m tests.deploy.engine clean || rc=1  # even after a failure; checks
     exit $rc ;;
-  *) echo "usage: $0 demo|test|fast|test-deploy [args...]" >&2; exit 2 ;;
+  gpu-wheels) shift; exec .venv/bin/python scripts/gpu_check.py --fetch "$@" ;;
+  test-compat)
+    shift
+    .venv/bin/ruff check .
+    exec python3 scripts/compat.py "$@" ;;
+  *) echo "usage: $0 demo|test|fast|test-deploy|test-compat|gpu-wheels|gpu-check [args...]" >&2; exit 2 ;;
 esac

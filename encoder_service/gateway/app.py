@@ -194,6 +194,12 @@ class Gateway:
     async def admin_instances(self, request: Request) -> JSONResponse:
         return await self.admin.admin_instances(request)
 
+    async def vllm_register(self, request: Request) -> JSONResponse:
+        return await self.admin.vllm_register(request)
+
+    async def vllm_unregister(self, request: Request) -> JSONResponse:
+        return await self.admin.vllm_unregister(request)
+
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
@@ -252,6 +258,8 @@ def create_app(cfg: GatewayConfig) -> GatewayApp:
         Route("/v1/models", _Endpoint(gw.models), methods=["GET"]),
         Route("/health", gw.health, methods=["GET"]),
         Route("/instances", gw.instances, methods=["GET"]),
+        Route("/instances", gw.vllm_register, methods=["POST"]),  # vLLM's registration
+        Route("/instances", gw.vllm_unregister, methods=["DELETE"]),
         Route("/admin/instances", gw.admin_instances, methods=["POST"]),
         Route("/metrics", gw.metrics_endpoint, methods=["GET"]),
     ]

@@ -62,3 +62,50 @@ def test_instances_join_and_leave_while_load_runs_and_nothing_is_lost(tmp_path):
         g.stop()
         for s in (enc, first, second):
             s.stop()
+
+
+def test_vllm_registration_format_joins_and_leaves_under_the_admin_rule(tmp_path):
+    """vLLM's EPD proxy registration (POST/DELETE /instances, vLLM 0.32-0.34), as its
+    launch scripts send it: the admin token in X-API-Key."""
+    enc, first, second = LAB.stub("encoder"), LAB.stub("decoder"), LAB.stub("decoder")
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a-deployment-secret-of-some-length")
+    secret.chmod(0o600)
+    g = LAB.gateway([], [first.url], secret_file=str(secret))
+    key = {"x-api-key": admin_token(secret.read_bytes())}
+    url = g.url + "/instances"
+    try:
+        pd = {"role": "prefill_decode", "url": second.url + "/"}
+        assert httpx.post(url, json=pd).status_code == 403  # no key, no change
+        assert httpx.post(url, json=pd, headers={"x-api-key": "wrong"}).status_code == 403
+        assert httpx.post(url, json={**pd, "role": "vision"}, headers=key).status_code == 400
+        assert httpx.post(url, json={**pd, "ec_zmq_addrs": ["tcp://a:1", "tcp://b:2"]},
+                          headers=key).status_code == 400  # one address per DP replica
+        split = httpx.post(url, json={"role": "decode", "url": second.url}, headers=key)
+        assert split.status_code == 409 and "E+PD" in split.text  # no split roles here
+        assert httpx.post(url, json=pd, headers=key).json() == {"registered": True}
+        assert httpx.post(url, json=pd, headers=key).json() == {"registered": False}
+        moved = httpx.post(url, json={"role": "encode", "url": second.url}, headers=key)
+        assert moved.status_code == 409  # one role per URL
+        bearer = {"authorization": key["x-api-key"].join(("Bearer ", ""))}
+        assert httpx.post(url, json={"role": "encode", "url": enc.url},
+                          headers=bearer).json() == {"registered": True}
+        listed = httpx.get(url).json()
+        assert [d["url"] for d in listed["decoders"]] == [first.url, second.url]
+        assert [e["url"] for e in listed["encoders"]] == [enc.url]
+
+        gone = httpx.delete(url, params={"url": first.url}, headers=key, timeout=30)
+        assert gone.json() == {"removed": True}
+        assert httpx.delete(url, params={"url": first.url}, headers=key).json() == {
+            "removed": False}
+        before = len(second.calls), len(enc.calls)
+        ok = httpx.post(g.url + "/v1/chat/completions", timeout=30,
+                        json=chat_body(MODEL, sample_image_png(seed=3), "x"))
+        assert ok.status_code == 200
+        assert len(second.calls) == before[0] + 1 and len(enc.calls) > before[1]
+        last = httpx.delete(url, params={"url": second.url}, headers=key)
+        assert last.status_code == 409  # the last prefill/decode instance stays
+    finally:
+        g.stop()
+        for s in (enc, first, second):
+            s.stop()
