@@ -301,6 +301,36 @@ def test_decode_instances_join_and_leave_under_load_and_no_request_is_lost(clust
 
 
 
+def test_vllm_proxy_registration_moves_real_decode_instances(cluster, second_decoder):
+    """vLLM's own EPD proxy registration (POST and DELETE /instances, as vLLM 0.32-0.34's
+    launch scripts send it: docs/compatibility.md) on a gateway replica serving with the
+    first decode instance: the second joins as `prefill_decode` and the first leaves, a
+    request is answered by the newcomer as the aggregated server answers it; then the first
+    joins back and the second leaves, and the first answers again."""
+    c, dec2 = cluster, second_decoder
+    gw2 = Gateway2(c, UP_PORT + 21, [DEC_URL])
+    url = gw2.url + "/instances"  # no secret: loopback callers may
+
+    def served(instance: str) -> float:
+        return metric_at(c, instance, "vllm:request_success_total")
+
+    def moves(joining: str, leaving: str, seed: int) -> None:
+        joined = c["client"].post(url, json={"role": "prefill_decode", "url": joining})
+        assert joined.json() == {"registered": True}, joined.text
+        left = c["client"].delete(url, params={"url": leaving}, timeout=120)
+        assert left.json() == {"removed": True}, left.text
+        assert [d["url"] for d in c["client"].get(url).json()["decoders"]] == [joining]
+        image, before = sample_image_png(seed=seed), served(joining)
+        assert answer(c, gw2.url, image) == answer(c, c["agg"], image)
+        assert wait_for(lambda: served(joining) > before, timeout=5, interval=0.1)
+
+    try:
+        moves(dec2.url, DEC_URL, seed=871)
+        moves(DEC_URL, dec2.url, seed=872)
+    finally:
+        gw2.stop()
+
+
 def test_streams_cut_mid_answer_continue_exactly_for_each_field_or_end_with_an_error(
         cluster, second_decoder):
     """Both decode instances behind proxies that break each stream off after a few events
