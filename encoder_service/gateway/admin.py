@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ec_connectors.protocol.http_api import KeyCheck, error_type
-from ec_connectors.protocol.secret import is_loopback
 from encoder_service.gateway.config import AdminChange, AdminSection
 from encoder_service.gateway.requests.admission import Admission
 from encoder_service.gateway.upstreams.decoders import DecodePool
 from encoder_service.gateway.upstreams.encoder_clients import EncoderClient, EncoderRouter
 from encoder_service.gateway.upstreams.probes import Prober
 from encoder_service.gateway.wire import GatewayError
+from epd_common.net import is_loopback
 
 logger = logging.getLogger("epd.gateway")
 

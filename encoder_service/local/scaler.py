@@ -37,7 +37,8 @@ from typing import Any
 
 import httpx
 
-from ec_connectors.protocol.secret import api_key, read_secret
+from ec_connectors.protocol.api_keys import api_key
+from ec_connectors.protocol.secret_file import read_secret
 from encoder_service.local.processes import ManagedProcess, metric_value
 from encoder_service.local.scaling import UP, Decider, Decision, RoleScaling
 from encoder_service.local.supervise import Supervisor

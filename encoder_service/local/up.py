@@ -34,13 +34,8 @@ from typing import Any
 
 from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.secret import (
-    API_KEY_ENV,
-    SECRET_ENV,
-    SecretError,
-    api_key,
-    read_secret,
-)
+from ec_connectors.protocol.api_keys import API_KEY_ENV, api_key
+from ec_connectors.protocol.secret_file import SECRET_ENV, SecretError, read_secret
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import (

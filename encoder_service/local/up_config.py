@@ -48,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ec_connectors.config import default_shm_path
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.secret import SECRET_ENV, read_secret
+from ec_connectors.protocol.secret_file import SECRET_ENV, read_secret
 from ec_connectors.protocol.stored import TIERED, TRANSPORT_NAMES, UpTransport
 from encoder_service.gateway.config import RoutingConfig
 from encoder_service.local.scaling import ScalingConfig

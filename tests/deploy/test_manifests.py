@@ -151,7 +151,8 @@ def test_every_vllm_server_takes_its_key_from_the_secret_never_from_argv():
 def test_epd_vllm_puts_the_key_derived_from_the_secret_in_the_environment(monkeypatch,
                                                                           tmp_path):
     """What those commands run: `epd vllm` exports the key before vLLM is imported."""
-    from ec_connectors.protocol.secret import api_key, read_secret
+    from ec_connectors.protocol.api_keys import api_key
+    from ec_connectors.protocol.secret_file import read_secret
     from encoder_service import cli
     from encoder_service.local import vllm_cli
 

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import zmq
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.secret import CurveKeys
+from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te.messages import (
     NixlHello,
