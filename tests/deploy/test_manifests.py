@@ -503,7 +503,7 @@ def test_the_elastic_roles_autoscale_on_the_gateways_load_and_drain_before_they_
     targets and windows; each pod joins the gateway once healthy (postStart) and drains out of
     it through the admin API before SIGTERM (preStop), within its grace period."""
     from encoder_service.gateway import member_cli
-    from encoder_service.local.scaling import ScalingConfig
+    from encoder_service.local.scale_rules import ScalingConfig
 
     settings = _render_module().load_settings()
     docs = manifests()
