@@ -40,7 +40,7 @@ from epd_common.lru import BoundedLRU
 logger = get_logger(__name__)
 
 _POLL_S = 0.0005  # between polls of notifications while reads are in flight
-_WARM_S = 10.0  # a consumer's first (warming) read is awaited this long
+_WARM_PIN_S = 10.0  # a consumer's first (warming) read is awaited this long
 TOKEN_BYTES = 16
 _MAX_CONNECTIONS = 4096  # consumers' connections remembered as loading regions
 
@@ -153,7 +153,7 @@ class NixlPullServer(PullServer):
                 self._region_readers[peer] = None
             if peer is not None:
                 pool = self.store.pool
-                warm = self.pins.hold(None, time.monotonic() + _WARM_S)
+                warm = self.pins.hold(None, time.monotonic() + _WARM_PIN_S)
                 self._reply(peer, NixlPeer(agent=self.agent.name, metadata=self._metadata,
                                            base=pool.base_addr, length=pool.capacity,
                                            mem=self._mem, device=self._device, warm=warm,
