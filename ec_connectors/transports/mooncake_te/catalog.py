@@ -161,9 +161,3 @@ class MooncakeCatalog(Transport):
         self._stop.set()
         self._thread.join(timeout=5)
         self._zmq.destroy(linger=0)
-
-
-class NixlCatalog(MooncakeCatalog):
-    """The same view for the `nixl` transport (its producers announce alike)."""
-
-    name = "nixl"

@@ -24,13 +24,7 @@ import zmq
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import (
-    NixlHello,
-    NixlPeer,
-    PeerMessage,
-    Pulled,
-    PullFailed,
-)
+from ec_connectors.transports.mooncake_te.messages import PeerMessage, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
 from ec_connectors.transports.nixl_pull.agent import (
     NixlAgent,
@@ -39,6 +33,7 @@ from ec_connectors.transports.nixl_pull.agent import (
     mem_kind,
     region_of,
 )
+from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
 from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
 
 logger = get_logger(__name__)

@@ -21,13 +21,7 @@ import torch
 
 from ec_connectors.log import get_logger
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import (
-    NixlHello,
-    NixlPeer,
-    PeerMessage,
-    Pull,
-    Pulled,
-)
+from ec_connectors.transports.mooncake_te.messages import PeerMessage, Pull, Pulled
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.producer_store import (
     HeldInPlace,
@@ -35,6 +29,7 @@ from ec_connectors.transports.mooncake_te.producer_store import (
     ProducerStore,
 )
 from ec_connectors.transports.nixl_pull.agent import NixlAgent, Region, kernel_identity, mem_kind
+from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
 from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)

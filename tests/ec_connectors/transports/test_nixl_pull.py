@@ -30,8 +30,8 @@ from tests.helpers import expected, wait_for
 
 pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
                                         "nixl nixl-cu12 (scripts/setup_env.py does)")
-from ec_connectors.transports.mooncake_te.messages import NixlHello  # noqa: E402
 from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
+from ec_connectors.transports.nixl_pull.messages import NixlHello  # noqa: E402
 from ec_connectors.transports.nixl_pull.server import ReadPins, RegisteredInPlace  # noqa: E402
 
 peers = forked_peers.fixture()
