@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
 from ec_connectors.config import EPDConfig  # noqa: E402
 from ec_connectors.protocol import ports  # noqa: E402
 from encoder_service.local.processes import SERVER_GUARD  # noqa: E402
-from encoder_service.local.scaling import ScalingConfig  # noqa: E402
+from encoder_service.local.scale_rules import ScalingConfig  # noqa: E402
 from encoder_service.local.testmodels import SPECS  # noqa: E402
 from encoder_service.local.up_config import kv_connector_config  # noqa: E402
 

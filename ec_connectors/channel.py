@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.secret import CurveKeys
+from ec_connectors.protocol.curve import CurveKeys
 
 logger = get_logger(__name__)
 
@@ -47,7 +47,7 @@ class Channel:
     (the peer process died), and a connection attempt that failed before any succeeded to
     `on_unreachable` (nobody listens there: refused). A DEALER's `greeting` is sent on every
     (re)connection (what a new connection must hear; it may trail messages queued before
-    it). `curve`: the deployment's keys (protocol/secret.py); the socket is then a CURVE
+    it). `curve`: the deployment's keys (protocol/curve.py); the socket is then a CURVE
     server (bound) or client (connecting), and peers without the secret cannot talk to it.
     """
 

@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ec_connectors.protocol import ports
+from ec_connectors.protocol.curve import CurveKeys, curve_keys
 from ec_connectors.protocol.fingerprint import model_fingerprint
-from ec_connectors.protocol.secret import CurveKeys, IdSigner, Seal, curve_keys, read_secret
+from ec_connectors.protocol.item_ids import IdSigner
+from ec_connectors.protocol.seal import Seal
+from ec_connectors.protocol.secret_file import read_secret
 from ec_connectors.protocol.stored import TransportName
 from epd_common.config_files import InvalidConfig, validate
 from epd_common.net import Endpoint, EndpointList
@@ -57,7 +60,7 @@ class CommonSettings(_Settings):
     # from the served model's directory at start). Producers and consumers of another model
     # under the same namespace refuse each other's items; "" turns the check off.
     model_fingerprint: str | None = Field(None, pattern=r"^[0-9A-Za-z._-]{0,64}$")
-    # The deployment secret (protocol/secret.py), default $EPD_SECRET_FILE: the Mooncake TE
+    # The deployment secret (protocol/secret_file.py), default $EPD_SECRET_FILE: the Mooncake TE
     # side channels and announcements run CURVE with keys derived from it; without one they
     # serve loopback only.
     secret_file: str | None = None

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     from encoder_service.local.testmodels import build as build_model
 
     if args.cmd in ("admin-token", "api-key"):
-        from ec_connectors.protocol.secret import SecretError, admin_token, api_key, read_secret
+        from ec_connectors.protocol.api_keys import admin_token, api_key
+        from ec_connectors.protocol.secret_file import SecretError, read_secret
 
         try:
             secret = read_secret(args.secret_file)

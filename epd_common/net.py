@@ -37,6 +37,14 @@ def resolve_host(host: str) -> str:
     return "127.0.0.1"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (or `localhost`)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
     """`host:port` -> (host, port); raises ValueError on anything else (untrusted input)."""
     if not isinstance(endpoint, str) or len(endpoint) > 300:

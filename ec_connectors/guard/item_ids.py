@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.secret import IdSigner
+from ec_connectors.protocol.item_ids import IdSigner
 
 logger = get_logger(__name__)
 

@@ -1,20 +1,27 @@
 """A consumer's step for one item: gather its facts, ask the policy, act on the answer.
 
-The policy is `scheduler_hooks.decisions.plan_item`; this half gathers what it asks about
+The policy is `scheduler_hooks.decisions.plan_item`; `ItemSteps` gathers what it asks about
 (vLLM's caches, the availability index, the request's params, the staging) and carries out
-what it answers (probe, load, wait, local encode, fail). `EPDSchedulerSide` mixes it in: the
-methods read the scheduler's own tables (items, budget, hints, promises, unavailable).
+what it answers (probe, load, wait, local encode, fail). It is given what it reads and the two
+actions of the scheduler it takes (`load`, `release`), and keeps what it alone writes: which
+items each request waited for and since when.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Container
+from typing import TYPE_CHECKING, Any
 
+from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.keys import safe_key
 from ec_connectors.protocol.params import Source
+from ec_connectors.sched.hints import RequestHints
 from ec_connectors.sched.part_fit import PartFit
+from ec_connectors.sched.promises import Promises
+from ec_connectors.sched.unavailable import Unavailable
+from ec_connectors.stats import StatsRecorder
 from scheduler_hooks.decisions import (
     STEPS,
     ItemAction,
@@ -26,15 +33,59 @@ from scheduler_hooks.decisions import (
     lookup_of,
     plan_item,
 )
+from scheduler_hooks.encoder_cache import EncoderCacheView
+from scheduler_hooks.item_table import ItemTable
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from ec_connectors.placeholders import Placeholders
+
 logger = get_logger(__name__)
+
+# Start loading an item: (item_id, source, num_embeds, now) -> False when the staging budget
+# has no room for it.
+LoadFn = Callable[[str, Source, int, float], bool]
+ReleaseFn = Callable[[str, str], None]  # (item_id, req_id): the request no longer waits for it
 
 
 class ItemSteps:
-    """The consumer's per-item step of `EPDSchedulerSide` (mixed in; see the module doc)."""
+    """The consumer's per-item step of `EPDSchedulerSide` (see the module doc)."""
+
+    def __init__(self, config: EPDConfig, *, items: ItemTable, index: Container[str],
+                 hints: RequestHints, promises: Promises, engine_cache: EncoderCacheView,
+                 fit: PartFit | None, placeholders: Placeholders | None,
+                 unavailable: Unavailable, stats: StatsRecorder,
+                 probe: Callable[[str], bool | None], load: LoadFn,
+                 release: ReleaseFn) -> None:
+        self.config = config
+        self.items, self.index, self.hints, self.promises = items, index, hints, promises
+        self.engine_cache, self.fit, self.placeholders = engine_cache, fit, placeholders
+        self.unavailable, self.stats = unavailable, stats
+        self._probe, self._load, self._release = probe, load, release
+        self._deferred_since: dict[str, float] = {}  # first deferral of a request
+        self._waits: dict[str, set[str]] = {}  # items a request waited for
+
+    def step(self, request: Request, i: int, hints: dict[str, Source],
+             num_computed_tokens: int, now: float, first_look: bool) -> bool:
+        """Plan item `i` of a request and act on the plan; True: the request must wait."""
+        facts, plan = self._plan(request, i, hints, num_computed_tokens, now)
+        self._act(request, request.mm_features[i].identifier, facts, plan, first_look)
+        return plan.defer
+
+    def deferred(self, req_id: str, now: float) -> None:
+        """The request waits this step (its first deferral starts its wait)."""
+        self._deferred_since.setdefault(req_id, now)
+
+    def ready(self, req_id: str) -> tuple[float, Collection[str]] | None:
+        """The request waits no more: since when, and for which items (None: it never did)."""
+        since = self._deferred_since.pop(req_id, None)
+        return None if since is None else (since, self._waits.get(req_id, ()))
+
+    def finished(self, req_id: str) -> set[str]:
+        """Forget a finished request; the items it still waited for."""
+        self._deferred_since.pop(req_id, None)
+        return self._waits.pop(req_id, set())
 
     def _plan(self, request: Request, i: int, hints: dict[str, Source],
               num_computed_tokens: int, now: float) -> tuple[ItemFacts, ItemPlan]:
@@ -49,16 +100,16 @@ class ItemSteps:
             self.promises.went_by(item_id, plan.promise, now)
             if plan.action is ItemAction.PROBE:  # stores that cannot list
                 facts = dataclasses.replace(
-                    facts, lookup=lookup_of(self.transport.probe(item_id)))
+                    facts, lookup=lookup_of(self._probe(item_id)))
             elif plan.action is ItemAction.LOAD:  # or wait for room in the budget
                 room = self._load(item_id, self.hints.source(item_id, hints),
                                   request.get_num_encoder_embeds(i), now)
-                waited = now - self._req_deferred_since.get(req_id, now)
+                waited = now - self._deferred_since.get(req_id, now)
                 facts = dataclasses.replace(facts, staged=room, over_budget=not room,
                                             budget_expired=waited >= self.config.load_timeout_s)
             else:  # CHECK: the request waits for the staging; where does it stand?
                 self.items.want(item_id, req_id)
-                self._req_waits.setdefault(req_id, set()).add(item_id)
+                self._waits.setdefault(req_id, set()).add(item_id)
                 expected = request.get_num_encoder_embeds(i)
                 facts = dataclasses.replace(
                     facts, decision=decide(self.items, item_id, expected, now))
@@ -101,7 +152,7 @@ class ItemSteps:
                 self.stats.inc("engine_cache_hits")
             elif first_look:  # computed before this request ran: the prefix cache
                 self.stats.inc("prefix_cached")
-            if item_id in self._req_waits.get(req_id, ()):  # (no lock: the usual case)
+            if item_id in self._waits.get(req_id, ()):  # (no lock: the usual case)
                 self._release(item_id, req_id)
             return
         if plan.action not in (ItemAction.LOCAL_ENCODE, ItemAction.FAIL):
@@ -120,3 +171,6 @@ class ItemSteps:
             self.unavailable.fail(req_id, item_id, plan.why, facts.metadata_only)
         else:
             self.unavailable.local_encode(req_id, item_id, plan.why)
+
+    def _metadata_only(self, feature: Any) -> bool:
+        return self.placeholders is not None and self.placeholders.metadata_only(feature)

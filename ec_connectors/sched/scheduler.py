@@ -65,7 +65,7 @@ _SCHEDULER_GRACE_S = 1.0  # scheduler deadline = worker deadline + this (dead-wo
 _IDLE_WAIT_S = 0.005
 
 
-class EPDSchedulerSide(ItemSteps):
+class EPDSchedulerSide:
     """SCHEDULER role, one per engine: answers vLLM's scheduler hooks, never blocking."""
 
     def __init__(
@@ -111,13 +111,16 @@ class EPDSchedulerSide(ItemSteps):
                        if is_consumer and transport.reads_in_scheduler
                        and config.inline_max_bytes else None)
         self.hints = RequestHints(config.producers, transport.locate)  # consumer: params
-        self._req_deferred_since: dict[str, float] = {}  # consumer: first deferral of a request
-        self._req_waits: dict[str, set[str]] = {}  # consumer: items a request waited for
         self._unwanted: set[str] = set()  # staged items whose last waiter left (end of step)
         self.engine_cache = EncoderCacheView()  # consumer: items vLLM's encoder cache holds
         self.fit = PartFit(placeholders, self.hints, self.engine_cache) if placeholders else None
         # requests to fail, local-encode fallbacks, reasons for the API server's answer
         self.unavailable = Unavailable(board_dir(config.control_dir, engine_id), self.stats)
+        self.steps = ItemSteps(  # consumer: each item's facts -> plan -> act
+            config, items=self.items, index=self.index, hints=self.hints,
+            promises=self.promises, engine_cache=self.engine_cache, fit=self.fit,
+            placeholders=placeholders, unavailable=self.unavailable, stats=self.stats,
+            probe=transport.probe, load=self._load, release=self._release)
         self._last_sweep = time.monotonic()
         self.channel = ControlEndpoint(address, bind=True, on_message=self._on_control,
                                        name="epd-sched-ctl")
@@ -215,18 +218,18 @@ class EPDSchedulerSide(ItemSteps):
         ready = True
         now = time.monotonic()
         for i in range(len(request.mm_features)):  # every item: each may start its load
-            facts, plan = self._plan(request, i, hints, num_computed_tokens, now)
-            self._act(request, request.mm_features[i].identifier, facts, plan, first_look)
-            ready = ready and not plan.defer
+            defer = self.steps.step(request, i, hints, num_computed_tokens, now, first_look)
+            ready = ready and not defer
         if not ready:
             self.stats.inc("deferrals")
             self._deferred_step = True
-            self._req_deferred_since.setdefault(req_id, now)
+            self.steps.deferred(req_id, now)
         else:
-            since = self._req_deferred_since.pop(req_id, None)
-            if since is not None:
+            waited = self.steps.ready(req_id)
+            if waited is not None:
+                since, items = waited
                 self.stats.observe("defer_s", now - since)
-                self.spans.waited(request, since, now, self._req_waits.get(req_id, ()))
+                self.spans.waited(request, since, now, items)
         return ready
 
     def _producer_ready(self, request: Request) -> bool:
@@ -250,9 +253,6 @@ class EPDSchedulerSide(ItemSteps):
         more is dropped at the end of the step (build_connector_meta)."""
         if self.items.release(item_id, req_id):
             self._unwanted.add(item_id)
-
-    def _metadata_only(self, feature: Any) -> bool:
-        return self.placeholders is not None and self.placeholders.metadata_only(feature)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         item_id = request.mm_features[index].identifier
@@ -352,8 +352,7 @@ class EPDSchedulerSide(ItemSteps):
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         req_id = request.request_id
         self.hints.forget(req_id)
-        self._req_deferred_since.pop(req_id, None)
-        for item_id in self._req_waits.pop(req_id, ()):
+        for item_id in self.steps.finished(req_id):
             self._release(item_id, req_id)
         self.unavailable.finished(req_id)
         self.items.finished(req_id)

@@ -51,7 +51,7 @@ def _make_one(name: str, config: EPDConfig, placement: Placement) -> Transport:
         return MooncakeTransport(config, placement)
     if name == "nixl":
         if placement.role == "scheduler":
-            from ec_connectors.transports.mooncake_te.catalog import NixlCatalog
+            from ec_connectors.transports.nixl_pull.catalog import NixlCatalog
 
             return NixlCatalog(config, placement)
         from ec_connectors.transports.nixl_pull.transport import NixlTransport

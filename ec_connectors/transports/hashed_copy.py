@@ -53,7 +53,7 @@ def helper_threads(wanted: int, name: str) -> tuple[ThreadPoolExecutor | None, i
 def derive_key(secret: bytes | None) -> bytes | None:
     """Derive the shm transport's own key from the deployment secret.
 
-    The shm transport's own key, derived from the deployment secret (as protocol.secret
+    The shm transport's own key, derived from the deployment secret (as protocol.secret_file
     derives its keys: keyed blake2b with a purpose)."""
     if secret is None:
         return None

@@ -27,8 +27,9 @@ from typing import NamedTuple
 import torch
 
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.item_ids import identity
 from ec_connectors.protocol.keys import item_key, namespace_key
-from ec_connectors.protocol.secret import Seal, identity
+from ec_connectors.protocol.seal import Seal
 from ec_connectors.protocol.stored import FAILED_SUFFIX, TMP_PREFIX, ItemInfo
 from ec_connectors.protocol.stored import SAFETENSORS_SUFFIX as SUFFIX
 from ec_connectors.transports.base import (

@@ -58,7 +58,7 @@ class EPDWorker:
         device: torch.device,
     ) -> None:
         self.config = config
-        self._ids = config.ids  # which item ids may be shared (protocol/secret.py)
+        self._ids = config.ids  # which item ids may be shared (protocol/item_ids.py)
         self.transport = transport
         self.is_producer = is_producer
         self.is_consumer = is_consumer

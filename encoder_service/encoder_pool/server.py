@@ -19,7 +19,7 @@ POST /v1/release  {"item_ids": [...], "keep"?}: the decode side has prefilled th
 GET  /health, /metrics (Prometheus), /v1/stats (JSON)
 With a deployment secret (transport `secret_file` or $EPD_SECRET_FILE), or `$VLLM_API_KEY`,
 every /v1 route needs the deployment's API key (`Authorization: Bearer <key>`, as a vLLM
-server of the deployment: ec_connectors.protocol.secret.server_api_key); 401 without it.
+server of the deployment: ec_connectors.protocol.api_keys.server_api_key); 401 without it.
 /health and /metrics stay open.
 """
 
@@ -36,8 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ec_connectors.protocol.api_keys import server_api_key
 from ec_connectors.protocol.http_api import RequireKey
-from ec_connectors.protocol.secret import server_api_key
 from encoder_service.encoder_pool.batching import EncoderPool
 from encoder_service.encoder_pool.config import PoolConfig, PoolConfigError
 from encoder_service.encoder_pool.encode_handler import (

@@ -28,13 +28,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ec_connectors.protocol.http_api import KeyCheck, error_type
-from ec_connectors.protocol.secret import is_loopback
 from encoder_service.gateway.config import AdminChange, AdminSection, _check_base_url
 from encoder_service.gateway.requests.admission import Admission
 from encoder_service.gateway.upstreams.decoders import DecodePool
 from encoder_service.gateway.upstreams.encoder_clients import EncoderClient, EncoderRouter
 from encoder_service.gateway.upstreams.probes import Prober
 from encoder_service.gateway.wire import GatewayError
+from epd_common.net import is_loopback
 
 logger = logging.getLogger("epd.gateway")
 VLLM_ROLES = ("encode", "prefill", "decode", "prefill_decode")
@@ -78,11 +78,15 @@ class Admin:
         self.admission = admission
         self.encoder_client = encoder_client
         self.prefills = prefills  # E/P/D: the prefill instances (kv_handoff.py)
-        # `epd up`'s scaler (local/scaler.py) sets it: its roles and recent decisions, under
-        # "scaling" in GET /instances (`epd top` shows them)
-        self.scaling: Callable[[], dict] | None = None
+        self._scaling: Callable[[], dict] | None = None  # show_scaling
         keys = list(section.client_keys)
         self.readers = KeyCheck(keys) if keys else None  # who may GET /instances
+
+    def show_scaling(self, view: Callable[[], dict]) -> None:
+        """Show `view()` under "scaling" in GET /instances (`epd top` prints it).
+
+        `epd up`'s scaler (local/scaler.py) publishes its roles and recent decisions."""
+        self._scaling = view
 
     async def health(self, request: Request) -> JSONResponse:
         """GET /health: whether any prefill/decode instance is up.
@@ -126,8 +130,8 @@ class Admin:
                "routing": self.section.routing.model_dump()}
         if self.prefills is not None:
             out["prefills"] = self.prefills.describe()
-        if self.scaling is not None:
-            out["scaling"] = self.scaling()
+        if self._scaling is not None:
+            out["scaling"] = self._scaling()
         for entry in (*out["encoders"], *out.get("prefills", ()), *out["decoders"]):
             if entry["url"] in probes:
                 entry["probe"] = probes[entry["url"]].describe()

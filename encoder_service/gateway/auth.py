@@ -8,7 +8,7 @@ OpenAI's error shape. `/health` and `/metrics` stay open (as vLLM's own health a
 client keys are configured (admin.py); the admin routes have their own token (the deployment
 secret's).
 Gateway -> servers: every vLLM server and encoder pool of a deployment with a secret requires
-the key derived from it (ec_connectors.protocol.secret.api_key); `upstream_headers` is what
+the key derived from it (ec_connectors.protocol.api_keys.api_key); `upstream_headers` is what
 the gateway presents on every call (encoders, decode instances, probes, failover).
 
 The guard itself (`RequireKey`, keys compared in constant time) is
@@ -21,7 +21,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ec_connectors.protocol.secret import api_key, read_secret
+from ec_connectors.protocol.api_keys import api_key
+from ec_connectors.protocol.secret_file import read_secret
 
 CLIENT_KEY_ENV = "EPD_GATEWAY_API_KEY"
 

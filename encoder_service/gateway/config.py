@@ -14,8 +14,10 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ec_connectors.protocol.api_keys import admin_token
+from ec_connectors.protocol.item_ids import IdSigner
 from ec_connectors.protocol.ports import GATEWAY_PORT
-from ec_connectors.protocol.secret import IdSigner, admin_token, read_secret
+from ec_connectors.protocol.secret_file import read_secret
 from encoder_service.gateway.auth import client_keys, read_keys_file, upstream_headers
 from epd_common.config_files import InvalidConfig, validate
 from epd_common.net import EndpointList

@@ -23,7 +23,8 @@ import time
 
 import httpx
 
-from ec_connectors.protocol.secret import SecretError, admin_token, api_key, read_secret
+from ec_connectors.protocol.api_keys import admin_token, api_key
+from ec_connectors.protocol.secret_file import SecretError, read_secret
 
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting", "epd_pool_queue_depth")
 

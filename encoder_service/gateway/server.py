@@ -1,7 +1,8 @@
 """Run the gateway, blocking or on a background thread.
 
 Run the gateway: `serve` (blocking, for `epd gateway`), `GatewayThread` (in-process, for
-`epd up`, tests and benchmarks)."""
+`epd up`, tests and benchmarks), and `ScalingPort`: what `epd up`'s scaler (local/scaler.py)
+may do to an in-process gateway."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import uvicorn
 
@@ -90,3 +94,51 @@ class GatewayThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ScalingPort:
+    """`epd up`'s scaler's calls on a gateway running in this process (`GatewayThread`).
+
+    Its pools live on the gateway's event loop: every call runs there. `thread`: anything with
+    the `GatewayThread` members `gateway`, `loop` and `call_soon`."""
+
+    def __init__(self, thread: Any) -> None:
+        self._thread = thread
+
+    @property
+    def metrics(self) -> Any:
+        return self._thread.gateway.metrics
+
+    def load(self) -> dict[str, float] | None:
+        return self._on_loop(self._thread.gateway.fleet.load)
+
+    def add(self, role: str, url: str) -> None:
+        gw = self._thread.gateway
+        if role == "encoder":
+            self._thread.call_soon(lambda: gw.router.add(gw.encoder_client(url)))
+        else:
+            self._thread.call_soon(lambda: gw.decoders.add(url))
+
+    def drain(self, role: str, url: str, timeout_s: float) -> tuple[int, Future[bool]]:
+        gw = self._thread.gateway
+        pool = gw.router if role == "encoder" else gw.decoders
+        inflight = self._on_loop(lambda: pool.inflight.get(url, 0)) or 0
+        return inflight, asyncio.run_coroutine_threadsafe(pool.drain(url, timeout_s),
+                                                          self._thread.loop)
+
+    def publish(self, view: Callable[[], dict[str, Any]]) -> None:
+        self._thread.gateway.admin.show_scaling(view)
+
+    def _on_loop(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the gateway's event loop; None if it is gone."""
+        loop = self._thread.loop
+        if loop is None or loop.is_closed():
+            return None
+
+        async def call() -> Any:
+            return fn()
+
+        try:
+            return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=5)
+        except (RuntimeError, TimeoutError, asyncio.TimeoutError):
+            return None

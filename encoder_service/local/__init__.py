@@ -3,7 +3,7 @@
 - `up.py`: `epd up`'s processes (`Deployment`); `up_config.py`: its config and the connector
   keys it implies; `up_cli.py`: its command line; `demo.py`: `epd up --demo`;
   `supervise.py`: what exits unasked is restarted (backoff, a cap per window);
-  `scaling.py`: when an elastic role grows or shrinks (the decision alone); `scaler.py`:
+  `scale_rules.py`: when an elastic role grows or shrinks (the decision alone); `scaler.py`:
   carrying it out (start, join the gateway, drain, stop; metrics, decision log).
 - `processes.py`: managed `vllm serve` / `epd encoder` / whole `epd up` processes, and the
   work dir (where logs, secrets, sockets and models go); `mooncake_master.py`: the Mooncake

@@ -1,10 +1,13 @@
-"""`epd up`'s elastic roles: start, add, drain and stop instances as scaling.py decides.
+"""`epd up`'s elastic roles: start, add, drain and stop instances as scale_rules.py decides.
 
 With `scaling.encoders_max` / `scaling.decoders_max` above `encoders` / `decoders` (`epd up
 --encoders 1:2 --decoders 1:2`), `epd up` plans every instance up to the maximum (its port,
 core and side channel are fixed from the start: up.py's `Deployment.spare`) and starts the
 minimum. `Scaler.poll()`, on the main thread beside the supervisor (a started server dies with
 that thread), every `scaling.interval_s`:
+
+The scaler reaches the gateway only through `ScalingGateway` (the in-process gateway's
+`gateway/server.py` `ScalingPort`), and keeps each role's instances in its own lists. It
 
 - samples each elastic role's load: the in-process gateway's `Fleet.load()` (encode calls in
   flight and images waiting for a shared call; decode requests in flight, streams included),
@@ -26,35 +29,57 @@ An instance not healthy within `startup_timeout_s` is stopped and the role waits
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
-from ec_connectors.protocol.secret import api_key, read_secret
 from encoder_service.local.processes import ManagedProcess, metric_value
-from encoder_service.local.scaling import UP, Decider, Decision, RoleScaling
+from encoder_service.local.scale_rules import Decider, Decision, Direction, RoleScaling
 from encoder_service.local.supervise import Supervisor
 
+if TYPE_CHECKING:
+    from encoder_service.gateway.telemetry.metrics import GatewayMetrics
+    from encoder_service.local.up_config import UpConfig
+
 STATES = ("wanted", "starting", "serving", "draining")  # epd_instances{state}
-QUEUES = {"encoder": "epd_pool_queue_depth", "decode": "vllm:num_requests_waiting"}
+
+
+class ScalingGateway(Protocol):
+    """What the scaler asks of the gateway it runs beside (gateway/server.py `ScalingPort`)."""
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    def load(self) -> dict[str, float] | None:
+        """The load per role (`Fleet.load()`); None once the gateway is gone."""
+
+    def add(self, role: str, url: str) -> None:
+        """An instance of `role` joins the gateway's pool."""
+
+    def drain(self, role: str, url: str, timeout_s: float) -> tuple[int, Future[bool]]:
+        """An instance leaves the pool: its requests in flight now, and the drain's end."""
+
+    def publish(self, view: Callable[[], dict[str, Any]]) -> None:
+        """Show the scaling view under "scaling" in GET /instances."""
 
 
 @dataclass
 class Role:
-    """One elastic role: its running instances (the deployment's own list) and changes."""
+    """One elastic role: its instances (the scaler's own lists) and changes."""
 
-    name: str  # "encoder" or "decode"
-    active: list[ManagedProcess]  # Deployment.encoders / .decoders: serving
+    name: str  # "encoder" or "decode": the label of its metrics, the gateway pool it joins
+    serving: list[ManagedProcess]
+    spare: list[ManagedProcess]  # planned, not running: the next to start (lowest port first)
     decider: Decider
+    queue_metric: str | None  # what its servers queue (on their /metrics); None: nothing
     starting: dict[str, tuple[ManagedProcess, float]] = field(default_factory=dict)
-    draining: dict[str, tuple[ManagedProcess, Any]] = field(default_factory=dict)
+    draining: dict[str, tuple[ManagedProcess, Future[bool]]] = field(default_factory=dict)
     stopping: dict[str, threading.Thread] = field(default_factory=dict)
     load: float = 0.0
 
@@ -62,43 +87,49 @@ class Role:
 class Scaler:
     """Carry out the elastic roles' decisions on a started deployment (up.py's)."""
 
-    def __init__(self, dep: Any, supervisor: Supervisor, say: Callable[[str], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        cfg = dep.cfg
-        sc = cfg.scaling
-        self.dep, self.supervisor, self.say, self.clock = dep, supervisor, say, clock
-        self.sc = sc
-        self.gw = dep.gateway  # GatewayThread: the gateway runs in this process
-        self.gateway = self.gw.gateway
-        self.metrics = self.gateway.metrics
-        self.roles: dict[str, Role] = {}
-        for name, active, lo, hi, policy in (
-                ("encoder", dep.encoders, cfg.encoders, sc.encoders_max, sc.encoder),
-                ("decode", dep.decoders, cfg.decoders, sc.decoders_max, sc.decode)):
-            if hi is not None and hi > lo:
-                self.roles[name] = Role(name, active, Decider(name, lo, hi, policy, clock))
-                self.metrics.scaling_registered(name)
-                say(f"elastic {name} instances: {lo} to {hi} ({_policy(policy)}; "
-                    f"scaling.{name} in the config)")
+    def __init__(self, cfg: UpConfig, roles: list[Role], gateway: ScalingGateway,
+                 supervisor: Supervisor, say: Callable[[str], None],
+                 api_headers: dict[str, str], clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.sc = cfg.scaling
+        self.startup_timeout_s = cfg.startup_timeout_s
+        self.gateway, self.supervisor, self.say, self.clock = gateway, supervisor, say, clock
+        self.metrics = gateway.metrics
+        self.roles = {role.name: role for role in roles}
+        for role in roles:
+            self.metrics.scaling_registered(role.name)
+            policy = role.decider.policy
+            say(f"elastic {role.name} instances: {role.decider.lo} to {role.decider.hi} "
+                f"({_policy(policy)}; scaling.{role.name} in the config)")
         self.events: deque[dict[str, Any]] = deque(maxlen=20)
-        secret = read_secret(cfg.secret_path)
-        self.http = httpx.Client(timeout=1.0, trust_env=False, headers={} if secret is None
-                                 else {"authorization": f"Bearer {api_key(secret)}"})
+        self.http = httpx.Client(timeout=1.0, trust_env=False, headers=api_headers)
         self._asks = ThreadPoolExecutor(8, thread_name_prefix="epd-scaler-metrics")
         self.next_at = 0.0
         self.view: dict[str, Any] = {}
-        self.gateway.admin.scaling = lambda: self.view
+        gateway.publish(lambda: self.view)
         self._publish()
 
     @classmethod
-    def of(cls, dep: Any, supervisor: Supervisor, say: Callable[[str], None]
-           ) -> Scaler | None:
-        """The scaler of a deployment with an elastic role, else None."""
-        sc = dep.cfg.scaling
-        if (sc.encoders_max or 0) > dep.cfg.encoders or (sc.decoders_max or 0) > \
-                dep.cfg.decoders:
-            return cls(dep, supervisor, say)
-        return None
+    def of(cls, cfg: UpConfig, serving: dict[str, list[ManagedProcess]],
+           spare: list[ManagedProcess], gateway: ScalingGateway, supervisor: Supervisor,
+           say: Callable[[str], None], api_headers: dict[str, str],
+           clock: Callable[[], float] = time.monotonic) -> Scaler | None:
+        """The scaler of a deployment with an elastic role, else None.
+
+        `serving`: each role's started instances; `spare`: the instances planned beyond
+        them (both copied: the scaler keeps its own lists)."""
+        sc = cfg.scaling
+        roles = []
+        for name, lo, hi, policy, queue in (
+                ("encoder", cfg.encoders, sc.encoders_max, sc.encoder,
+                 "epd_pool_queue_depth" if cfg.encoder_backend == "pool" else None),
+                ("decode", cfg.decoders, sc.decoders_max, sc.decode,
+                 "vllm:num_requests_waiting")):
+            if hi is not None and hi > lo:
+                roles.append(Role(name, list(serving[name]),
+                                  [p for p in spare if p.name.startswith(name + "-")],
+                                  Decider(name, lo, hi, policy, clock), queue))
+        return cls(cfg, roles, gateway, supervisor, say, api_headers, clock) if roles else None
 
     # -- the loop ----------------------------------------------------------------------------
     def poll(self) -> None:
@@ -108,10 +139,10 @@ class Scaler:
         if now < self.next_at:
             return
         self.next_at = now + self.sc.interval_s
-        loads = self._gateway_call(self.gateway.fleet.load) or {}
+        loads = self.gateway.load() or {}
         for role in self.roles.values():
             role.load = loads.get(role.name, 0.0) + self._queued(role)
-            decision = role.decider.observe(role.load, len(role.active), len(role.starting),
+            decision = role.decider.observe(role.load, len(role.serving), len(role.starting),
                                             len(role.draining) + len(role.stopping))
             if decision is not None:
                 self._carry_out(role, decision)
@@ -119,38 +150,24 @@ class Scaler:
 
     def _queued(self, role: Role) -> float:
         """What the role's servers queue themselves (pool queue depth, vLLM's waiting)."""
-        if role.name == "encoder" and self.dep.cfg.encoder_backend != "pool":
+        metric = role.queue_metric
+        if metric is None:
             return 0.0
+
         def queued(proc: ManagedProcess) -> float:
             try:
-                return metric_value(self.http.get(proc.url + "/metrics").text,
-                                    QUEUES[role.name])
+                return metric_value(self.http.get(proc.url + "/metrics").text, metric)
             except httpx.HTTPError:
                 return 0.0  # a dying instance: the supervisor's business
 
         # all at once: a hung instance costs one timeout per poll, not one per instance
-        return sum(self._asks.map(queued, list(role.active)))
-
-    def _gateway_call(self, fn: Callable[[], Any]) -> Any:
-        """`fn()` on the gateway's event loop (its pools live there); None if it is gone."""
-        loop = self.gw.loop
-        if loop is None or loop.is_closed():
-            return None
-
-        async def call() -> Any:
-            return fn()
-
-        try:
-            return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout=5)
-        except (RuntimeError, TimeoutError, asyncio.TimeoutError):
-            return None
+        return sum(self._asks.map(queued, list(role.serving)))
 
     # -- changes -----------------------------------------------------------------------------
     def _carry_out(self, role: Role, d: Decision) -> None:
         self.metrics.scale_events.labels(role.name, d.direction, d.reason).inc()
-        if d.direction == UP:
-            spare = [p for p in self.dep.spare if p.name.startswith(role.name + "-")
-                     and p.name not in role.starting and not p.running]
+        if d.direction is Direction.UP:
+            spare = [p for p in role.spare if p.name not in role.starting and not p.running]
             proc = min(spare, key=lambda p: p.port)
             proc.start_reason = "scale-up"
             proc.start()
@@ -158,46 +175,36 @@ class Scaler:
             self._event(role, d, proc, f"{proc.name} starting on :{proc.port} (log "
                         f"{proc.log_path})")
             return
-        proc = role.active[-1]
+        proc = role.serving[-1]
         self.supervisor.unwatch(proc.name)
-        role.active.remove(proc)
-        self.dep.spare.append(proc)
-        inflight = (self._gateway_call(lambda: self._pool(role).inflight.get(proc.url, 0))
-                    or 0)
-        future = asyncio.run_coroutine_threadsafe(
-            self._pool(role).drain(proc.url, self.sc.drain_timeout_s), self.gw.loop)
+        role.serving.remove(proc)
+        role.spare.append(proc)
+        inflight, future = self.gateway.drain(role.name, proc.url, self.sc.drain_timeout_s)
         role.draining[proc.name] = (proc, future)
         self._event(role, d, proc, f"{proc.name} draining: nothing new from the gateway, "
                     f"{inflight} request(s) in flight finish first (at most "
                     f"{self.sc.drain_timeout_s:g} s), then it stops")
 
-    def _pool(self, role: Role) -> Any:
-        return self.gateway.router if role.name == "encoder" else self.gateway.decoders
-
     def _progress(self, role: Role, now: float) -> None:
         """Instances starting, draining and stopping: move each on when it is ready."""
         for name, (proc, since) in list(role.starting.items()):
-            if not proc.running or now - since > self.dep.cfg.startup_timeout_s:
+            if not proc.running or now - since > self.startup_timeout_s:
                 del role.starting[name]
                 why = "exited" if not proc.running else "was not healthy in time"
                 proc.stop(timeout_s=5.0)
                 self.say(f"scale {role.name}: {name} {why} while starting (log "
                          f"{proc.log_path}); the role waits a new window")
-                role.decider.settled()
+                role.decider.reset_window()
             elif proc.healthy():
                 del role.starting[name]
-                self.dep.spare.remove(proc)
-                role.active.append(proc)
-                if role.name == "encoder":
-                    self.gw.call_soon(lambda p=proc: self.gateway.router.add(
-                        self.gateway.encoder_client(p.url)))
-                else:
-                    self.gw.call_soon(lambda p=proc: self.gateway.decoders.add(p.url))
+                role.spare.remove(proc)
+                role.serving.append(proc)
+                self.gateway.add(role.name, proc.url)
                 self.metrics.instance_registered(name)
                 self.supervisor.watch(proc)
-                role.decider.settled()
+                role.decider.reset_window()
                 self.say(f"scale {role.name}: {name} serving after {now - since:.0f} s; "
-                         f"{len(role.active)} {role.name} instance(s) now")
+                         f"{len(role.serving)} {role.name} instance(s) now")
         for name, (proc, future) in list(role.draining.items()):
             if future.done():
                 del role.draining[name]
@@ -214,9 +221,9 @@ class Scaler:
         for name, t in list(role.stopping.items()):
             if not t.is_alive():
                 del role.stopping[name]
-                role.decider.settled()
+                role.decider.reset_window()
                 self.say(f"scale {role.name}: {name} stopped, nothing of it left; "
-                         f"{len(role.active)} {role.name} instance(s) now")
+                         f"{len(role.serving)} {role.name} instance(s) now")
 
     # -- what an operator sees ---------------------------------------------------------------
     def _event(self, role: Role, d: Decision, proc: ManagedProcess, what: str) -> None:
@@ -227,7 +234,7 @@ class Scaler:
     def _publish(self) -> None:
         roles = {}
         for role in self.roles.values():
-            n = {"starting": len(role.starting), "serving": len(role.active),
+            n = {"starting": len(role.starting), "serving": len(role.serving),
                  "draining": len(role.draining) + len(role.stopping)}
             n["wanted"] = n["serving"] + n["starting"]
             for state in STATES:

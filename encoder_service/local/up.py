@@ -34,13 +34,9 @@ from typing import Any
 
 from ec_connectors.config import ConfigError, EPDConfig
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.secret import (
-    API_KEY_ENV,
-    SECRET_ENV,
-    SecretError,
-    api_key,
-    read_secret,
-)
+from ec_connectors.protocol.api_keys import API_KEY_ENV, api_key
+from ec_connectors.protocol.secret_file import SECRET_ENV, SecretError, read_secret
+from encoder_service.gateway.auth import upstream_headers
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import (
@@ -85,7 +81,8 @@ class Deployment:
     encoders: list[ManagedProcess] = field(default_factory=list)  # VllmServer or PoolServer
     decoders: list[VllmServer] = field(default_factory=list)
     prefills: list[VllmServer] = field(default_factory=list)  # E/P/D (cfg.prefills)
-    # elastic roles (cfg.scaling): planned instances not running now, ports known (scaler.py)
+    # elastic roles (cfg.scaling): the instances planned beyond the minimum, ports known; the
+    # scaler (scaler.py) starts and stops them, stop() stops those running
     spare: list[ManagedProcess] = field(default_factory=list)
     master: MasterServer | None = None  # the Mooncake Store master (mooncake_store, tiered)
     gateway: Any = None  # GatewayThread
@@ -399,7 +396,11 @@ def run_up(cfg: UpConfig, work_dir: Path,
             "what exits unasked is restarted (supervise.py)" if cfg.restart.enabled
             else "restarts are off"))
         supervisor = supervise(dep, cfg.restart, cfg.startup_timeout_s, say)
-        scaler = Scaler.of(dep, supervisor, say)  # None: every role fixed
+        from encoder_service.gateway.server import ScalingPort
+
+        scaler = Scaler.of(  # None: every role fixed
+            cfg, {"encoder": dep.encoders, "decode": dep.decoders}, dep.spare,
+            ScalingPort(dep.gateway), supervisor, say, upstream_headers(cfg.secret_path))
         while True:  # on this thread: restarted (and added) servers die with it
             supervisor.poll()
             if scaler is not None:

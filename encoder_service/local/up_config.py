@@ -48,10 +48,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ec_connectors.config import default_shm_path
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.secret import SECRET_ENV, read_secret
+from ec_connectors.protocol.secret_file import SECRET_ENV, read_secret
 from ec_connectors.protocol.stored import TIERED, TRANSPORT_NAMES, UpTransport
 from encoder_service.gateway.config import RoutingConfig
-from encoder_service.local.scaling import ScalingConfig
+from encoder_service.local.scale_rules import ScalingConfig
 from encoder_service.local.supervise import RestartPolicy
 from encoder_service.local.testmodels import SPECS, ModelSpec
 from epd_common.config_files import read_config_file, validate

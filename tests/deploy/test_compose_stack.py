@@ -26,7 +26,8 @@ import httpx
 import pytest
 import yaml
 
-from ec_connectors.protocol.secret import api_key, read_secret
+from ec_connectors.protocol.api_keys import api_key
+from ec_connectors.protocol.secret_file import read_secret
 from encoder_service.local.processes import metric_value
 from encoder_service.local.requests import (
     audio_part,

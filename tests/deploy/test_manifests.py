@@ -151,7 +151,8 @@ def test_every_vllm_server_takes_its_key_from_the_secret_never_from_argv():
 def test_epd_vllm_puts_the_key_derived_from_the_secret_in_the_environment(monkeypatch,
                                                                           tmp_path):
     """What those commands run: `epd vllm` exports the key before vLLM is imported."""
-    from ec_connectors.protocol.secret import api_key, read_secret
+    from ec_connectors.protocol.api_keys import api_key
+    from ec_connectors.protocol.secret_file import read_secret
     from encoder_service import cli
     from encoder_service.local import vllm_cli
 
@@ -502,7 +503,7 @@ def test_the_elastic_roles_autoscale_on_the_gateways_load_and_drain_before_they_
     targets and windows; each pod joins the gateway once healthy (postStart) and drains out of
     it through the admin API before SIGTERM (preStop), within its grace period."""
     from encoder_service.gateway import member_cli
-    from encoder_service.local.scaling import ScalingConfig
+    from encoder_service.local.scale_rules import ScalingConfig
 
     settings = _render_module().load_settings()
     docs = manifests()

@@ -35,7 +35,9 @@ from pathlib import Path
 import httpx
 
 from ec_connectors.protocol import ports
-from ec_connectors.protocol.secret import IdSigner, api_key, read_secret
+from ec_connectors.protocol.api_keys import api_key
+from ec_connectors.protocol.item_ids import IdSigner
+from ec_connectors.protocol.secret_file import read_secret
 from encoder_service.local.processes import ManagedProcess, UpProcess, VllmServer
 from encoder_service.local.testmodels import SPECS, build
 from encoder_service.local.up import DECODE_ARGS, epd_config

@@ -26,8 +26,9 @@ import httpx
 import pytest
 
 from ec_connectors.protocol import ports
+from ec_connectors.protocol.api_keys import api_key
 from ec_connectors.protocol.keys import content_item_id
-from ec_connectors.protocol.secret import api_key, read_secret
+from ec_connectors.protocol.secret_file import read_secret
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.e2e import fleets
 from tests.e2e.client import (

@@ -422,7 +422,8 @@ def test_with_the_secret_a_producer_shares_only_ids_the_gateway_signed(pair_fact
     """A client that reaches a producer directly chooses its own `uuid`: with the deployment
     secret such an id is encoded for that request only, never stored under a name it picked
     (image A's embedding under image B's id); ids the gateway signed are shared as before."""
-    from ec_connectors.protocol.secret import IdSigner, read_secret
+    from ec_connectors.protocol.item_ids import IdSigner
+    from ec_connectors.protocol.secret_file import read_secret
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"ids-deployment-secret-0123456789")

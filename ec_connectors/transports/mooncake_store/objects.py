@@ -25,7 +25,7 @@ class StoreHeader(msgspec.Struct, frozen=True):
     shape: tuple[int, ...]
     nbytes: int
     checksum: str
-    mac: str = ""  # the deployment secret's seal (protocol/secret.py Seal); "" without one
+    mac: str = ""  # the deployment secret's seal (protocol/seal.py); "" without one
 
 
 _encode_header = msgspec.msgpack.Encoder().encode

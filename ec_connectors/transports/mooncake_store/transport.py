@@ -37,8 +37,8 @@ import msgspec
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.item_ids import identity
 from ec_connectors.protocol.keys import item_key, namespace_key
-from ec_connectors.protocol.secret import identity
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import (
     Placement,

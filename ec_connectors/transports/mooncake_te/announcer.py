@@ -12,7 +12,7 @@ import zmq
 
 from ec_connectors.channel import encode
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.secret import CurveKeys
+from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.mooncake_te.messages import (
     Announce,

@@ -18,9 +18,9 @@ import zmq
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.curve import data_plane_host
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.ports import PURPOSE_SERVE, announce_endpoint, port_for
-from ec_connectors.protocol.secret import data_plane_host
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import Placement, Transport
 from ec_connectors.transports.mooncake_te import messages
@@ -161,9 +161,3 @@ class MooncakeCatalog(Transport):
         self._stop.set()
         self._thread.join(timeout=5)
         self._zmq.destroy(linger=0)
-
-
-class NixlCatalog(MooncakeCatalog):
-    """The same view for the `nixl` transport (its producers announce alike)."""
-
-    name = "nixl"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from ec_connectors.protocol.stored import ItemInfo
+from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
 
 # --- Peer side channel (Mooncake TE transport): consumer worker <-> producer worker ---------
 # Control only: the bytes of an item move through the transfer engine or a data connection of
@@ -81,37 +82,6 @@ class Pulled(msgspec.Struct, tag=True):
     region: bytes = b""
 
 
-class NixlHello(msgspec.Struct, tag=True):
-    """consumer -> producer, on every (re)connection of a NIXL side channel: send your agent.
-
-    `regions`: this consumer loads an item's own registration (`Pulled.region`); to one
-    that does not (an older release), an item held where it lies is served from its pool
-    block, copied there on the first such pull."""
-
-    agent: str
-    regions: bool = False
-
-
-class NixlPeer(msgspec.Struct, tag=True):
-    """A NIXL producer's agent, sent over the authenticated side channel only.
-
-    producer -> consumer, the answer to `NixlHello`: the agent's name and metadata (what
-    `add_remote_agent` loads), its registered pool [`base`, `base` + `length`) of memory
-    type `mem` on device `device`, `warm`, the notification of a first small read the
-    consumer makes at once (UCX sets up the connection on the first transfer: off the
-    request path), and `kernel`, which kernel and process namespace it runs in (equal to
-    the consumer's: UCX reads with a kernel copy, so the consumer splits large reads)."""
-
-    agent: str
-    metadata: bytes
-    base: int
-    length: int
-    mem: str
-    device: int
-    warm: bytes
-    kernel: str = ""
-
-
 class PullFailed(msgspec.Struct, tag=True):
     """A producer's answer that a pull failed, with a code saying why.
 
@@ -169,6 +139,7 @@ class Snapshot(msgspec.Struct, tag=True):
     namespace: str = ""
 
 
+# one side channel, one decoder: the NIXL data path's handshake (nixl_pull/messages.py) rides it
 PeerMessage = (Pull | Register | StreamOpen | Pulled | PullFailed | Progress | Announce | Evicted
                | Snapshot | NixlHello | NixlPeer)
 

@@ -14,8 +14,8 @@ import zmq
 
 from ec_connectors.channel import Channel
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.protocol.ports import stream_port
-from ec_connectors.protocol.secret import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
 from ec_connectors.transports.mooncake_te import messages, stream, stream_client
 from ec_connectors.transports.mooncake_te.messages import (

@@ -24,7 +24,7 @@ import zmq
 from ec_connectors.channel import Channel
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.secret import CurveKeys
+from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.transports.mooncake_te import messages, stream, stream_server
 from ec_connectors.transports.mooncake_te.messages import (
     PeerMessage,

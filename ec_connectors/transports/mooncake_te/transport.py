@@ -49,6 +49,7 @@ import zmq
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.curve import data_plane_host
 from ec_connectors.protocol.keys import item_key
 from ec_connectors.protocol.ports import (
     PURPOSE_ANNOUNCE,
@@ -56,7 +57,7 @@ from ec_connectors.protocol.ports import (
     PURPOSE_STREAM,
     port_for,
 )
-from ec_connectors.protocol.secret import SECRET_ENV, data_plane_host
+from ec_connectors.protocol.secret_file import SECRET_ENV
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import (
     Placement,

@@ -9,7 +9,7 @@ with deadlines, verification), `"transport": "nixl"`.
   metadata (checked), reads with deadlines, notifications; no progress thread.
 - server.py: the producer's end: the agent handshake, pins held until a read's notification.
 - link.py: the consumer's end: a producer's agent loaded and warmed, pulls as NIXL reads.
-
-The scheduler's view is the TE catalog under this name (mooncake_te/catalog.NixlCatalog):
-announcements are the same. Every module here needs NIXL only when an agent starts.
+- messages.py: the side-channel handshake (`NixlHello`, `NixlPeer`).
+- catalog.py: the scheduler's view (`NixlCatalog`): the TE catalog under this name, as
+  announcements are the same. Every module here needs NIXL only when an agent starts.
 """

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from enum import StrEnum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +34,16 @@ from ec_connectors.log import get_logger
 logger = get_logger(__name__)
 
 _POLL_S = 0.0002  # between checks of a read in flight
+
+
+class ReadState(StrEnum):
+    """How a read ended (the values are what the log lines print)."""
+
+    DONE = "DONE"
+    FAILED = "ERR"
+    TIMED_OUT = "TIMEOUT"  # the deadline passed; a live handle may still write the buffer
+
+
 # smaller reads are one read on one lane: splitting them costs more hand-offs than it copies
 STRIPE_MIN_BYTES = 4 << 20
 _NAME = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -151,7 +162,7 @@ class NixlAgent:
         self._peers: dict[str, bytes] = {}  # agent name -> the metadata loaded for it
         self._lock = threading.Lock()
         # per peer: reads in flight, the item regions loaded into its view, and whether the
-        # view is being rebuilt (reads wait); reads given up on stay counted until settled
+        # view is being rebuilt (reads wait); reads given up on stay counted until they end
         self._changed = threading.Condition(self._lock)
         self._busy: dict[str, int] = {}
         self._regions: dict[str, set[bytes]] = {}
@@ -224,71 +235,71 @@ class NixlAgent:
                 with contextlib.suppress(Exception):
                     self._agent.remove_remote_agent(name)
 
-    def read(self, local: tuple[int, int, str], remote: tuple[int, str, int], nbytes: int,
+    def read(self, dest: tuple[int, int, str], remote: tuple[int, str, int], nbytes: int,
              peer: str, notif: bytes, deadline: float, chunk: int = 0,
              on_chunk: Callable[[int], None] | None = None,
-             split: bool = True, region: bytes = b"") -> tuple[str, object | None]:
-        """READ `nbytes` from the peer's `remote` (addr, mem, device) into `local`.
+             split: bool = True, region_md: bytes = b"") -> tuple[ReadState, object | None]:
+        """READ `nbytes` from the peer's `remote` (addr, mem, device) into `dest`.
 
-        `local` is (addr, nbytes, location); `region` the partial metadata of the peer's
+        `dest` is (addr, nbytes, location); `region_md` the partial metadata of the peer's
         region the bytes lie in when not in the range its full metadata registered (loaded
         into our view of it first, `region_of` checked by the caller). With `chunk`, the
         bytes come in reads of that size one after another, `on_chunk(end)` called as each
         lands (the caller verifies them while the next one is copied); the last carries
         `notif`. With `split`, each
-        read is split across the lanes (else it goes whole to lane 0). Returns ("DONE",
-        None), ("ERR", None), or ("TIMEOUT", live) when the deadline passed with reads
-        still in flight that NIXL could not cancel: the local buffer may still be written,
-        so the caller holds it until `settled(live)`."""
+        read is split across the lanes (else it goes whole to lane 0). Returns (DONE, None),
+        (FAILED, None), or (TIMED_OUT, live) when the deadline passed with reads still in
+        flight that NIXL could not cancel: the local buffer may still be written, so the
+        caller holds it until `read_ended(live)`."""
         step = chunk if 0 < chunk < nbytes else nbytes
         for start in range(0, nbytes, step):
             n = min(step, nbytes - start)
             last = start + n == nbytes
-            state, live = self._read_striped((local[0] + start, local[2]),
+            state, live = self._read_striped((dest[0] + start, dest[2]),
                                              (remote[0] + start, remote[1], remote[2]), n,
                                              peer, notif if last else b"", deadline, split,
-                                             region)
-            if state != "DONE":
-                return state, live
+                                             region_md)
+            if state != ReadState.DONE:
+                return ReadState(state), live
             if on_chunk is not None:
                 on_chunk(start + n)
-        return "DONE", None
+        return ReadState.DONE, None
 
     def stripes(self, nbytes: int, split: bool = True) -> int:
         """How many stripes a read of `nbytes` goes out in (1: whole)."""
         return len(self.lanes) if split and self.lanes and nbytes >= STRIPE_MIN_BYTES else 1
 
-    def _read_striped(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
+    def _read_striped(self, into: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
                       peer: str, notif: bytes, deadline: float, split: bool = True,
-                      region: bytes = b"") -> tuple[str, object | None]:
+                      region_md: bytes = b"") -> tuple[ReadState, object | None]:
         """One read, split into a stripe per lane when large and `split`.
 
         `notif` goes once all stripes landed: a stripe's own notification could reach the
         producer (which then unpins the item) while another stripe still copies."""
         if not self.lanes:
-            return self._read_one(local, remote, nbytes, peer, notif, deadline, region)
+            return self._read_one(into, remote, nbytes, peer, notif, deadline, region_md)
         k = self.stripes(nbytes, split)
         per = -(-nbytes // k)
         try:
             if k == 1:
-                return self.lanes[0].submit(self._read_one, local, remote, nbytes, peer,
-                                            notif, deadline, region).result()
-            runs = [lane.submit(self._read_one, (local[0] + i * per, local[1]),
+                return self.lanes[0].submit(self._read_one, into, remote, nbytes, peer,
+                                            notif, deadline, region_md).result()
+            runs = [lane.submit(self._read_one, (into[0] + i * per, into[1]),
                                 (remote[0] + i * per, remote[1], remote[2]),
-                                min(per, nbytes - i * per), peer, b"", deadline, region)
+                                min(per, nbytes - i * per), peer, b"", deadline, region_md)
                     for i, lane in enumerate(self.lanes) if i * per < nbytes]
         except RuntimeError:  # the lanes were shut down: the agent is closing
-            return "ERR", None
+            return ReadState.FAILED, None
         states = [run.result() for run in runs]
         live = [handle for _, handle in states if handle is not None]
         if live:  # a stripe NIXL could not cancel still writes: the caller holds the buffer
-            return "TIMEOUT", live
-        for state in ("ERR", "TIMEOUT"):
+            return ReadState.TIMED_OUT, live
+        for state in (ReadState.FAILED, ReadState.TIMED_OUT):
             if any(s == state for s, _ in states):
                 return state, None
         if notif:
             self.lanes[0].submit(self._notify, peer, notif).result()
-        return "DONE", None
+        return ReadState.DONE, None
 
     def _notify(self, peer: str, notif: bytes) -> None:
         try:
@@ -296,16 +307,16 @@ class NixlAgent:
         except Exception as exc:  # noqa: BLE001 - the peer's pin then ends at its deadline
             logger.warning("EPD nixl: notification to %s failed: %s", peer, exc)
 
-    def _read_one(self, local: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
-                  peer: str, notif: bytes, deadline: float, region: bytes = b""
-                  ) -> tuple[str, object | None]:
-        if not self._enter(peer, region, deadline):
-            return "ERR", None
+    def _read_one(self, into: tuple[int, str], remote: tuple[int, str, int], nbytes: int,
+                  peer: str, notif: bytes, deadline: float, region_md: bytes = b""
+                  ) -> tuple[ReadState, object | None]:
+        if not self._enter(peer, region_md, deadline):
+            return ReadState.FAILED, None
         handle = None
         try:
-            mem, device = mem_kind(local[1])
+            mem, device = mem_kind(into[1])
             try:
-                src = self._agent.get_xfer_descs([(local[0], nbytes, device)], mem)
+                src = self._agent.get_xfer_descs([(into[0], nbytes, device)], mem)
                 dst = self._agent.get_xfer_descs([(remote[0], nbytes, remote[2])], remote[1])
                 handle = self._agent.initialize_xfer("READ", src, dst, peer, notif)
                 state = self._agent.transfer(handle, notif)
@@ -315,15 +326,15 @@ class NixlAgent:
                 if handle is not None:
                     self.release(handle)
                     handle = None
-                return "ERR", None
+                return ReadState.FAILED, None
             while state == "PROC":
                 if time.monotonic() >= deadline:
                     if self.release(handle):
                         handle = None
-                        return "TIMEOUT", None
-                    with self._lock:  # still ours to count until it settles
+                        return ReadState.TIMED_OUT, None
+                    with self._lock:  # still ours to count until it ends
                         self._given_up[id(handle)] = peer
-                    return "TIMEOUT", handle
+                    return ReadState.TIMED_OUT, handle
                 time.sleep(_POLL_S)
                 try:
                     state = self._agent.check_xfer_state(handle)
@@ -332,21 +343,21 @@ class NixlAgent:
                     state = "ERR"
             self.release(handle)
             handle = None
-            return ("DONE" if state == "DONE" else "ERR"), None
+            return (ReadState.DONE if state == "DONE" else ReadState.FAILED), None
         finally:
             if handle is None:
                 self._leave(peer)
 
-    def _enter(self, peer: str, region: bytes, deadline: float) -> bool:
-        """Count a read from `peer` in flight, `region` loaded into our view of it first.
+    def _enter(self, peer: str, region_md: bytes, deadline: float) -> bool:
+        """Count a read from `peer` in flight, `region_md` loaded into our view of it first.
 
         False (the read fails, a miss) when the view cannot take the region by `deadline`."""
         with self._changed:
             if not self._changed.wait_for(lambda: peer not in self._rebuilding,
                                           max(0.0, deadline - time.monotonic())):
                 return False
-            if region and region not in self._regions.setdefault(peer, set()) \
-                    and not self._load_region(peer, region, deadline):
+            if region_md and region_md not in self._regions.setdefault(peer, set()) \
+                    and not self._load_region(peer, region_md, deadline):
                 return False
             self._busy[peer] = self._busy.get(peer, 0) + 1
             return True
@@ -360,7 +371,7 @@ class NixlAgent:
                 self._busy.pop(peer, None)
                 self._changed.notify_all()
 
-    def _load_region(self, peer: str, region: bytes, deadline: float) -> bool:
+    def _load_region(self, peer: str, region_md: bytes, deadline: float) -> bool:
         """Load a region of `peer` (lock held), rebuilding the view when it must."""
         known = self._regions[peer]
         full = self._peers.get(peer)
@@ -368,8 +379,8 @@ class NixlAgent:
             return False
         if len(known) < MAX_REMOTE_REGIONS:
             try:
-                self._agent.add_remote_agent(region)
-                known.add(region)
+                self._agent.add_remote_agent(region_md)
+                known.add(region_md)
                 return True
             except Exception:  # noqa: BLE001 - an old region at this address, other keys
                 pass
@@ -384,8 +395,8 @@ class NixlAgent:
             self._agent.remove_remote_agent(peer)
             self._agent.add_remote_agent(full)
             self.rebuilds += 1
-            self._agent.add_remote_agent(region)
-            known.add(region)
+            self._agent.add_remote_agent(region_md)
+            known.add(region_md)
             return True
         except Exception as exc:  # noqa: BLE001
             logger.warning("EPD nixl: cannot load a region of %s: %s", peer, exc)
@@ -394,7 +405,7 @@ class NixlAgent:
             self._rebuilding.discard(peer)
             self._changed.notify_all()
 
-    def settled(self, live: object) -> bool:
+    def read_ended(self, live: object) -> bool:
         """Whether a read given up on has ended (its handles are then released).
 
         `live` is what `read` returned, one handle or a stripe's list, emptied as they end."""

@@ -22,28 +22,24 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import zmq
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.secret import CurveKeys
+from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import (
-    NixlHello,
-    NixlPeer,
-    PeerMessage,
-    Pulled,
-    PullFailed,
-)
+from ec_connectors.transports.mooncake_te.messages import PeerMessage, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
 from ec_connectors.transports.nixl_pull.agent import (
     NixlAgent,
+    ReadState,
     kernel_identity,
     mem_kind,
     region_of,
 )
+from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
 from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
 
 logger = get_logger(__name__)
 
 _WARM_BYTES = 64
-_WARM_S = 5.0
+_WARM_READ_S = 5.0  # the deadline of a link's first (warming) read
 
 
 class NixlPeerLink(PeerLink):
@@ -90,8 +86,8 @@ class NixlPeerLink(PeerLink):
             n = min(_WARM_BYTES, msg.length, self.scratch[1])
             state, _ = self.agent.read((self.scratch[0], n, "cpu"),
                                        (msg.base, msg.mem, msg.device), n, msg.agent,
-                                       msg.warm, time.monotonic() + _WARM_S)
-            if state != "DONE":
+                                       msg.warm, time.monotonic() + _WARM_READ_S)
+            if state is not ReadState.DONE:
                 logger.warning("EPD nixl: the first read from %s (%s) came to %s",
                                self.endpoint, msg.agent, state)
         except ValueError as exc:
@@ -142,16 +138,16 @@ class NixlPeerLink(PeerLink):
                                       (reply.src_addr, peer.mem, peer.device), n, peer.agent,
                                       reply.token, deadline, self.chunk,
                                       None if on_progress is None else hash_chunk,
-                                      split=self._split, region=reply.region)
+                                      split=self._split, region_md=reply.region)
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
         self.stats["nixl_reads"] += 1
         if self.agent.stripes(n, self._split) > 1:
             self.stats["nixl_split_reads"] += 1
-        if state == "DONE":
+        if state is ReadState.DONE:
             return p
         p.reply = None
-        if state == "TIMEOUT":
+        if state is ReadState.TIMED_OUT:
             self.stats["nixl_read_timeouts"] += 1
             p.error = f"NIXL read from {self.endpoint} took longer than {timeout_s:.2f} s"
             if live is not None:  # still writing into buf: hold it until it ends
@@ -169,7 +165,7 @@ class NixlPeerLink(PeerLink):
         with self._lock:
             live, self._reading = self._reading, []
         for handle, buf in live:
-            if self.agent.settled(handle):
+            if self.agent.read_ended(handle):
                 buf.release()
             else:
                 with self._lock:

@@ -21,13 +21,7 @@ import torch
 
 from ec_connectors.log import get_logger
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import (
-    NixlHello,
-    NixlPeer,
-    PeerMessage,
-    Pull,
-    Pulled,
-)
+from ec_connectors.transports.mooncake_te.messages import PeerMessage, Pull, Pulled
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.producer_store import (
     HeldInPlace,
@@ -35,12 +29,13 @@ from ec_connectors.transports.mooncake_te.producer_store import (
     ProducerStore,
 )
 from ec_connectors.transports.nixl_pull.agent import NixlAgent, Region, kernel_identity, mem_kind
+from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
 from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)
 
 _POLL_S = 0.0005  # between polls of notifications while reads are in flight
-_WARM_S = 10.0  # a consumer's first (warming) read is awaited this long
+_WARM_PIN_S = 10.0  # a consumer's first (warming) read is awaited this long
 TOKEN_BYTES = 16
 _MAX_CONNECTIONS = 4096  # consumers' connections remembered as loading regions
 
@@ -153,7 +148,7 @@ class NixlPullServer(PullServer):
                 self._region_readers[peer] = None
             if peer is not None:
                 pool = self.store.pool
-                warm = self.pins.hold(None, time.monotonic() + _WARM_S)
+                warm = self.pins.hold(None, time.monotonic() + _WARM_PIN_S)
                 self._reply(peer, NixlPeer(agent=self.agent.name, metadata=self._metadata,
                                            base=pool.base_addr, length=pool.capacity,
                                            mem=self._mem, device=self._device, warm=warm,

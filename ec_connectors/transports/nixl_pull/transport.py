@@ -29,13 +29,13 @@ from ec_connectors.log import get_logger
 from ec_connectors.transports.base import Placement
 from ec_connectors.transports.hashed_copy import usable_cores
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import NixlHello
 from ec_connectors.transports.mooncake_te.peer_link import PeerLink
 from ec_connectors.transports.mooncake_te.producer import PullServer
 from ec_connectors.transports.mooncake_te.producer_store import HeldInPlace
 from ec_connectors.transports.mooncake_te.transport import MooncakeTransport
 from ec_connectors.transports.nixl_pull.agent import NixlAgent, NixlUnavailable, rdma_devices
 from ec_connectors.transports.nixl_pull.link import NixlPeerLink, pool_location
+from ec_connectors.transports.nixl_pull.messages import NixlHello
 from ec_connectors.transports.nixl_pull.server import NixlPullServer, RegisteredInPlace
 
 logger = get_logger(__name__)

@@ -19,8 +19,9 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ec_connectors.log import get_logger
+from ec_connectors.protocol.item_ids import identity
 from ec_connectors.protocol.keys import item_key, namespace_key
-from ec_connectors.protocol.secret import identity, read_secret
+from ec_connectors.protocol.secret_file import read_secret
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.base import (
     Placement,

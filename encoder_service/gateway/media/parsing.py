@@ -23,8 +23,8 @@ from typing import Any
 import pybase64
 
 from ec_connectors.protocol.http_api import comma_pieces
+from ec_connectors.protocol.item_ids import IdSigner
 from ec_connectors.protocol.keys import content_item_id
-from ec_connectors.protocol.secret import IdSigner
 from encoder_service.gateway.config import MediaRules
 from encoder_service.gateway.media.checks import check_audio, check_frames, check_image, check_video
 from encoder_service.gateway.wire import GatewayError, json_encode, served_body

@@ -24,8 +24,8 @@ import httpx
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
+from ec_connectors.protocol.item_ids import IdSigner
 from ec_connectors.protocol.params import ItemEntry, TransferParams
-from ec_connectors.protocol.secret import IdSigner
 from encoder_service.gateway.config import ChatSection
 from encoder_service.gateway.media.parsing import (
     MediaPart,

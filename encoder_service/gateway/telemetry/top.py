@@ -35,8 +35,9 @@ from typing import Any, TextIO
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from ec_connectors.protocol.api_keys import admin_token
 from ec_connectors.protocol.ports import GATEWAY_PORT
-from ec_connectors.protocol.secret import SecretError, admin_token, read_secret
+from ec_connectors.protocol.secret_file import SecretError, read_secret
 from encoder_service.gateway.auth import CLIENT_KEY_ENV
 
 ROLES = (("encoder", "encoders"), ("prefill", "prefills"), ("decode", "decoders"))

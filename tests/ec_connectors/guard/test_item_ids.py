@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from ec_connectors.guard.item_ids import keep_item_ids, named_by_uuid
-from ec_connectors.protocol.secret import IdSigner
+from ec_connectors.protocol.item_ids import IdSigner
 
 parse = pytest.importorskip("vllm.multimodal.parse")
 inputs_mod = pytest.importorskip("vllm.multimodal.processing.inputs")

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from ec_connectors.config import EPDConfig
 from ec_connectors.protocol.fingerprint import model_fingerprint
-from ec_connectors.protocol.secret import Seal
+from ec_connectors.protocol.seal import Seal
 from ec_connectors.transports.safetensors_fs import SafetensorsTransport
 
 

@@ -191,8 +191,9 @@ def test_a_producer_writes_only_into_the_range_its_connection_proved(peers, tmp_
     consumer's memory: a pull is written only into the range its own connection registered
     and proved by a nonce the producer reads back from that memory."""
     from ec_connectors.channel import encode
+    from ec_connectors.protocol.curve import curve_keys
     from ec_connectors.protocol.keys import item_key
-    from ec_connectors.protocol.secret import curve_keys, read_secret
+    from ec_connectors.protocol.secret_file import read_secret
     from ec_connectors.transports.mooncake_te.messages import Pull, PullFailed, Register
 
     base = next(_ports)

@@ -30,8 +30,8 @@ from tests.helpers import expected, wait_for
 
 pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
                                         "nixl nixl-cu12 (scripts/setup_env.py does)")
-from ec_connectors.transports.mooncake_te.messages import NixlHello  # noqa: E402
 from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
+from ec_connectors.transports.nixl_pull.messages import NixlHello  # noqa: E402
 from ec_connectors.transports.nixl_pull.server import ReadPins, RegisteredInPlace  # noqa: E402
 
 peers = forked_peers.fixture()
@@ -276,8 +276,8 @@ def test_a_stripe_still_writing_keeps_the_whole_read_held():
     notified: list[bytes] = []
     agent._notify = lambda peer, notif: notified.append(notif)
 
-    def one(local, remote, nbytes, peer, notif, deadline, region=b""):
-        return states[local[0]]
+    def one(into, remote, nbytes, peer, notif, deadline, region_md=b""):
+        return states[into[0]]
 
     agent._read_one = one
     n = nixl_agent.STRIPE_MIN_BYTES * 2
@@ -288,9 +288,9 @@ def test_a_stripe_still_writing_keeps_the_whole_read_held():
                                  time.monotonic() + 1)
         assert (state, live) == ("TIMEOUT", ["h1"]) and notified == []
         fake.states = {"h1": "PROC"}
-        assert not agent.settled(live) and live == ["h1"]
+        assert not agent.read_ended(live) and live == ["h1"]
         fake.states = {"h1": "DONE"}
-        assert agent.settled(live) and live == [] and fake.released == ["h1"]
+        assert agent.read_ended(live) and live == [] and fake.released == ["h1"]
         states.update({0x1000 + half: ("DONE", None)})  # an error alone: nothing live
         assert agent.read((0x1000, n, "cpu"), (0x9000, "DRAM", 0), n, "p", b"t",
                           time.monotonic() + 1) == ("ERR", None)

@@ -186,7 +186,7 @@ def test_with_the_deployment_secret_only_sealed_files_are_used(tmp_path):
     """A well-formed file with a matching checksum, written by anyone without the secret
     (or with another one), is a miss for a reader holding the secret; so are one item's
     sealed bytes renamed to another item."""
-    from ec_connectors.protocol.secret import Seal
+    from ec_connectors.protocol.seal import Seal
 
     ours, theirs = Seal(b"s" * 32), Seal(b"t" * 32)
     x, y = torch.randn(16, 8), torch.randn(16, 8)

@@ -340,7 +340,9 @@ def test_omni_pool_resamples_audio_as_vllm_and_refuses_junk(tmp_path):
 
 
 def test_with_the_secret_the_pool_refuses_ids_nobody_signed(model, tmp_path, monkeypatch):
-    from ec_connectors.protocol.secret import IdSigner, api_key, read_secret
+    from ec_connectors.protocol.api_keys import api_key
+    from ec_connectors.protocol.item_ids import IdSigner
+    from ec_connectors.protocol.secret_file import read_secret
 
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     secret = tmp_path / "secret"

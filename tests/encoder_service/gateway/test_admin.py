@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from ec_connectors.protocol.secret import admin_token
+from ec_connectors.protocol.api_keys import admin_token
 from encoder_service.local.requests import chat_body, sample_image_png
 from tests.encoder_service.gateway.stubs import MODEL, Lab
 from tests.helpers import port_block

@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ec_connectors.protocol.secret import api_key, export_api_key, read_secret, server_api_key
+from ec_connectors.protocol.api_keys import api_key, export_api_key, server_api_key
+from ec_connectors.protocol.secret_file import read_secret
 from encoder_service.gateway.auth import CLIENT_KEY_ENV, client_keys, read_keys_file
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.gateway.server import GatewayThread

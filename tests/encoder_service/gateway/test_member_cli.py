@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
-from ec_connectors.protocol.secret import admin_token, api_key
+from ec_connectors.protocol.api_keys import admin_token, api_key
 from encoder_service.gateway import member_cli
 from tests.helpers import Served, port_block
 

@@ -235,7 +235,8 @@ def test_video_frame_lists_audio_and_processor_kwargs(stubs):
 
 
 def test_with_the_secret_the_gateway_signs_the_ids_it_derives(stubs, tmp_path):
-    from ec_connectors.protocol.secret import IdSigner, read_secret
+    from ec_connectors.protocol.item_ids import IdSigner
+    from ec_connectors.protocol.secret_file import read_secret
 
     enc, dec = stubs
     secret = tmp_path / "secret"

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from ec_connectors.protocol.secret import SECRET_ENV, admin_token
+from ec_connectors.protocol.api_keys import admin_token
+from ec_connectors.protocol.secret_file import SECRET_ENV
 from encoder_service.gateway.auth import CLIENT_KEY_ENV
 from encoder_service.gateway.telemetry import top
 from encoder_service.gateway.telemetry.metrics import GatewayMetrics

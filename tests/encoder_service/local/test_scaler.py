@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from encoder_service.gateway.server import ScalingPort
 from encoder_service.gateway.telemetry.metrics import GatewayMetrics
 from encoder_service.gateway.upstreams.encoder_clients import EncoderRouter
 from encoder_service.local.scaler import Scaler
@@ -84,12 +85,15 @@ def world():
     gateway = SimpleNamespace(
         metrics=GatewayMetrics(), router=router, encoder_client=Client,
         fleet=SimpleNamespace(load=lambda: dict(load)), admin=SimpleNamespace(scaling=None))
+    gateway.admin.show_scaling = lambda view: setattr(gateway.admin, "scaling", view)
     loop.gateway = gateway
-    dep = SimpleNamespace(cfg=cfg, encoders=[enc0], decoders=[], spare=[enc1], gateway=loop)
+    encoders = {"encoder": [enc0], "decode": []}
     said: list[str] = []
     sup = Supervisor([enc0], RestartPolicy(), say=said.append, clock=lambda: clock.t)
-    scaler = Scaler(dep, sup, said.append, clock=lambda: clock.t)
-    yield SimpleNamespace(loop=loop, scaler=scaler, clock=clock, load=load, dep=dep,
+    scaler = Scaler.of(cfg, encoders, [enc1], ScalingPort(loop), sup, said.append, {},
+                       clock=lambda: clock.t)
+    role = scaler.roles["encoder"]
+    yield SimpleNamespace(loop=loop, scaler=scaler, clock=clock, load=load, role=role,
                           router=router, sup=sup, said=said, enc1=enc1, gateway=gateway)
     scaler.close()
     loop.close()
@@ -112,10 +116,10 @@ def test_grows_joins_then_drains_and_stops_the_newest(world):
     step(w, 4, until=lambda: w.enc1.running)
     assert w.enc1.starts == 1 and any("scale encoder up: encoder-1 starting on :1002" in s
                                       for s in w.said)
-    step(w, 1, until=lambda: w.enc1 in w.dep.encoders)
+    step(w, 1, until=lambda: w.enc1 in w.role.serving)
     w.loop.run(asyncio.sleep(0))  # the join ran on the gateway's loop
     assert w.enc1.url in w.router.clients and "encoder-1" in w.sup.watches
-    assert w.enc1 not in w.dep.spare
+    assert w.enc1 not in w.role.spare
     view = w.gateway.admin.scaling()
     assert view["roles"]["encoder"]["serving"] == 2
     assert [d["direction"] for d in view["decisions"]] == ["up"]
@@ -134,7 +138,7 @@ def test_grows_joins_then_drains_and_stops_the_newest(world):
     step(w, 3, until=lambda: not w.enc1.running
          and not w.scaler.roles["encoder"].stopping)
     step(w, 0.5)
-    assert not w.enc1.running and w.enc1 in w.dep.spare
+    assert not w.enc1.running and w.enc1 in w.role.spare
     assert w.enc1.url not in w.router.clients
     assert any("encoder-1 stopped, nothing of it left" in s for s in w.said)
     text = w.gateway.metrics.registry.get_sample_value
@@ -153,7 +157,7 @@ def test_a_start_that_fails_leaves_the_role_as_it_was(world):
     w.enc1.running = False  # it died while starting
     step(w, 0.5)
     assert any("encoder-1 exited while starting" in s for s in w.said)
-    assert w.enc1 in w.dep.spare and w.dep.encoders == [w.dep.encoders[0]]
+    assert w.enc1 in w.role.spare and w.role.serving == [w.role.serving[0]]
     assert w.gateway.admin.scaling()["roles"]["encoder"] == {
         "starting": 0, "serving": 1, "draining": 0, "wanted": 1, "min": 1, "max": 2,
         "load": 3.0}
@@ -186,7 +190,7 @@ def test_queues_are_read_from_every_instance_at_once(world):
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
     try:
-        role = SimpleNamespace(name="decode", active=[
+        role = SimpleNamespace(name="decode", queue_metric="vllm:num_requests_waiting", serving=[
             SimpleNamespace(url=f"http://127.0.0.1:{srv.server_address[1]}") for srv in servers])
         t0 = time.monotonic()
         assert world.scaler._queued(role) == 2.0

@@ -345,7 +345,8 @@ def test_epd_master_and_the_new_transports_are_on_the_command_line():
 
 def test_with_a_secret_every_server_requires_the_derived_key_from_its_environment(
         tmp_path, monkeypatch):
-    from ec_connectors.protocol.secret import api_key, read_secret
+    from ec_connectors.protocol.api_keys import api_key
+    from ec_connectors.protocol.secret_file import read_secret
 
     monkeypatch.delenv("EPD_SECRET_FILE", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "inherited-by-accident")

@@ -2,7 +2,8 @@
 
 `epd up --encoders MIN:MAX` / `--decoders MIN:MAX` (the up config's `scaling` table) hands
 each elastic role a `Decider`: fed a sample of the role's load every `interval_s` (what
-scaler.py reads from the gateway and the servers), it answers "up", "down" or nothing.
+scaler.py reads from the gateway and the servers), it answers `Direction.UP`,
+`Direction.DOWN` or nothing.
 
 - up: the mean load per serving instance over the last `up_window_s` is above `target`, the
   role is below its maximum, and `up_cooldown_s` has passed since the role's last change;
@@ -24,11 +25,23 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-UP, DOWN = "up", "down"
-LOAD, IDLE = "load_above_target", "idle"  # `reason` labels of epd_scale_events_total
+
+class Direction(StrEnum):
+    """Which way a role changes (the `direction` label of epd_scale_events_total)."""
+
+    UP = "up"
+    DOWN = "down"
+
+
+class Reason(StrEnum):
+    """Why a role changes (the `reason` label of epd_scale_events_total)."""
+
+    LOAD = "load_above_target"
+    IDLE = "idle"
 
 
 class RoleScaling(BaseModel):
@@ -75,8 +88,8 @@ class Decision:
     """Grow or shrink a role by one instance, and why."""
 
     role: str
-    direction: str  # UP or DOWN
-    reason: str  # LOAD or IDLE: the metric's label
+    direction: Direction
+    reason: Reason
     detail: str  # for the log line
 
 
@@ -109,7 +122,7 @@ class Decider:
             window = [v for t, v in self.samples if t >= now - p.up_window_s]
             mean = sum(window) / len(window)
             if mean > p.target:
-                return self._change(now, UP, LOAD, (
+                return self._change(now, Direction.UP, Reason.LOAD, (
                     f"mean load {mean:.2f} per instance over the last {p.up_window_s:g} s > "
                     f"target {p.target:g} (scaling.{self.role}.target); {serving} -> "
                     f"{serving + 1} of at most {self.hi}"))
@@ -119,18 +132,19 @@ class Decider:
             # and the others could take its share without going over the target: else the
             # next window would grow the role again (flapping)
             if peak <= p.idle_below and peak * serving / (serving - 1) <= p.target:
-                return self._change(now, DOWN, IDLE, (
+                return self._change(now, Direction.DOWN, Reason.IDLE, (
                     f"idle: load at most {peak:.2f} per instance for {p.idle_window_s:g} s "
                     f"(scaling.{self.role}.idle_below {p.idle_below:g}); {serving} -> "
                     f"{serving - 1}, at least {self.lo}"))
         return None
 
-    def _change(self, now: float, direction: str, reason: str, detail: str) -> Decision:
+    def _change(self, now: float, direction: Direction, reason: Reason,
+                detail: str) -> Decision:
         self.last_change = self.since = now
         self.samples.clear()
         return Decision(self.role, direction, reason, detail)
 
-    def settled(self) -> None:
+    def reset_window(self) -> None:
         """An instance finished starting or draining: a new window starts now."""
         self.since = self.clock()
         self.samples.clear()

@@ -1,4 +1,4 @@
-"""The elastic roles' decisions (scaling.py) on a hand-driven clock, and their configuration:
+"""The elastic roles' decisions (scale_rules.py) on a hand-driven clock, and their configuration:
 `--encoders MIN:MAX` on the command line, the up config's `scaling` table."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from encoder_service.local.scaling import DOWN, IDLE, LOAD, UP, Decider, RoleScaling
+from encoder_service.local.scale_rules import Decider, Direction, Reason, RoleScaling
 from encoder_service.local.up_cli import count
 from encoder_service.local.up_config import UpError, load_up_config
 
@@ -44,7 +44,7 @@ def test_grows_once_the_window_mean_is_above_target():
     got = run(d, clock, 3.0, 10, serving=1)
     assert len(got) == 1
     at, decision = got[0]
-    assert (decision.direction, decision.reason) == (UP, LOAD)
+    assert (decision.direction, decision.reason) == (Direction.UP, Reason.LOAD)
     assert "target 2" in decision.detail and "1 -> 2" in decision.detail
     assert at - 1015.0 >= 3  # the window had to fill with samples above the target first
 
@@ -64,7 +64,7 @@ def test_load_is_per_serving_instance():
     d = Decider("decode", 1, 4, POLICY, clock)
     assert run(d, clock, 5.0, 20, serving=3) == []  # 1.67 per instance: under the target
     d = Decider("decode", 1, 3, POLICY, clock)
-    assert [x.direction for _, x in run(d, clock, 5.0, 6, serving=2)] == [UP]  # 2.5
+    assert [x.direction for _, x in run(d, clock, 5.0, 6, serving=2)] == [Direction.UP]  # 2.5
 
 
 def test_shrinks_after_a_whole_idle_window_never_below_min():
@@ -72,8 +72,8 @@ def test_shrinks_after_a_whole_idle_window_never_below_min():
     d = Decider("decode", 1, 2, POLICY, clock)
     assert run(d, clock, 0.0, 9, serving=2) == []
     got = run(d, clock, 0.0, 2, serving=2)
-    assert [(x.direction, x.reason) for _, x in got] == [(DOWN, IDLE)]
-    d.settled()
+    assert [(x.direction, x.reason) for _, x in got] == [(Direction.DOWN, Reason.IDLE)]
+    d.reset_window()
     assert run(d, clock, 0.0, 120, serving=1) == []  # at the minimum
 
 
@@ -83,7 +83,7 @@ def test_one_busy_sample_restarts_the_idle_window():
     run(d, clock, 0.0, 8, serving=2)
     assert run(d, clock, 4.0, 1, serving=2) == []  # 2.0 per instance: not idle
     assert run(d, clock, 2.0, 9, serving=2) == []  # 1.0 per instance counts idle
-    assert [x.direction for _, x in run(d, clock, 2.0, 2, serving=2)] == [DOWN]
+    assert [x.direction for _, x in run(d, clock, 2.0, 2, serving=2)] == [Direction.DOWN]
 
 
 def test_no_shrink_that_the_next_window_would_undo():
@@ -92,7 +92,7 @@ def test_no_shrink_that_the_next_window_would_undo():
     p = POLICY.model_copy(update={"idle_below": 1.5, "target": 2.0})
     d = Decider("decode", 1, 2, p, clock)
     assert run(d, clock, 3.0, 30, serving=2) == []  # 1.5 each; 3.0 on one is above 2
-    assert [x.direction for _, x in run(d, clock, 2.0, 12, serving=2)] == [DOWN]
+    assert [x.direction for _, x in run(d, clock, 2.0, 12, serving=2)] == [Direction.DOWN]
 
 
 def test_nothing_while_an_instance_starts_or_drains():
@@ -117,8 +117,8 @@ def test_cooldowns_bound_the_changes_and_it_never_flaps():
         got = d.observe(8.0 if (i // 8) % 2 else 0.0, serving)
         if got is not None:
             changes.append((clock.t, got.direction))
-            serving += 1 if got.direction == UP else -1
-            d.settled()
+            serving += 1 if got.direction == Direction.UP else -1
+            d.reset_window()
         assert 1 <= serving <= 4
     gaps = [b[0] - a[0] for a, b in zip(changes, changes[1:], strict=False)]
     assert changes and min(gaps) >= 10
