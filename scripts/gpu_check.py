@@ -9,7 +9,7 @@ PyTorch but no network and no vLLM, in one call of at most 8 minutes. Standard l
                           packages) with those wheels, installed offline; then the CUDA tests
                           (tests/ec_connectors/transports/test_memory.py: the device pool and
                           its typed views, pinned and pageable host copies of device tensors)
-                          and benchmarks/gpu_path_bench.py (device <-> host copies, pinned and
+                          and benchmarks/transports/gpu_path.py (device <-> host copies, pinned and
                           registered, the shm transport with device ends); one summary.
 
 Where `python3` (or $EPD_GPU_PYTHON) has no PyTorch with a CUDA device it says "no GPU" and
@@ -115,7 +115,7 @@ def run_bench(py: Path, t0: float) -> tuple[bool, dict | str]:
     report = WORK / "gpu-check" / "gpu_path_bench.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     try:
-        out = subprocess.run([str(py), "benchmarks/gpu_path_bench.py", "--sizes-mb", "30",
+        out = subprocess.run([str(py), "-m", "benchmarks.transports.gpu_path", "--sizes-mb", "30",
                               "125", "--reps", "5", "--json", str(report)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=left(t0))
     except subprocess.TimeoutExpired:
