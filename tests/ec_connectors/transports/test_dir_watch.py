@@ -44,3 +44,21 @@ def test_close_write_counts_a_file_written_in_place_and_losing_the_dir_is_lost(t
         assert (added, removed, lost) == ([], ["c"], True)
     finally:
         watch.close()
+
+
+def test_wake_ends_a_blocked_read_with_nothing_and_later_reads_still_see_changes(tmp_path):
+    import threading
+
+    watch = DirWatch(str(tmp_path), key_of)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(watch.read(60.0)))
+    try:
+        reader.start()
+        watch.wake()
+        reader.join(10)
+        assert not reader.is_alive() and got == [([], [], False)]
+        (tmp_path / ".tmp-d").write_bytes(b"x")
+        os.rename(tmp_path / ".tmp-d", tmp_path / "d.rec")  # the wake was used up: this counts
+        assert watch.read(5.0) == (["d"], [], False)
+    finally:
+        watch.close()
