@@ -15,7 +15,6 @@ from collections.abc import Callable
 import msgspec
 
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.stream import (
     READY,
     StreamClosed,
@@ -27,6 +26,7 @@ from ec_connectors.transports.mooncake_te.stream import (
     recv_exactly,
     ticket,
 )
+from ec_connectors.transports.peer_pull.messages import Pull, Pulled, PullFailed
 
 # recv_into at most this much at a time and hash it at once, while it is still in the cache
 # (other sizes measured the same, docs/benchmarks.md; kernel socket buffers are left to

@@ -21,7 +21,6 @@ import torch
 
 from ec_connectors.log import get_logger
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.stream import (
     TICKET_BYTES,
     StreamError,
@@ -29,6 +28,7 @@ from ec_connectors.transports.mooncake_te.stream import (
     nodelay,
     read_frame,
 )
+from ec_connectors.transports.peer_pull.messages import Pull, Pulled, PullFailed
 from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)

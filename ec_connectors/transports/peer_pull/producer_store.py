@@ -1,6 +1,6 @@
-"""The items a Mooncake TE producer holds in its registered pool.
+"""The items a peer-pull producer holds in its registered pool.
 
-The items a Mooncake TE producer holds in its registered pool: their buffers and pins (pulls
+The items a peer-pull producer holds in its registered pool: their buffers and pins (pulls
 reading them), under the lease book (transports/leases.py: a promise to keep an item for
 consumers, yielding under pressure once `lease_min_s` old; eviction order; backpressure when
 the pool is full), and what it remembers of items it no longer holds. A large item may be
@@ -43,18 +43,22 @@ class HeldInPlace:
         return typed_view(self.tensor.reshape(-1).view(torch.uint8), dtype, shape, offset)
 
     def as_bytes(self) -> memoryview:
+        """The item's bytes (no copy)."""
         return tensor_bytes(self.tensor)
 
     @property
     def released(self) -> bool:
+        """Whether `release` ran."""
         return self.budget.released
 
     def release(self) -> None:
+        """Free its pool block and let the tensor go, once."""
         self.budget.release()  # raises on a second release, before anything is undone
-        self._drop()
-
-    def _drop(self) -> None:
+        self.unhold()
         self.tensor = None
+
+    def unhold(self) -> None:
+        """Undo what holds the memory beside the tensor (a data path's registration)."""
 
     @staticmethod
     def fits(tensor: torch.Tensor, nbytes: int) -> bool:
@@ -65,12 +69,15 @@ class HeldInPlace:
 
 @dataclass
 class PinnedItem:
+    """An item the store holds: its info, what holds its bytes, the pulls reading it."""
+
     info: ItemInfo
     buf: PoolBuffer | HeldInPlace
     pins: int = 0
 
     @property
     def key(self) -> str:
+        """The item's key."""
         return self.info.key
 
 
