@@ -143,6 +143,7 @@ class Connections:
             self._cond.notify()
 
     def reap(self) -> None:
+        """Close the connections idle past `idle_s`."""
         with self._cond:
             self._close_idle(time.monotonic() - self._idle_s)
 
@@ -154,6 +155,7 @@ class Connections:
 
     @property
     def idle(self) -> int:
+        """Idle connections in the pool now."""
         return len(self._idle)
 
     def close(self) -> None:

@@ -140,30 +140,38 @@ class PeerCatalog(Transport):
                                endpoint)
 
     def locate(self, key: str) -> tuple[str, int] | None:
+        """Where a producer holds the item: (endpoint, nbytes), or None (a dict read)."""
         return self._where.get(key)
 
     def list_keys(self) -> Iterable[str]:
+        """Every key a live producer announced."""
         with self._lock:
             return list(self._where)
 
     def put(self, item_id: str, tensor: torch.Tensor) -> ItemInfo:
+        """Never: the scheduler process does not store items."""
         raise RuntimeError("the scheduler process does not store items")
 
     def get(self, item_id: str, deadline: float, location: str = "",
             nbytes: int = 0, *, wait: bool = True) -> torch.Tensor | None:
+        """Never: the scheduler process does not load items."""
         raise RuntimeError("the scheduler process does not load items")
 
     def exists(self, item_id: str) -> bool:
+        """Whether a live producer announced the item."""
         return item_key(item_id) in self._where
 
     def delete(self, item_id: str) -> bool:
+        """Never deletes (producers' leases decide)."""
         return False
 
     def health(self) -> dict[str, object]:
+        """The producers heard from and the items they hold."""
         return {"transport": self.name, "ok": True, "producers": sorted(self._last_seen),
                 "items": len(self._where)}
 
     def close(self) -> None:
+        """Stop following announcements."""
         self._stop.set()
         self._thread.join(timeout=5)
         self._zmq.destroy(linger=0)

@@ -99,13 +99,16 @@ class ProducerStore:
 
     @property
     def leases_yielded(self) -> int:
+        """How many leases yielded to pressure so far."""
         return self._items.leases_yielded
 
     def get(self, key: str) -> PinnedItem | None:
+        """The held item of `key`, or None."""
         with self._lock:
             return self._items.get(key)
 
     def pin(self, key: str) -> PinnedItem | None:
+        """The held item of `key` pinned (never evicted until unpinned), or None."""
         with self._lock:
             held = self._items.get(key)
             if held is not None:
@@ -113,15 +116,18 @@ class ProducerStore:
             return held
 
     def unpin(self, held: PinnedItem) -> None:
+        """Drop one pin (a waiting save may now evict the item)."""
         with self._lock:
             held.pins -= 1
         self.pool.notify()
 
     def renew(self, key: str) -> bool:
+        """Renew `key`'s lease (promised again); False when not held."""
         with self._lock:
             return self._items.renew(key)
 
     def expect(self, key: str) -> None:
+        """Pulls of `key` are answered `pending` until it is stored or failed."""
         with self._lock:
             if key not in self._items:
                 self.expected[key] = None
@@ -146,6 +152,7 @@ class ProducerStore:
         return held.info
 
     def failed(self, key: str) -> None:
+        """Pulls of `key` are answered `failed` (its save failed), unless it is held."""
         with self._lock:
             self.expected.pop(key, None)
             if key in self._items:
@@ -193,6 +200,7 @@ class ProducerStore:
             self.pool.wait_for_change(wait)
 
     def catalog(self) -> tuple[list[str], list[int]]:
+        """(keys, sizes) of everything held: what a snapshot announces."""
         with self._lock:
             return list(self._items.keys()), [h.info.nbytes for h in self._items.values()]
 
@@ -200,6 +208,7 @@ class ProducerStore:
         return len(self._items)
 
     def clear(self) -> None:
+        """Release every held item (the transport is closing)."""
         with self._lock:
             items = self._items.clear()
         for held in items:
