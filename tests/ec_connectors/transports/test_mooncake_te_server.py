@@ -337,8 +337,7 @@ def _bare_server(engine, chunk: int):
         (msg, dict(engine.flying)))
     path = EnginePath.__new__(EnginePath)  # no engine started: the scripted one
     path.engine, path.config = engine, server.config
-    server.write = lambda *args: path.write(server, *args)
-    return server
+    return server, path
 
 
 def _held(nbytes: int):
@@ -355,10 +354,10 @@ def test_chunk_writes_report_in_order_and_reply_with_nothing_in_flight(fail_at):
     from ec_connectors.transports.peer_pull import messages
 
     engine = _ScriptedEngine(fail_at=fail_at)
-    server = _bare_server(engine, chunk=4 * MiB)
+    server, path = _bare_server(engine, chunk=4 * MiB)
     pull = messages.Pull(pull_id=1, key="k", session="127.0.0.1:1", dst_addr=0,
                          capacity=10 * MiB, timeout_s=30)
-    ok = server.write(pull, b"p", _held(10 * MiB), time.monotonic() + 30)
+    ok = path.write(server, pull, b"p", _held(10 * MiB), time.monotonic() + 30)
     assert engine.flying == {}
     if fail_at < 0:
         assert ok and engine.submitted == 3
@@ -374,10 +373,10 @@ def test_a_pull_that_expires_between_chunks_is_answered_expired_after_they_land(
     from ec_connectors.transports.peer_pull import messages
 
     engine = _ScriptedEngine()
-    server = _bare_server(engine, chunk=4 * MiB)
+    server, path = _bare_server(engine, chunk=4 * MiB)
     pull = messages.Pull(pull_id=1, key="k", session="127.0.0.1:1", dst_addr=0,
                          capacity=10 * MiB, timeout_s=30)
-    assert not server.write(pull, b"p", _held(10 * MiB), time.monotonic() - 1)
+    assert not path.write(server, pull, b"p", _held(10 * MiB), time.monotonic() - 1)
     assert engine.submitted == 0 and server.counters.expired == 1
     (msg, flying), = server.replies
     assert isinstance(msg, messages.PullFailed) and msg.code == "expired"
