@@ -225,6 +225,9 @@ SMALL_EXCEPTIONS = {
                          "would make that module everyone's dependency",
     "ec_connectors.transports.nixl_pull.catalog": "the scheduler's view of the nixl "
                                                   "transport, importable without torch or NIXL",
+    "ec_connectors.transports.mooncake_te.catalog": "the scheduler's and gateway's view of "
+                                                    "the mooncake transport, importable "
+                                                    "without torch",
 }
 
 
@@ -354,6 +357,10 @@ def test_the_wheel_holds_the_product_and_none_of_the_test_support():
 TRANSPORTS = ROOT / "ec_connectors" / "transports"
 
 
+# The peer-pull core: the base classes and Protocols its data path packages implement.
+CORE_PACKAGES = ("peer_pull",)
+
+
 def _transport_package(module: str) -> str | None:
     """The transport package (`mooncake_te`, `nixl_pull`, ...) a module belongs to; None for
     the shared modules directly under transports/ (base.py and the cores)."""
@@ -363,14 +370,17 @@ def _transport_package(module: str) -> str | None:
     return parts[2] if (TRANSPORTS / parts[2]).is_dir() else None
 
 
-def _foreign_bases() -> list[str]:
-    """Classes under transports/ whose base class comes from another transport package."""
+def _foreign_bases(sources: dict[str, str] | None = None) -> list[str]:
+    """Classes under transports/ whose base class comes from another transport package (the
+    core's excepted). `sources`: module name -> source text (default: the tree's modules)."""
+    if sources is None:
+        sources = {m: p.read_text() for m, p in MODULES.items()}
     bad = []
-    for module, path in MODULES.items():
+    for module, source in sources.items():
         own = _transport_package(module)
         if not module.startswith("ec_connectors.transports."):
             continue
-        tree = ast.parse(path.read_text())
+        tree = ast.parse(source)
         origin = {a.asname or a.name: node.module for node in ast.walk(tree)
                   if isinstance(node, ast.ImportFrom) and node.module for a in node.names}
         for node in ast.walk(tree):
@@ -379,24 +389,33 @@ def _foreign_bases() -> list[str]:
             for base in node.bases:
                 name = base.id if isinstance(base, ast.Name) else None
                 pkg = _transport_package(origin.get(name, "")) if name else None
-                if pkg is not None and pkg != own:
+                if pkg is not None and pkg != own and pkg not in CORE_PACKAGES:
                     bad.append(f"{module}.{node.name}({name}, from {pkg})")
     return bad
 
 
-@pytest.mark.xfail(strict=True, reason="the NIXL transport still extends the Mooncake TE "
-                   "transport's classes (NixlTransport, NixlPeerLink, NixlPullServer, "
-                   "RegisteredInPlace, NixlCatalog); they go once a shared peer-pull core "
-                   "takes a data path")
 def test_no_transport_subclasses_another_transport_packages_class():
     bad = _foreign_bases()
     assert not bad, "transports extending another transport's classes:\n" + "\n".join(bad)
 
 
 def test_the_foreign_base_check_sees_one():
-    """The check itself: the NIXL transport's classes are what it reports today."""
-    assert any(b.startswith("ec_connectors.transports.nixl_pull.transport.NixlTransport(")
-               for b in _foreign_bases())
+    """The check itself: a class extending another transport package's class is reported;
+    one extending the core's base class is not."""
+    source = ("from ec_connectors.transports.mooncake_te.transport import MooncakeTransport\n"
+              "from ec_connectors.transports.peer_pull.transport import PeerPullTransport\n"
+              "class Borrowed(MooncakeTransport):\n    pass\n"
+              "class Own(PeerPullTransport):\n    pass\n")
+    assert _foreign_bases({"ec_connectors.transports.nixl_pull.transport": source}) == [
+        "ec_connectors.transports.nixl_pull.transport.Borrowed(MooncakeTransport, "
+        "from mooncake_te)"]
+
+
+def test_the_core_imports_no_data_path_package():
+    """Imports flow one way: data path packages import the peer-pull core, never the reverse."""
+    bad = [f"{m} -> {i}" for m, p in MODULES.items() if _transport_package(m) in CORE_PACKAGES
+           for i in _imports(p) if _transport_package(i) not in (None, *CORE_PACKAGES)]
+    assert not bad, "the core importing a data path:\n" + "\n".join(bad)
 
 
 def test_nixl_messages_and_catalog_live_in_the_nixl_package():

@@ -7,14 +7,17 @@ a config names.
 - base.py: the Transport interface, Placement (which process asks), events, tensor helpers;
 - safetensors_fs.py: the shared-directory backend, one safetensors file per item;
 - shm/: the same-host shared-memory backend (its own map);
-- mooncake_te/: the Mooncake Transfer Engine backend, pulls from producers' pools (its map);
-- nixl_pull/: NIXL reads out of producers' registered pools, on mooncake_te/'s machinery;
+- peer_pull/: the peer-pull core both peer transports share: consumers pull items out of
+  producers' pools, the data path given to it (its map);
+- mooncake_te/: the Mooncake Transfer Engine backend: the core with the engine's writes or a
+  socket stream as its data path (its map);
+- nixl_pull/: NIXL reads out of producers' registered pools: the core with NIXL (its map);
 - mooncake_store/: the Mooncake Store backend, a distributed store (its map);
 - tiered.py: TieredTransport, several backends behind one (save to all, load in order);
 - leases.py: the lease book, the one keep/evict policy of the stores that hold items for
-  consumers (shm's arena, mooncake_te's producer pool): leases, victims, backpressure;
+  consumers (shm's arena, peer_pull's producer pool): leases, victims, backpressure;
 - hashed_copy.py: an item copied and hashed in one pass on several threads (torch-free):
-  shm's keyed digests and the peer transports' checksum (mooncake_te/, nixl_pull/);
+  shm's keyed digests and the peer transports' checksum (peer_pull/);
 - memory.py: a registered memory pool (Allocator, MemoryPool, PoolBuffer) for the Mooncake
   backends, and the allocator shm's arena carves its blocks with;
 - dir_watch.py: inotify over a directory's keys, for the file-backed backends (KeyWatch);

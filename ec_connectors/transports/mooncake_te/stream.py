@@ -68,6 +68,7 @@ def ticket() -> bytes:
 
 
 def nodelay(conn: socket.socket) -> None:
+    """Send small writes at once on `conn` (no Nagle delay)."""
     # requests and failure replies are one small write each: never held back for an ACK
     with contextlib.suppress(OSError):
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -128,6 +129,7 @@ def recv_exactly(conn: socket.socket, view: memoryview, n: int, deadline: float,
 
 
 def read_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly `n` bytes from `conn` by `deadline` (recv_exactly's errors)."""
     data = bytearray(n)
     recv_exactly(conn, memoryview(data), n, deadline)
     return bytes(data)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 import msgspec
 
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.stream import (
     READY,
     StreamClosed,
@@ -27,6 +26,7 @@ from ec_connectors.transports.mooncake_te.stream import (
     recv_exactly,
     ticket,
 )
+from ec_connectors.transports.peer_pull.messages import Pull, Pulled, PullFailed
 
 # recv_into at most this much at a time and hash it at once, while it is still in the cache
 # (other sizes measured the same, docs/benchmarks.md; kernel socket buffers are left to
@@ -143,6 +143,7 @@ class Connections:
             self._cond.notify()
 
     def reap(self) -> None:
+        """Close the connections idle past `idle_s`."""
         with self._cond:
             self._close_idle(time.monotonic() - self._idle_s)
 
@@ -154,6 +155,7 @@ class Connections:
 
     @property
     def idle(self) -> int:
+        """Idle connections in the pool now."""
         return len(self._idle)
 
     def close(self) -> None:

@@ -21,7 +21,6 @@ import torch
 
 from ec_connectors.log import get_logger
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed
 from ec_connectors.transports.mooncake_te.stream import (
     TICKET_BYTES,
     StreamError,
@@ -29,6 +28,7 @@ from ec_connectors.transports.mooncake_te.stream import (
     nodelay,
     read_frame,
 )
+from ec_connectors.transports.peer_pull.messages import Pull, Pulled, PullFailed
 from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)
@@ -89,6 +89,7 @@ class StreamServer:
         self._thread.start()
 
     def set_serve(self, serve: Callable[[socket.socket], None]) -> None:
+        """Serve accepted connections with `serve(conn)` from now on."""
         self._serve = serve
 
     def expect(self, ticket_: bytes, ttl_s: float = _TICKET_S) -> None:
@@ -106,6 +107,7 @@ class StreamServer:
         self._start(hello.conn)  # it came before its StreamOpen
 
     def release(self, conn: socket.socket) -> None:
+        """Close a data connection and stop counting it."""
         with self._lock:
             self._open -= 1
             self._active.discard(conn)
@@ -230,6 +232,7 @@ class StreamServer:
             self._refuse(hello.conn)
 
     def close(self) -> None:
+        """Stop accepting; open connections' requests and sends fail at once."""
         self._stop = True
         with contextlib.suppress(OSError):
             self._waker.send(b"\0")

@@ -1,15 +1,16 @@
 """Consumer side of the NIXL transport: a producer's agent, and pulls as NIXL reads.
 
-`NixlPeerLink` is the Mooncake TE consumer's link to one producer (mooncake_te/peer_link.py:
-the authenticated side channel, pulls with deadlines, replies) whose connections open with
-`NixlHello`. The producer's answer (`NixlPeer`: its agent's metadata and registered range)
-is checked and loaded, and a first small read warms the UCX connection, on a thread of its
-own, off the request path. A pull then asks the producer over the side channel where the
-item lies (`Pulled` with `src_addr` and a token), checks that the place lies inside the
-range the producer registered and fits our block, and READs it into our own registered pool
-block with the pull's deadline, the token as the read's notification (the producer drops its
-pin). The Puller above verifies the bytes (checksum) as for every data path. A read still in
-flight at its deadline keeps its block out of the pool until NIXL says it ended.
+`NixlPeerLink` is a consumer's way to one producer: the core's side channel to it
+(peer_pull/link.py: authenticated, pulls with deadlines, replies), whose connections open
+with `NixlHello`, and NIXL reads. The producer's answer (`NixlPeer`: its agent's metadata
+and registered range) is checked and loaded, and a first small read warms the UCX
+connection, on a thread of its own, off the request path. A pull then asks the producer over
+the side channel where the item lies (`Pulled` with `src_addr` and a token), checks that the
+place lies inside the range the producer registered and fits our block, and READs it into
+our own registered pool block with the pull's deadline, the token as the read's notification
+(the producer drops its pin). The Puller above verifies the bytes (checksum) as for every
+data path. A read still in flight at its deadline keeps its block out of the pool until NIXL
+says it ended.
 """
 
 from __future__ import annotations
@@ -18,23 +19,19 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import zmq
+from typing import Any
 
 from ec_connectors.log import get_logger
-from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import PeerMessage, Pulled, PullFailed
-from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
-from ec_connectors.transports.nixl_pull.agent import (
-    NixlAgent,
-    ReadState,
-    kernel_identity,
-    mem_kind,
-    region_of,
-)
+from ec_connectors.transports.nixl_pull.agent import NixlAgent
+from ec_connectors.transports.nixl_pull.host import kernel_identity, mem_kind
 from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
-from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES
+from ec_connectors.transports.nixl_pull.peers import region_of
+from ec_connectors.transports.nixl_pull.reads import ReadState
+from ec_connectors.transports.nixl_pull.server import TOKEN_BYTES, NixlCounters
+from ec_connectors.transports.peer_pull.data_path import OpenLink
+from ec_connectors.transports.peer_pull.link import PendingPull
+from ec_connectors.transports.peer_pull.messages import Pulled, PullFailed
 
 logger = get_logger(__name__)
 
@@ -42,34 +39,39 @@ _WARM_BYTES = 64
 _WARM_READ_S = 5.0  # the deadline of a link's first (warming) read
 
 
-class NixlPeerLink(PeerLink):
-    """A consumer's link to one NIXL producer (see the module docstring).
+class NixlPeerLink:
+    """A consumer's way to one NIXL producer (see the module docstring).
 
     `location` is where this consumer's pool lives ("cpu", "cuda:0"); `scratch` a
-    registered (addr, nbytes) of host memory the warming read lands in; `stats` the
-    transport's counters; `chunk` the size of the reads an item is moved in (0: one read),
-    each verified while the next is copied."""
+    registered (addr, nbytes) of host memory the warming read lands in; `counters` the data
+    path's counters; `chunk` the size of the reads an item is moved in (0: one read), each
+    verified while the next is copied."""
 
-    def __init__(self, endpoint: str, context: zmq.Context, curve: CurveKeys | None,
-                 agent: NixlAgent, location: str, scratch: tuple[int, int],
-                 stats: dict[str, int], hello: NixlHello, chunk: int = 0) -> None:
-        self.agent, self.location, self.scratch, self.stats = agent, location, scratch, stats
-        self.chunk = chunk
+    def __init__(self, endpoint: str, open_link: OpenLink, agent: NixlAgent, location: str,
+                 scratch: tuple[int, int], counters: NixlCounters, hello: NixlHello,
+                 chunk: int = 0) -> None:
+        self.endpoint = endpoint
+        self.agent, self.location, self.scratch = agent, location, scratch
+        self.counters, self.chunk = counters, chunk
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="epd-nixl-verify")
         self.peer: NixlPeer | None = None
         self.peer_error = ""
         self._ready = threading.Event()
         self._split = False  # large reads are split across the agent's lanes (_learn)
+        self._lock = threading.Lock()
         self._reading: list[tuple[object, PoolBuffer]] = []  # reads given up on, still live
-        super().__init__(endpoint, context, curve, hello=hello)
+        self.link = open_link(hello, self._on_message)  # last: answers may come at once
 
-    def _on_message(self, msg: PeerMessage, peer: bytes | None, payload: list[bytes]) -> None:
-        if isinstance(msg, NixlPeer):
-            if self.peer is None:  # a reconnection sends it again: the first one stands
-                threading.Thread(target=self._learn, args=(msg,), daemon=True,
-                                 name="epd-nixl-peer").start()
-            return
-        super()._on_message(msg, peer, payload)
+    @property
+    def broken(self) -> bool:
+        """Whether the side channel was lost (the puller then makes a new link)."""
+        return self.link.broken
+
+    def _on_message(self, msg: Any) -> None:
+        if isinstance(msg, NixlPeer) and self.peer is None:
+            # a reconnection sends it again: the first one stands
+            threading.Thread(target=self._learn, args=(msg,), daemon=True,
+                             name="epd-nixl-peer").start()
 
     def _learn(self, msg: NixlPeer) -> None:
         """Check and load a producer's agent, then warm the connection with a small read."""
@@ -99,13 +101,14 @@ class NixlPeerLink(PeerLink):
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""
              ) -> PendingPull:
-        """Ask where the item lies, then READ it into `buf` by the deadline."""
+        """Ask where the item lies (for `session`), then READ it into `buf` by the deadline."""
         deadline = time.monotonic() + max(0.0, timeout_s)
         if buf is not None and (not self._ready.wait(timeout_s) or self.peer is None):
             return PendingPull(buf, finished=True, reply=PullFailed(  # a miss now, not retried
                 pull_id=0, code="unregistered", error=f"no NIXL agent from {self.endpoint}: "
                 f"{self.peer_error or 'none in time'}"))
-        p = super().pull(key, "", buf, max(0.0, deadline - time.monotonic()), None, namespace)
+        p = self.link.pull(key, session, buf, max(0.0, deadline - time.monotonic()), None,
+                           namespace)
         # (chunks are verified as they land, on a thread of this link: one copies, one hashes)
         reply = p.reply
         if buf is None or p.buf is None or not isinstance(reply, Pulled) or reply.inline:
@@ -141,27 +144,28 @@ class NixlPeerLink(PeerLink):
                                       split=self._split, region_md=reply.region)
         for done in hashed:  # the verifier is the caller's again once this returns
             done.result()
-        self.stats["nixl_reads"] += 1
+        self.counters.nixl_reads += 1
         if self.agent.stripes(n, self._split) > 1:
-            self.stats["nixl_split_reads"] += 1
+            self.counters.nixl_split_reads += 1
         if state is ReadState.DONE:
             return p
         p.reply = None
         if state is ReadState.TIMED_OUT:
-            self.stats["nixl_read_timeouts"] += 1
+            self.counters.nixl_read_timeouts += 1
             p.error = f"NIXL read from {self.endpoint} took longer than {timeout_s:.2f} s"
             if live is not None:  # still writing into buf: hold it until it ends
                 with self._lock:
                     self._reading.append((live, buf))
                 p.buf = None
         else:
-            self.stats["nixl_read_errors"] += 1
+            self.counters.nixl_read_errors += 1
             p.reply = PullFailed(pull_id=reply.pull_id, code="transfer",
                                  error=f"NIXL read from {self.endpoint} failed")
         return p
 
     def reap(self, ttl_s: float) -> None:
-        super().reap(ttl_s)
+        """Free buffers of reads that ended since they were given up on; the link's too."""
+        self.link.reap(ttl_s)
         with self._lock:
             live, self._reading = self._reading, []
         for handle, buf in live:
@@ -173,10 +177,12 @@ class NixlPeerLink(PeerLink):
 
     @property
     def quarantined(self) -> int:
-        return super().quarantined + len(self._reading)
+        """Buffers a read or the side channel's pull may still write into."""
+        return self.link.quarantined + len(self._reading)
 
     def close(self) -> None:
-        super().close()
+        """Close the side channel and forget the producer's agent."""
+        self.link.close()
         self._hasher.shutdown(wait=False)
         if self.peer is not None:  # a restarted producer comes back as another agent
             self.agent.forget(self.peer.agent)

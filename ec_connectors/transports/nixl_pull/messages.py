@@ -1,8 +1,8 @@
 """The NIXL data path's handshake on the peer side channel (msgspec, never pickle).
 
 A consumer's link opens with `NixlHello`; the producer answers with its agent (`NixlPeer`).
-Both ride the side channel of the peer-pull machinery (mooncake_te/messages.py decodes every
-message of that channel, these included).
+Both ride the side channel of the peer-pull core, whose decoder takes them beside its own
+(peer_pull/messages.py `side_channel_decoder`, given `NixlPath.messages`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""Producer side of the NIXL transport: the agent handshake, and pins held for reads.
+"""Producer side of the NIXL data path: the agent handshake, and pins held for reads.
 
-`NixlPullServer` is the Mooncake TE side channel (mooncake_te/producer.py: CURVE with the
-deployment secret, queued pulls, expiry, namespaces, inline small items) with another data
-path: a consumer's `NixlHello` is answered with this producer's agent metadata
-(`NixlPeer`), and a pull of a large item is answered at once with where it lies in the
-registered pool and a one-time token; the item stays pinned (never evicted or reused)
-until the consumer's READ ends with that token as its NIXL notification, or until the
-pull's deadline. Nothing is written into a consumer. A large host item may be held where it
-lies (`RegisteredInPlace`: its own memory registered, a pool block only counting its bytes);
-the reply then carries that registration's metadata for the consumer to load.
+The core's side channel (peer_pull/server.py: CURVE with the deployment secret, queued pulls,
+expiry, namespaces, inline small items) hands this data path two things (`NixlServing`): a
+consumer's `NixlHello`, answered with this producer's agent metadata (`NixlPeer`), and a pull
+of a large item, answered at once with where it lies in the registered pool and a one-time
+token; the item stays pinned (never evicted or reused) until the consumer's READ ends with
+that token as its NIXL notification, or until the pull's deadline. Nothing is written into a
+consumer. A large host item may be held where it lies (`RegisteredInPlace`: its own memory
+registered, a pool block only counting its bytes); the reply then carries that
+registration's metadata for the consumer to load.
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ec_connectors.log import get_logger
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te.messages import PeerMessage, Pull, Pulled
-from ec_connectors.transports.mooncake_te.producer import PullServer
-from ec_connectors.transports.mooncake_te.producer_store import (
+from ec_connectors.transports.nixl_pull.agent import NixlAgent, Region
+from ec_connectors.transports.nixl_pull.host import kernel_identity, mem_kind
+from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
+from ec_connectors.transports.peer_pull.data_path import Server
+from ec_connectors.transports.peer_pull.messages import Pull, Pulled
+from ec_connectors.transports.peer_pull.producer_store import (
     HeldInPlace,
     PinnedItem,
     ProducerStore,
 )
-from ec_connectors.transports.nixl_pull.agent import NixlAgent, Region, kernel_identity, mem_kind
-from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
 from epd_common.lru import BoundedLRU
 
 logger = get_logger(__name__)
@@ -65,9 +67,9 @@ class RegisteredInPlace(HeldInPlace):
                 self.copied = True
         return self.budget.addr
 
-    def _drop(self) -> None:
+    def unhold(self) -> None:
+        """End the registration (before the tensor is dropped)."""
         self.agent.deregister(self.region)
-        super()._drop()
 
 
 class ReadPins:
@@ -94,6 +96,7 @@ class ReadPins:
         return token
 
     def __len__(self) -> int:
+        """Pins held now."""
         return len(self._pins)
 
     def _run(self) -> None:
@@ -118,6 +121,7 @@ class ReadPins:
             time.sleep(_POLL_S)
 
     def close(self) -> None:
+        """Stop polling and drop every pin."""
         with self._cond:
             self._stop = True
             pins, self._pins = list(self._pins.values()), {}
@@ -128,50 +132,68 @@ class ReadPins:
                 self._store.unpin(held)
 
 
-class NixlPullServer(PullServer):
-    """The side channel with the NIXL data path (see the module docstring)."""
+@dataclass
+class NixlCounters:
+    """The NIXL data path's counters (health keys beside the core's pull counters)."""
 
-    def __init__(self, address: str, endpoint: str, store: ProducerStore, *args,
-                 agent: NixlAgent, pool_location: str, **kwargs) -> None:
-        self.agent = agent
-        self.pins = ReadPins(agent, store)
+    nixl_reads: int = 0
+    nixl_split_reads: int = 0
+    nixl_read_errors: int = 0
+    nixl_read_timeouts: int = 0
+    nixl_served: int = 0
+
+
+class NixlServing:
+    """The producer's half of the NIXL data path (see the module docstring).
+
+    `pool_location` is where the registered pool lives ("cpu", "cuda:0")."""
+
+    def __init__(self, agent: NixlAgent, pool_location: str, counters: NixlCounters) -> None:
+        self.agent, self.counters = agent, counters
+        self.pins: ReadPins | None = None
         self._mem, self._device = mem_kind(pool_location)
         self._kernel = kernel_identity()
         self._metadata = agent.metadata()
         # connections whose consumer loads items' own registrations (NixlHello.regions)
         self._region_readers: BoundedLRU[bytes, None] = BoundedLRU(_MAX_CONNECTIONS)
-        super().__init__(address, endpoint, store, *args, **kwargs)
 
-    def _on_message(self, msg: PeerMessage, peer: bytes | None, payload: list[bytes]) -> None:
-        if isinstance(msg, NixlHello):
-            if peer is not None and msg.regions:
-                self._region_readers[peer] = None
-            if peer is not None:
-                pool = self.store.pool
-                warm = self.pins.hold(None, time.monotonic() + _WARM_PIN_S)
-                self._reply(peer, NixlPeer(agent=self.agent.name, metadata=self._metadata,
-                                           base=pool.base_addr, length=pool.capacity,
-                                           mem=self._mem, device=self._device, warm=warm,
-                                           kernel=self._kernel))
-            return
-        super()._on_message(msg, peer, payload)
+    def start(self, store: ProducerStore) -> None:
+        """Hold pins for reads of `store`'s items."""
+        self.pins = ReadPins(self.agent, store)
 
-    def _serve_held(self, msg: Pull, peer: bytes, held: PinnedItem, expires: float) -> bool:
+    def on_message(self, server: Server, msg: object, peer: bytes) -> bool:
+        """A consumer's `NixlHello`: answer with this agent, and a pin for its warming read."""
+        if not isinstance(msg, NixlHello):
+            return False
+        if msg.regions:
+            self._region_readers[peer] = None
+        pool = server.store.pool
+        warm = self.pins.hold(None, time.monotonic() + _WARM_PIN_S)
+        server.reply(peer, NixlPeer(agent=self.agent.name, metadata=self._metadata,
+                                    base=pool.base_addr, length=pool.capacity,
+                                    mem=self._mem, device=self._device, warm=warm,
+                                    kernel=self._kernel))
+        return True
+
+    def serve_held(self, server: Server, msg: Pull, peer: bytes, held: PinnedItem,
+                   expires: float) -> bool:
         """Answer where the item lies; it stays pinned for the consumer's READ."""
-        cap = time.monotonic() + self.config.transfer_timeout_base_s + \
-            held.info.nbytes / self.config.min_transfer_bytes_per_s
+        config = server.config
+        cap = time.monotonic() + config.transfer_timeout_base_s + \
+            held.info.nbytes / config.min_transfer_bytes_per_s
         token = self.pins.hold(held, min(expires, cap))
-        self.stats["nixl_served"] = self.stats.get("nixl_served", 0) + 1
+        self.counters.nixl_served += 1
         addr, region = held.buf.addr, b""
         if isinstance(held.buf, RegisteredInPlace):
             if peer in self._region_readers:
                 region = held.buf.region.metadata
             else:  # a consumer that loads no regions reads the item in the pool
                 addr = held.buf.in_pool()
-        self._reply(peer, Pulled(pull_id=msg.pull_id, info=held.info, src_addr=addr,
-                                 token=token, region=region))
+        server.reply(peer, Pulled(pull_id=msg.pull_id, info=held.info, src_addr=addr,
+                                  token=token, region=region))
         return True
 
     def close(self) -> None:
-        super().close()
-        self.pins.close()
+        """Drop every pin (the side channel is closed already)."""
+        if self.pins is not None:
+            self.pins.close()

@@ -14,7 +14,7 @@ from ec_connectors.transports.hashed_copy import (
     peer_checksum,
 )
 from ec_connectors.transports.memory import MemoryPool
-from ec_connectors.transports.mooncake_te.consumer import StreamVerifier
+from ec_connectors.transports.peer_pull.puller import StreamVerifier
 
 
 @pytest.mark.parametrize("n", [0, 1, PEER_CHUNK, 3 * PEER_CHUNK + 12345])

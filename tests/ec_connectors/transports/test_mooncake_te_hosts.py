@@ -160,7 +160,7 @@ def test_side_channel_and_announcements_need_the_deployment_secret(peers, tmp_pa
     # producer never writes anywhere for it
     from ec_connectors.channel import encode
     from ec_connectors.protocol.keys import item_key
-    from ec_connectors.transports.mooncake_te.messages import Pull
+    from ec_connectors.transports.peer_pull.messages import Pull
 
     ctx = zmq.Context()
     try:
@@ -194,7 +194,8 @@ def test_a_producer_writes_only_into_the_range_its_connection_proved(peers, tmp_
     from ec_connectors.protocol.curve import curve_keys
     from ec_connectors.protocol.keys import item_key
     from ec_connectors.protocol.secret_file import read_secret
-    from ec_connectors.transports.mooncake_te.messages import Pull, PullFailed, Register
+    from ec_connectors.transports.mooncake_te.messages import Register
+    from ec_connectors.transports.peer_pull.messages import Pull, PullFailed
 
     base = next(_ports)
     secret = secret_file(tmp_path)

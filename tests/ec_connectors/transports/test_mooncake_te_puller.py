@@ -311,7 +311,8 @@ def test_a_producer_that_streams_short_fails_the_pull_and_frees_the_block(peers,
     from ec_connectors.protocol.ports import stream_port
     from ec_connectors.protocol.stored import ItemInfo
     from ec_connectors.transports.mooncake_te import messages, stream, stream_server
-    from ec_connectors.transports.mooncake_te.messages import Pulled, StreamOpen
+    from ec_connectors.transports.mooncake_te.messages import StreamOpen
+    from ec_connectors.transports.peer_pull.messages import Pulled
 
     base = next(_ports)
     nbytes = 8 * MiB

@@ -136,7 +136,7 @@ def test_producer_store_keeps_pinned_items_and_remembers_evicted_ones():
     pins (a pull reading an item keeps it), freed buffers, and `absent` after an eviction."""
     from ec_connectors.protocol.stored import ItemInfo
     from ec_connectors.transports.memory import MemoryPool, PoolExhausted
-    from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
+    from ec_connectors.transports.peer_pull.producer_store import ProducerStore
 
     pool = MemoryPool(8 * MiB)
     store = ProducerStore(pool, lease_ttl_s=60, lease_min_s=0.01)  # every lease yields soon
@@ -171,7 +171,7 @@ def test_producer_store_keeps_the_first_copy_when_two_saves_of_one_key_race():
     first copy (a pull may be reading it) stays, and both saves answer with it."""
     from ec_connectors.protocol.stored import ItemInfo
     from ec_connectors.transports.memory import MemoryPool
-    from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
+    from ec_connectors.transports.peer_pull.producer_store import ProducerStore
 
     pool = MemoryPool(8 * MiB)
     store = ProducerStore(pool, lease_ttl_s=60)
@@ -204,12 +204,13 @@ def test_garbled_control_messages_are_dropped_and_service_goes_on(peers):
     # A well-formed pull with a forged session must be refused, not attempted.
     from ec_connectors.channel import encode
     from ec_connectors.transports.mooncake_te import messages
+    from ec_connectors.transports.peer_pull.messages import Pull, PullFailed
 
-    sock.send(encode(messages.Pull(pull_id=1, key="x", session="not an endpoint",
+    sock.send(encode(Pull(pull_id=1, key="x", session="not an endpoint",
                                   dst_addr=0, capacity=0)))
     assert sock.poll(5000)
     reply = messages.decode_peer(sock.recv())
-    assert isinstance(reply, messages.PullFailed) and reply.code == "bad_request"
+    assert isinstance(reply, PullFailed) and reply.code == "bad_request"
     sock.close()
     got = cons.call({"op": "get", "id": "g", "timeout_s": 5, "location": prod.info["endpoint"]})
     assert got["found"] and got["checksum"] == put["checksum"]
@@ -322,16 +323,21 @@ class _ScriptedEngine:
 
 
 def _bare_server(engine, chunk: int):
-    from ec_connectors.transports.mooncake_te.producer import PullServer
+    """The engine path's writes with a side channel that only records its replies."""
+    from ec_connectors.transports.mooncake_te.engine import EnginePath
+    from ec_connectors.transports.peer_pull.data_path import PullCounters
+    from ec_connectors.transports.peer_pull.server import PullServer
 
-    server = PullServer.__new__(PullServer)  # no sockets: only _write is exercised
-    server.engine, server.stats, server.endpoint = engine, {"expired": 0}, "127.0.0.1:2"
+    server = PullServer.__new__(PullServer)  # no sockets: only the writes are exercised
+    server.counters, server.endpoint = PullCounters(), "127.0.0.1:2"
     server.config = EPDConfig.from_dict({"transport": "mooncake",
                                          "transfer_chunk_bytes": chunk})
     server.replies = []
-    server._reply = lambda peer, msg, payload=None: server.replies.append(
+    server.reply = lambda peer, msg, payload=None: server.replies.append(
         (msg, dict(engine.flying)))
-    return server
+    path = EnginePath.__new__(EnginePath)  # no engine started: the scripted one
+    path.engine, path.config = engine, server.config
+    return server, path
 
 
 def _held(nbytes: int):
@@ -345,13 +351,13 @@ def test_chunk_writes_report_in_order_and_reply_with_nothing_in_flight(fail_at):
     """Chunks are submitted two ahead and checked without spinning; Progress follows the
     order they land in; a failed chunk stops further submits, and the failure is answered
     only once every submitted chunk finished (none may still write into the buffer)."""
-    from ec_connectors.transports.mooncake_te import messages
+    from ec_connectors.transports.peer_pull import messages
 
     engine = _ScriptedEngine(fail_at=fail_at)
-    server = _bare_server(engine, chunk=4 * MiB)
+    server, path = _bare_server(engine, chunk=4 * MiB)
     pull = messages.Pull(pull_id=1, key="k", session="127.0.0.1:1", dst_addr=0,
                          capacity=10 * MiB, timeout_s=30)
-    ok = server._write(pull, b"p", _held(10 * MiB), time.monotonic() + 30)
+    ok = path.write(server, pull, b"p", _held(10 * MiB), time.monotonic() + 30)
     assert engine.flying == {}
     if fail_at < 0:
         assert ok and engine.submitted == 3
@@ -364,14 +370,14 @@ def test_chunk_writes_report_in_order_and_reply_with_nothing_in_flight(fail_at):
 
 
 def test_a_pull_that_expires_between_chunks_is_answered_expired_after_they_land():
-    from ec_connectors.transports.mooncake_te import messages
+    from ec_connectors.transports.peer_pull import messages
 
     engine = _ScriptedEngine()
-    server = _bare_server(engine, chunk=4 * MiB)
+    server, path = _bare_server(engine, chunk=4 * MiB)
     pull = messages.Pull(pull_id=1, key="k", session="127.0.0.1:1", dst_addr=0,
                          capacity=10 * MiB, timeout_s=30)
-    assert not server._write(pull, b"p", _held(10 * MiB), time.monotonic() - 1)
-    assert engine.submitted == 0 and server.stats["expired"] == 1
+    assert not path.write(server, pull, b"p", _held(10 * MiB), time.monotonic() - 1)
+    assert engine.submitted == 0 and server.counters.expired == 1
     (msg, flying), = server.replies
     assert isinstance(msg, messages.PullFailed) and msg.code == "expired"
 
@@ -383,7 +389,7 @@ def test_large_items_are_sent_from_where_they_lie():
     import torch
 
     from ec_connectors.transports import make_transport
-    from ec_connectors.transports.mooncake_te.producer_store import HeldInPlace
+    from ec_connectors.transports.peer_pull.producer_store import HeldInPlace
 
     base = next(_ports)
     cfg = mc_config(base, memory_pool_bytes=20 * MiB, lease_ttl_s=0.05, lease_min_s=0.05)

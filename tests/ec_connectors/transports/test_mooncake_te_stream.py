@@ -1,7 +1,7 @@
 """The socket data path of the Mooncake TE transport (mooncake_te/stream.py) on its own, over
 real loopback sockets on ephemeral ports: who gets a data connection served (one-time
 tickets), warm connections reused pull after pull and replaced when broken, and what either
-end does with garbage, short streams and stalls. A consumer's PeerLink against an in-process
+end does with garbage, short streams and stalls. A consumer's SocketReader against an in-process
 producer (a side channel that makes tickets live, a stream listener) checks the pull path
 above them. With real producers and consumers: test_mooncake_te_puller.py."""
 
@@ -21,8 +21,10 @@ from ec_connectors.channel import Channel, encode
 from ec_connectors.protocol.stored import ItemInfo
 from ec_connectors.transports.memory import MemoryPool
 from ec_connectors.transports.mooncake_te import messages, stream, stream_client, stream_server
-from ec_connectors.transports.mooncake_te.messages import Pull, Pulled, PullFailed, StreamOpen
-from ec_connectors.transports.mooncake_te.peer_link import PeerLink
+from ec_connectors.transports.mooncake_te.messages import StreamOpen
+from ec_connectors.transports.mooncake_te.socket_path import SocketReader
+from ec_connectors.transports.peer_pull.link import PeerLink
+from ec_connectors.transports.peer_pull.messages import Pull, Pulled, PullFailed
 from tests.helpers import wait_for
 
 MiB = 1 << 20
@@ -290,10 +292,10 @@ def test_a_bad_reply_fails_the_pull_and_never_writes_past_the_buffer(pool, case)
     assert bytes(guard.as_bytes()) == b"\x07" * MiB
 
 
-# -- a consumer's PeerLink against an in-process producer --------------------------------------
+# -- a consumer's SocketReader against an in-process producer ----------------------------------
 @pytest.fixture
 def link(producer):
-    """A PeerLink whose side channel makes tickets live at `producer`'s listener."""
+    """A SocketReader whose side channel makes tickets live at `producer`'s listener."""
     ctx = zmq.Context()
     probe = socket.create_server(("127.0.0.1", 0))
     port = probe.getsockname()[1]
@@ -305,7 +307,9 @@ def link(producer):
 
     side = Channel(f"tcp://127.0.0.1:{port}", bind=True, on_message=on_message,
                    name="fake-producer", decode=messages.decode_peer, context=ctx)
-    peer = PeerLink(f"127.0.0.1:{port}", ctx, stream=True)
+    endpoint = f"127.0.0.1:{port}"
+    peer = SocketReader(endpoint, lambda hello, on_other: PeerLink(
+        endpoint, ctx, messages.decode_peer, hello=hello, on_other=on_other))
     peer.streams = stream_client.Connections(*producer.server.address, peer._open_stream)
     yield peer
     peer.close()

@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,7 +30,9 @@ from tests.helpers import expected, wait_for
 pytest.importorskip("nixl._api", reason="transport 'nixl' needs NIXL: pip install --no-deps "
                                         "nixl nixl-cu12 (scripts/setup_env.py does)")
 from ec_connectors.transports.nixl_pull import agent as nixl_agent  # noqa: E402
-from ec_connectors.transports.nixl_pull.messages import NixlHello  # noqa: E402
+from ec_connectors.transports.nixl_pull import host as nixl_host  # noqa: E402
+from ec_connectors.transports.nixl_pull import peers as nixl_peers  # noqa: E402
+from ec_connectors.transports.nixl_pull import reads as nixl_reads  # noqa: E402
 from ec_connectors.transports.nixl_pull.server import ReadPins, RegisteredInPlace  # noqa: E402
 
 peers = forked_peers.fixture()
@@ -137,7 +138,7 @@ def _damaged_or_misplaced(base: int) -> None:
         assert cons.get("x", time.monotonic() + 5, location=prod.endpoint) is None
         assert cons.events.corrupt == 1
         held.buf.as_tensor(torch.uint8, (info.nbytes,))[100] ^= 0xFF
-        link = cons.puller._link(prod.endpoint)
+        link = cons.puller.link(prod.endpoint)
         link.peer = type(link.peer)(**{**{f: getattr(link.peer, f) for f in
                                           link.peer.__struct_fields__},
                                        "length": 4096})  # as if it registered less
@@ -158,7 +159,7 @@ def test_large_items_are_read_where_they_lie():
 
 
 def _held_in_place(base: int) -> None:
-    nixl_agent.MAX_REMOTE_REGIONS = 2  # the consumer's view is rebuilt at every third region
+    nixl_peers.MAX_REMOTE_REGIONS = 2  # the consumer's view is rebuilt at every third region
     cfg = EPDConfig.from_dict(nx_config(base, memory_pool_bytes=20 * MiB, lease_ttl_s=0.05,
                                         lease_min_s=0.05))
     prod = make_transport(cfg, Placement(is_producer=True, is_consumer=False))
@@ -196,7 +197,7 @@ def _held_in_place(base: int) -> None:
         assert cons.health()["nixl_reads"] == reads
         # a consumer of an older release loads no regions: served from the pool, copied once
         older = make_transport(cfg, Placement(is_producer=False, is_consumer=True))
-        older.puller._make_link = older._make_link(NixlHello(agent=older.agent.name))
+        older.path.loads_regions = False
         try:
             assert not held.buf.copied
             got = older.get(held.info.item_id, time.monotonic() + 10, location=prod.endpoint)
@@ -206,10 +207,10 @@ def _held_in_place(base: int) -> None:
         finally:
             older.close()
         name = prod.agent.name
-        assert all(nixl_agent.region_of(name, md) for md in regions)
-        assert not nixl_agent.region_of(cons.agent.name, regions[0])
-        assert not nixl_agent.region_of(name, prod.agent.metadata())  # connection info
-        assert not nixl_agent.region_of(name, regions[0] + bytes(64 << 10))  # too large
+        assert all(nixl_peers.region_of(name, md) for md in regions)
+        assert not nixl_peers.region_of(cons.agent.name, regions[0])
+        assert not nixl_peers.region_of(name, prod.agent.metadata())  # connection info
+        assert not nixl_peers.region_of(name, regions[0] + bytes(64 << 10))  # too large
     finally:
         cons.close()
         prod.close()
@@ -267,11 +268,8 @@ def test_a_stripe_still_writing_keeps_the_whole_read_held():
     a timeout with that stripe live (the caller holds the buffer until it settles), and no
     notification goes to the producer. The stripes' outcomes are made up; the lanes and the
     bookkeeping around them are the agent's own."""
-    agent = nixl_agent.NixlAgent.__new__(nixl_agent.NixlAgent)
-    agent.lanes = [ThreadPoolExecutor(1) for _ in range(2)]
-    agent._lock, agent._given_up = threading.Lock(), {}
     fake = _FakeAgent()
-    agent._agent = fake
+    agent = nixl_reads.Reads(fake, None, lanes=2)
     states = {}
     notified: list[bytes] = []
     agent._notify = lambda peer, notif: notified.append(notif)
@@ -280,7 +278,7 @@ def test_a_stripe_still_writing_keeps_the_whole_read_held():
         return states[into[0]]
 
     agent._read_one = one
-    n = nixl_agent.STRIPE_MIN_BYTES * 2
+    n = nixl_reads.STRIPE_MIN_BYTES * 2
     half = n // 2
     try:
         states.update({0x1000: ("ERR", None), 0x1000 + half: ("TIMEOUT", "h1")})
@@ -302,20 +300,54 @@ def test_a_stripe_still_writing_keeps_the_whole_read_held():
             lane.shutdown()
 
 
+class _RecordingLink:
+    """A side channel that records the pulls asked on it and answers each with a miss."""
+
+    broken = False
+
+    def __init__(self) -> None:
+        self.asked: list[tuple] = []
+
+    def pull(self, key, session, buf, timeout_s, on_progress=None, namespace=""):
+        from ec_connectors.transports.peer_pull.link import PendingPull
+        from ec_connectors.transports.peer_pull.messages import PullFailed
+
+        self.asked.append((key, session, namespace))
+        return PendingPull(buf, finished=True,
+                           reply=PullFailed(pull_id=1, code="unknown"))
+
+
+def test_a_nixl_link_asks_with_the_session_it_is_given():
+    """The side-channel pull of a NIXL link names the session its puller gave it."""
+    from ec_connectors.transports.nixl_pull.link import NixlPeerLink
+    from ec_connectors.transports.nixl_pull.messages import NixlHello, NixlPeer
+    from ec_connectors.transports.nixl_pull.server import NixlCounters
+
+    side = _RecordingLink()
+    link = NixlPeerLink("127.0.0.1:1", lambda hello, on_other: side, _FakeAgent(), "cpu",
+                        (0, 0), NixlCounters(), NixlHello(agent="c"))
+    link.peer = NixlPeer(agent="p", metadata=b"", base=1, length=1, mem="DRAM", device=0,
+                         warm=b"")
+    link._ready.set()
+    buf = type("Buf", (), {"addr": 0, "nbytes": 1 << 20})()
+    p = link.pull("k", "127.0.0.1:9", buf, 1.0, namespace="m")
+    assert side.asked == [("k", "127.0.0.1:9", "m")] and p.reply.code == "unknown"
+
+
 def test_reads_are_split_only_where_ucx_may_copy_in_the_kernel(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)
-    assert nixl_agent.kernel_identity()
+    assert nixl_host.kernel_identity()
     for tls, split in (("tcp", False), ("rc,tcp", False), ("^cma", False), ("^tcp", True),
                        ("sm,tcp", True), ("cma,tcp", True), ("all", True)):
         monkeypatch.setenv("UCX_TLS", tls)
-        assert bool(nixl_agent.kernel_identity()) is split, tls
+        assert bool(nixl_host.kernel_identity()) is split, tls
 
 
 def test_gpu_pools_register_as_vram_and_peer_names_are_checked():
-    assert nixl_agent.mem_kind("cpu") == ("DRAM", 0)
-    assert nixl_agent.mem_kind("cuda:1") == ("VRAM", 1)
+    assert nixl_host.mem_kind("cpu") == ("DRAM", 0)
+    assert nixl_host.mem_kind("cuda:1") == ("VRAM", 1)
     with pytest.raises(ValueError):
-        nixl_agent.mem_kind("mps")
+        nixl_host.mem_kind("mps")
     fake = nixl_agent.NixlAgent.__new__(nixl_agent.NixlAgent)
     fake._agent, fake._regs = _FakeAgent(), []
     fake.register(0x1000, 4096, "cuda:1")
@@ -348,20 +380,20 @@ def _striped_read() -> None:
     one = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-r", lanes=2)
     two = nixl_agent.NixlAgent(f"epd-test-{os.getpid()}-s")
     try:
-        n = nixl_agent.STRIPE_MIN_BYTES * 2 + 3  # stripes of unequal length
+        n = nixl_reads.STRIPE_MIN_BYTES * 2 + 3  # stripes of unequal length
         src = torch.randint(0, 256, (n,), dtype=torch.uint8)
         dst = torch.zeros(n, dtype=torch.uint8)
         two.register(src.data_ptr(), n, "cpu")
         one.register(dst.data_ptr(), n, "cpu")
         one.add_peer(two.name, two.metadata())
         stripes: list[tuple[str, int]] = []
-        real = one._read_one
+        real = one.reads._read_one
 
         def spy(local, remote, nbytes, *args):
             stripes.append((threading.current_thread().name, nbytes))
             return real(local, remote, nbytes, *args)
 
-        one._read_one = spy
+        one.reads._read_one = spy
         notes: list[bytes] = []
         stop = threading.Event()
 
@@ -375,10 +407,10 @@ def _striped_read() -> None:
         landed: list[int] = []
         state, live = one.read((dst.data_ptr(), n, "cpu"), (src.data_ptr(), "DRAM", 0), n,
                                two.name, b"token-1", time.monotonic() + 30,
-                               chunk=nixl_agent.STRIPE_MIN_BYTES * 2, on_chunk=landed.append)
+                               chunk=nixl_reads.STRIPE_MIN_BYTES * 2, on_chunk=landed.append)
         assert (state, live) == ("DONE", None) and torch.equal(dst, src)
-        assert landed == [nixl_agent.STRIPE_MIN_BYTES * 2, n]
-        big = [s for s in stripes if s[1] >= nixl_agent.STRIPE_MIN_BYTES]
+        assert landed == [nixl_reads.STRIPE_MIN_BYTES * 2, n]
+        big = [s for s in stripes if s[1] >= nixl_reads.STRIPE_MIN_BYTES]
         assert len(big) == 2 and {name[:14] for name, _ in big} == {"epd-nixl-lane0",
                                                                     "epd-nixl-lane1"}
         assert sum(size for _, size in stripes) == n  # the 3-byte tail: one small read
@@ -393,7 +425,7 @@ def _striped_read() -> None:
         assert state == "DONE" and torch.equal(dst, src)
         assert [(name[:14], size) for name, size in stripes] == [("epd-nixl-lane0", n)]
         assert wait_for(lambda: notes == [b"token-1", b"token-2"], timeout=5)
-        assert nixl_agent.kernel_identity()  # what the producer sends, compared by the link
+        assert nixl_host.kernel_identity()  # what the producer sends, compared by the link
     finally:
         stop.set()
         one.close()

@@ -22,7 +22,7 @@ from ec_connectors.control.messages import encode
 from ec_connectors.protocol.keys import content_item_id, item_key
 from ec_connectors.protocol.params import ItemEntry
 from ec_connectors.protocol.stored import ItemInfo
-from ec_connectors.transports.mooncake_te.messages import Announce, Evicted, Snapshot
+from ec_connectors.transports.peer_pull.messages import Announce, Evicted, Snapshot
 from encoder_service.gateway.config import GatewayConfig, GatewayConfigError
 from encoder_service.gateway.media.parsing import MediaPart
 from encoder_service.gateway.server import GatewayThread

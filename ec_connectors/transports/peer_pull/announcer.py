@@ -1,4 +1,7 @@
 """A producer's announcements: which items it holds, published to consumers and gateways.
+
+Each stored or evicted item at once, a snapshot of everything held every
+`announce_interval_s` (it heals what a subscriber missed); catalogs (catalog.py) follow them.
 """
 
 from __future__ import annotations
@@ -14,12 +17,8 @@ from ec_connectors.channel import encode
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.curve import CurveKeys
 from ec_connectors.protocol.stored import ItemInfo
-from ec_connectors.transports.mooncake_te.messages import (
-    Announce,
-    Evicted,
-    Snapshot,
-)
-from ec_connectors.transports.mooncake_te.producer_store import ProducerStore
+from ec_connectors.transports.peer_pull.messages import Announce, Evicted, Snapshot
+from ec_connectors.transports.peer_pull.producer_store import ProducerStore
 
 logger = get_logger(__name__)
 
@@ -44,9 +43,11 @@ class Announcer:
         self._thread.start()
 
     def stored(self, info: ItemInfo) -> None:
+        """Announce an item just stored."""
         self._queue.put(Announce(endpoint=self.endpoint, items=[info], namespace=self.namespace))
 
     def evicted(self, keys: list[str]) -> None:
+        """Announce keys no longer held."""
         if keys:
             self._queue.put(Evicted(endpoint=self.endpoint, keys=keys, namespace=self.namespace))
 
@@ -68,5 +69,6 @@ class Announcer:
             self._sock.close()
 
     def close(self) -> None:
+        """Stop publishing once what is queued went out."""
         self._queue.put(None)
         self._thread.join(timeout=5)

@@ -1,5 +1,10 @@
-"""A consumer's link to one producer: the side channel, pulls and their replies.
-"""
+"""A consumer's link to one producer: the side channel, pulls in flight and their replies.
+
+`PeerLink` sends a pull over the side channel and waits for its answer, with the progress
+the producer reports as chunks land; a buffer a producer may still write into after the
+pull's deadline is quarantined until that producer answers or disconnects. Every data path's
+consumer side speaks to its producer through one (peer_pull/data_path.py `PeerReader`); where
+the producer writes the bytes itself, the link is the whole reader."""
 
 from __future__ import annotations
 
@@ -9,24 +14,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import zmq
 
 from ec_connectors.channel import Channel
 from ec_connectors.log import get_logger
 from ec_connectors.protocol.curve import CurveKeys
-from ec_connectors.protocol.ports import stream_port
 from ec_connectors.transports.memory import PoolBuffer
-from ec_connectors.transports.mooncake_te import messages, stream, stream_client
-from ec_connectors.transports.mooncake_te.messages import (
-    PeerMessage,
-    Progress,
-    Pull,
-    PullFailed,
-    Register,
-    StreamOpen,
-)
-from ec_connectors.transports.mooncake_te.stream_client import Connections
+from ec_connectors.transports.peer_pull.messages import Progress, Pull
 from epd_common.net import parse_endpoint
 
 logger = get_logger(__name__)
@@ -34,19 +31,21 @@ logger = get_logger(__name__)
 
 @dataclass
 class PendingPull:
+    """One pull from its request to its end: the buffer, the reply, how it failed."""
+
     buf: PoolBuffer | None
     cond: threading.Condition = field(default_factory=threading.Condition)
     finished: bool = False
     progress: int = 0  # bytes known to have landed (Progress messages)
-    reply: PeerMessage | None = None
+    reply: Any = None
     payload: bytes | None = None
     error: str = ""
     stream_error: str = ""  # why the data connection failed ("" if it did not)
     streamed: bool = False  # asked on a data connection (socket path)
     opened: int = 0  # data connections opened for this pull (0: a warm one served it)
 
-    def finish(self, reply: PeerMessage | None = None, payload: bytes | None = None,
-               error: str = "") -> None:
+    def finish(self, reply: Any = None, payload: bytes | None = None, error: str = "") -> None:
+        """End the pull with `reply` (and its inline `payload`) or `error`; wakes its waiter."""
         with self.cond:
             self.reply, self.payload, self.error = reply, payload, error or self.error
             self.finished = True
@@ -57,47 +56,43 @@ class PeerLink:
     """A consumer's side channel to one producer, with its pulls in flight.
 
     A consumer's side channel to one producer (ZMQ DEALER, reconnecting), with the pulls in
-    flight to it and the buffers it may still write into. `hello` (messages.Register) opens
-    every connection: the producer writes only into the range it names and proves. `stream`
-    (te_data_path socket): each pull into a buffer runs on one of a few warm data connections
-    to the producer's stream port (stream_client.Connections; their tickets go over this channel),
-    request and reply on that socket; a producer without a stream listener writes the bytes
-    with the engine, as without `stream`."""
+    flight to it and the buffers it may still write into. `hello` opens every connection
+    (the data path's claim or handshake); `on_other` gets the messages that answer no pull
+    (the data path's own); `decode` is the side channel's decoder."""
 
-    def __init__(self, endpoint: str, context: zmq.Context,
-                 curve: CurveKeys | None = None, hello: Register | None = None,
-                 stream: bool = False) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context, decode: Callable[[bytes], Any],
+                 curve: CurveKeys | None = None, hello: msgspec.Struct | None = None,
+                 on_other: Callable[[Any], None] | None = None) -> None:
         host, port = parse_endpoint(endpoint)
         self.endpoint = endpoint
-        self.streams = Connections(host, stream_port(port), self._open_stream) \
-            if stream else None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._pending: dict[int, PendingPull] = {}
         self._quarantine: dict[int, tuple[PoolBuffer, float]] = {}
+        self._on_other = on_other
         self.broken = False
         self.channel = Channel(f"tcp://{host}:{port}", bind=False,
                                on_message=self._on_message, name=f"epd-peer-{port}",
-                               decode=messages.decode_peer, on_disconnect=self._on_disconnect,
+                               decode=decode, on_disconnect=self._on_disconnect,
                                context=context, curve=curve,
                                on_unreachable=self._on_unreachable, greeting=hello)
+
+    def next_id(self) -> int:
+        """A fresh pull id on this link (a data connection's requests take theirs here too)."""
+        return next(self._ids)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        """Send one of the data path's own messages to the producer."""
+        self.channel.send(msg)
 
     def pull(self, key: str, session: str, buf: PoolBuffer | None, timeout_s: float,
              on_progress: Callable[[int], None] | None = None, namespace: str = ""
              ) -> PendingPull:
-        """Pull one item into a buffer, reporting progress as chunks land.
+        """Ask for one item over the side channel and wait for its answer.
 
-        Ask for `key` into `buf`; wait up to `timeout_s`, calling `on_progress(bytes)` (on
-        this thread) as chunks land. The returned pull is finished either way."""
-        if self.streams is not None and buf is not None:
-            pending = self._pull_streamed(key, buf, timeout_s, on_progress, namespace)
-            if pending is not None:
-                return pending
-            # the producer takes no data connection (engine path): it writes with the engine
-            if not session:  # ... which this process does not run (needs_engine)
-                return PendingPull(buf, finished=True, reply=PullFailed(
-                    pull_id=0, code="unregistered", error=f"{self.endpoint} writes with the "
-                    "engine only; this process has none (set te_data_path alike everywhere)"))
+        Ask for `key` into `buf` (of data path session `session`); wait up to `timeout_s`,
+        calling `on_progress(bytes)` (on this thread) as chunks land. The returned pull is
+        finished either way; a buffer the producer may still write into is quarantined."""
         pull_id = next(self._ids)
         pending = PendingPull(buf)
         with self._lock:
@@ -130,56 +125,11 @@ class PeerLink:
                                      f"{timeout_s:.2f} s")
         return pending
 
-    def _pull_streamed(self, key: str, buf: PoolBuffer, timeout_s: float,
-                       on_chunk: Callable[[int], None] | None, namespace: str
-                       ) -> PendingPull | None:
-        """Run one pull on a data connection (te_data_path socket).
-
-        The pull on a data connection: the request, the reply and the item's bytes into
-        `buf` on one socket, by the deadline; a failure on it fails the pull (`stream_error`)
-        and closes that connection. A warm connection the producer had closed before reading
-        the request is replaced once. None when the producer takes no data connection.
-        Nothing but this thread writes into `buf`: never quarantined."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        request = Pull(pull_id=next(self._ids), key=key, session="", dst_addr=0,
-                       capacity=buf.nbytes, namespace=namespace,
-                       timeout_s=max(0.001, timeout_s))
-        pending = PendingPull(buf, streamed=True)
-        fresh = False
-        while True:
-            try:
-                conn, reused = self.streams.acquire(deadline, fresh=fresh)
-            except stream.StreamError as exc:
-                pending.stream_error = f"stream from {self.endpoint}: {exc}"
-                break
-            if conn is None:
-                return None
-            pending.opened += not reused
-            try:
-                reply, _ = stream_client.pull(conn, request, buf, deadline, on_chunk)
-            except stream.StreamClosed as exc:
-                self.streams.release(conn, good=False)
-                if reused and not fresh:
-                    fresh = True
-                    continue
-                pending.stream_error = f"stream from {self.endpoint}: {exc}"
-                break
-            except (OSError, stream.StreamError) as exc:
-                self.streams.release(conn, good=False)
-                pending.stream_error = f"stream from {self.endpoint}: {exc}"
-                break
-            self.streams.release(conn, good=True)
-            pending.finish(reply)
-            return pending
-        pending.finish()
-        return pending
-
-    def _open_stream(self, ticket: bytes) -> None:
-        self.channel.send(StreamOpen(ticket=ticket))
-
-    def _on_message(self, msg: PeerMessage, _peer: bytes | None, payload: list[bytes]) -> None:
+    def _on_message(self, msg: Any, _peer: bytes | None, payload: list[bytes]) -> None:
         pull_id = getattr(msg, "pull_id", None)
         if pull_id is None:
+            if self._on_other is not None:
+                self._on_other(msg)
             return
         if isinstance(msg, Progress):
             with self._lock:
@@ -227,8 +177,7 @@ class PeerLink:
                            self.endpoint, len(pending))
 
     def reap(self, ttl_s: float) -> None:
-        if self.streams is not None:
-            self.streams.reap()
+        """Free quarantined buffers older than `ttl_s` (their producer never answered)."""
         cutoff = time.monotonic() - ttl_s
         with self._lock:
             stale = [k for k, (_, ts) in self._quarantine.items() if ts < cutoff]
@@ -239,12 +188,12 @@ class PeerLink:
 
     @property
     def quarantined(self) -> int:
+        """Buffers a producer may still write into."""
         return len(self._quarantine)
 
     def close(self) -> None:
+        """Close the side channel; pulls in flight end, quarantined buffers are freed."""
         self.channel.close()
-        if self.streams is not None:
-            self.streams.close()
         with self._lock:
             quarantined, self._quarantine = self._quarantine, {}
             pending, self._pending = self._pending, {}

@@ -1,9 +1,10 @@
-"""Consumer side of the Mooncake TE transport: side channels, pulls and checks.
+"""A consumer's pulls: pool blocks, deadlines, retries across producers, verification.
 
-Consumer side of the Mooncake TE transport: the side channel to one producer with its pulls
-in flight and quarantined buffers (and, on the socket data path, the warm data connections
-pulls run on instead: stream.py), the checksum computed while chunks land, and the Puller that
-asks producers for an item (retries across them) and verifies what landed."""
+The `Puller` asks producers for an item through one reader per producer (the data path's,
+peer_pull/data_path.py `PeerReader`), each pull into a block of the consumer's own pool with
+a size-scaled deadline, retries until the caller's deadline, and verifies what landed: the
+checksum is computed while chunks land (`StreamVerifier`), the pool block itself handed over
+as the tensor."""
 
 from __future__ import annotations
 
@@ -25,11 +26,9 @@ from ec_connectors.transports.hashed_copy import (
     peer_checksum,
 )
 from ec_connectors.transports.memory import MemoryPool, PoolBuffer, PoolExhausted
-from ec_connectors.transports.mooncake_te.messages import (
-    Pulled,
-    PullFailed,
-)
-from ec_connectors.transports.mooncake_te.peer_link import PeerLink, PendingPull
+from ec_connectors.transports.peer_pull.data_path import PeerReader, PullCounters
+from ec_connectors.transports.peer_pull.link import PendingPull
+from ec_connectors.transports.peer_pull.messages import Pulled, PullFailed
 
 logger = get_logger(__name__)
 
@@ -64,30 +63,32 @@ class StreamVerifier:
             self._sum.add(memoryview(self._raw[start:end].cpu().numpy()).cast("B"))
 
     def hexdigest(self) -> str:
+        """The checksum of everything hashed so far."""
         return self._sum.hexdigest()
 
 
 class Puller:
     """A consumer's pulls from producers, with retries and verification.
 
-    A consumer's pulls: one link per producer (`make_link(endpoint)`, the transport's;
-    rebuilt after a failure), each pull into
-    a block of the consumer's own pool with a size-scaled deadline, retries across producers
-    until the caller's deadline, and verification of what landed. `events` and `stats` are
-    the transport's counters."""
+    A consumer's pulls: one reader per producer (`make_link(endpoint)`, the data path's;
+    rebuilt after a failure), each pull into a block of the consumer's own pool with a
+    size-scaled deadline, retries across producers until the caller's deadline, and
+    verification of what landed. `session` names this consumer's data path session in its
+    pulls; `events` and `counters` are the transport's counters."""
 
     def __init__(self, config: EPDConfig, pool: MemoryPool, session: str, namespace: str,
-                 make_link: Callable[[str], PeerLink], events: TransportEvents,
-                 stats: dict[str, int]) -> None:
+                 make_link: Callable[[str], PeerReader], events: TransportEvents,
+                 counters: PullCounters) -> None:
         self.config, self.pool, self.session, self.namespace = config, pool, session, namespace
-        self.events, self.stats = events, stats
+        self.events, self.counters = events, counters
         self._make_link = make_link
-        self._links: dict[str, PeerLink] = {}
+        self._links: dict[str, PeerReader] = {}
         self._lock = threading.Lock()
         # what lands in one piece (one NIXL read) is verified on two threads, as a put hashes
         self._verify_pool, self._verify_threads = helper_threads(2, "epd-verify")
 
-    def _link(self, endpoint: str) -> PeerLink:
+    def link(self, endpoint: str) -> PeerReader:
+        """The reader to the producer at `endpoint`, made (or rebuilt after a failure) here."""
         with self._lock:
             link = self._links.get(endpoint)
             if link is not None and link.broken:  # dropped after a failure: rebuild it
@@ -172,16 +173,16 @@ class Puller:
         outcome, buf = self._buffer(key, deadline, nbytes)
         if outcome != "ok":
             return outcome, None, nbytes
-        link = self._link(endpoint)
+        link = self.link(endpoint)
         scaled = self.config.transfer_timeout_base_s + nbytes / self.config.min_transfer_bytes_per_s
         timeout = min(deadline - time.monotonic(), scaled)
-        self.stats["pulls"] += 1
+        self.counters.pulls += 1
         verifier = StreamVerifier(buf, self._verify_pool, self._verify_threads) \
             if self.config.verify_checksum and buf is not None else None
         p = link.pull(key, self.session, buf, timeout,
                       on_progress=verifier.advance if verifier else None,
                       namespace=self.namespace)
-        self.stats["stream_connections"] += p.opened
+        self.counters.stream_connections += p.opened
         try:
             reply = p.reply
             if isinstance(reply, PullFailed) and reply.code == "too_small" \
@@ -213,14 +214,13 @@ class Puller:
                 return "corrupt", None
             tensor = self._receive(reply, p, verifier)
             if tensor is not None and p.streamed:
-                self.stats["streamed"] += 1
+                self.counters.streamed += 1
             # bytes that fail verification (damaged, or written by an outsider into a
             # registered pool: docs/trust.md) are this producer's corrupt copy: the next
             # producer is asked, never this one again in a hot loop
             return ("ok" if tensor is not None else "corrupt"), tensor
         if isinstance(reply, PullFailed):
-            self.stats[{"unknown": "unknown", "pending": "unknown", "evicted": "evicted"}.get(
-                reply.code, "transfer_errors")] += 1
+            self.counters.failed(reply.code)
             if reply.code not in ("unknown", "pending"):
                 logger.warning("EPD: pull of %s from %s failed: %s %s", key, endpoint,
                                reply.code, reply.error)
@@ -253,7 +253,7 @@ class Puller:
             if p.payload is None or len(p.payload) != info.nbytes:
                 self.events.corrupt += 1
                 return None
-            self.stats["inline"] += 1
+            self.counters.inline += 1
             raw = torch.frombuffer(bytearray(p.payload), dtype=torch.uint8)
             data = memoryview(raw.numpy())
         else:
@@ -281,16 +281,19 @@ class Puller:
         return buf.hand_over(dtype, shape)
 
     def reap(self, ttl_s: float) -> None:
+        """Free buffers producers never answered for, past `ttl_s`."""
         with self._lock:
             links = list(self._links.values())
         for link in links:
             link.reap(ttl_s)
 
     def quarantined(self) -> int:
+        """Buffers held because a producer or a read may still write into them."""
         with self._lock:
             return sum(link.quarantined for link in self._links.values())
 
     def close(self) -> None:
+        """Close every reader, then the verifier's threads."""
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:

@@ -1,6 +1,6 @@
-"""The items a Mooncake TE producer holds in its registered pool.
+"""The items a peer-pull producer holds in its registered pool.
 
-The items a Mooncake TE producer holds in its registered pool: their buffers and pins (pulls
+The items a peer-pull producer holds in its registered pool: their buffers and pins (pulls
 reading them), under the lease book (transports/leases.py: a promise to keep an item for
 consumers, yielding under pressure once `lease_min_s` old; eviction order; backpressure when
 the pool is full), and what it remembers of items it no longer holds. A large item may be
@@ -43,18 +43,22 @@ class HeldInPlace:
         return typed_view(self.tensor.reshape(-1).view(torch.uint8), dtype, shape, offset)
 
     def as_bytes(self) -> memoryview:
+        """The item's bytes (no copy)."""
         return tensor_bytes(self.tensor)
 
     @property
     def released(self) -> bool:
+        """Whether `release` ran."""
         return self.budget.released
 
     def release(self) -> None:
+        """Free its pool block and let the tensor go, once."""
         self.budget.release()  # raises on a second release, before anything is undone
-        self._drop()
-
-    def _drop(self) -> None:
+        self.unhold()
         self.tensor = None
+
+    def unhold(self) -> None:
+        """Undo what holds the memory beside the tensor (a data path's registration)."""
 
     @staticmethod
     def fits(tensor: torch.Tensor, nbytes: int) -> bool:
@@ -65,12 +69,15 @@ class HeldInPlace:
 
 @dataclass
 class PinnedItem:
+    """An item the store holds: its info, what holds its bytes, the pulls reading it."""
+
     info: ItemInfo
     buf: PoolBuffer | HeldInPlace
     pins: int = 0
 
     @property
     def key(self) -> str:
+        """The item's key."""
         return self.info.key
 
 
@@ -92,13 +99,16 @@ class ProducerStore:
 
     @property
     def leases_yielded(self) -> int:
+        """How many leases yielded to pressure so far."""
         return self._items.leases_yielded
 
     def get(self, key: str) -> PinnedItem | None:
+        """The held item of `key`, or None."""
         with self._lock:
             return self._items.get(key)
 
     def pin(self, key: str) -> PinnedItem | None:
+        """The held item of `key` pinned (never evicted until unpinned), or None."""
         with self._lock:
             held = self._items.get(key)
             if held is not None:
@@ -106,15 +116,18 @@ class ProducerStore:
             return held
 
     def unpin(self, held: PinnedItem) -> None:
+        """Drop one pin (a waiting save may now evict the item)."""
         with self._lock:
             held.pins -= 1
         self.pool.notify()
 
     def renew(self, key: str) -> bool:
+        """Renew `key`'s lease (promised again); False when not held."""
         with self._lock:
             return self._items.renew(key)
 
     def expect(self, key: str) -> None:
+        """Pulls of `key` are answered `pending` until it is stored or failed."""
         with self._lock:
             if key not in self._items:
                 self.expected[key] = None
@@ -139,6 +152,7 @@ class ProducerStore:
         return held.info
 
     def failed(self, key: str) -> None:
+        """Pulls of `key` are answered `failed` (its save failed), unless it is held."""
         with self._lock:
             self.expected.pop(key, None)
             if key in self._items:
@@ -186,6 +200,7 @@ class ProducerStore:
             self.pool.wait_for_change(wait)
 
     def catalog(self) -> tuple[list[str], list[int]]:
+        """(keys, sizes) of everything held: what a snapshot announces."""
         with self._lock:
             return list(self._items.keys()), [h.info.nbytes for h in self._items.values()]
 
@@ -193,6 +208,7 @@ class ProducerStore:
         return len(self._items)
 
     def clear(self) -> None:
+        """Release every held item (the transport is closing)."""
         with self._lock:
             items = self._items.clear()
         for held in items:
