@@ -98,7 +98,7 @@ class NixlPath:
 
     def listen(self, host: str, port: int) -> str:
         """Nothing listens beside the side channel: consumers read through their agents."""
-        return "engine writes"
+        return "NIXL reads"
 
     def start_serving(self, server: Server) -> None:
         """Answer agents' handshakes and hold pins for reads of the server's store."""

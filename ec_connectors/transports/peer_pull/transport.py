@@ -140,8 +140,8 @@ class PeerPullTransport(Transport):
                 f"cannot listen on {self.host}:{'/'.join(map(str, ports))} ({exc}); "
                 f"{holders(ports) or 'another process uses the port'}: set base_port or "
                 "stage_offset") from exc
-        logger.info("EPD mooncake producer: side channel %s, announcements :%d, %s, engine "
-                    "%s, pool %d MiB on %s", self.endpoint, ports[1], moves,
+        logger.info("EPD %s producer: side channel %s, announcements :%d, %s, engine "
+                    "%s, pool %d MiB on %s", self.name, self.endpoint, ports[1], moves,
                     self.path.session or "none", self.pool.capacity >> 20,
                     c.memory_pool_device)
 
