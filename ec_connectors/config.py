@@ -158,7 +158,7 @@ class MooncakeSettings(_Settings):
     # How an item's bytes move: "engine" = the transfer engine writes them into the
     # consumer's pool (RDMA: the network card, no socket copy on either host); "socket" = the
     # producer streams them over a TCP connection the consumer opened with a one-time ticket
-    # (mooncake_te/stream.py; over TCP 2x the engine's TCP transport, docs/transports.md);
+    # (mooncake_te/stream.py; faster than the engine over TCP: docs/transports.md);
     # "auto" = socket when protocol is tcp and the pool on the host, else engine. Only a
     # process off the socket path starts a transfer engine (mooncake_te/engine.py): set it
     # alike on every process (a socket consumer and an engine-only producer exchange nothing).
@@ -273,12 +273,14 @@ class ShmSettings(_Settings):
     shm_verify: Literal["xxh3", "blake3", "none"] = "xxh3"
     # Consumer workers use a large item in the producer's block, without a copy (pinned
     # until vLLM drops the tensor; at most half an arena pinned per consumer, the rest is
-    # copied into the pool). "bytes": the reader hashes every byte once, when it maps the
-    # block (damage is a miss); "seal": it checks the producer's keyed seal of the record and
-    # the block's header only, trusting the producer's one-pass hash of the bytes it wrote
-    # (no read pass: about one memcpy in all, docs/transports.md).
+    # copied into the pool).
     shm_zero_copy: bool = True
-    shm_read_verify: Literal["bytes", "seal"] = "bytes"
+    # "seal": the reader checks the producer's keyed seal of the record and the block's
+    # header, trusting the producer's hash of the bytes it wrote; "bytes": it also hashes
+    # every byte once where it lies (damage is a miss). Seal by default: only a process of
+    # this user can write the arena, and such a process can read the secret and forge the
+    # digest too, so a second hash catches accidents, not attacks (docs/trust.md).
+    shm_read_verify: Literal["bytes", "seal"] = "seal"
     # copy + hash in parallel; at most the cores this process may run on (sched_getaffinity)
     shm_copy_threads: int = Field(default=2, ge=1, le=64)
     shm_chunk_bytes: int = Field(default=1 * MiB, ge=64 * KiB, le=64 * MiB)

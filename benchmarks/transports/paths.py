@@ -3,20 +3,20 @@ machine's limits measured in the same run: memcpy into a warm, preallocated dest
 one raw TCP stream on loopback into a preallocated buffer.
 
     .venv/bin/python -m benchmarks.transports.paths [--sizes-mb 30 125] [--reps 7]
-        [--paths shm shm_seal shm_nohash shm_blake3 mooncake_te mooncake_te_engine
+        [--paths shm shm_bytes shm_nohash shm_blake3 mooncake_te mooncake_te_engine
                  mooncake_store safetensors nixl nixl_tcp]
         [--secret] [--netns]
         [--json FILE]
 
 Each path runs a producer and a consumer `peer_process` (epd_testkit/), built with
-`make_transport` as a vLLM worker would be (`shm_seal`: shm whose reader checks the
-producer's seal instead of hashing the bytes again, shm_read_verify "seal"; `shm_nohash`:
-shm_verify "none", no byte hashed by either side, the seal and header checked; `shm_blake3`:
-shm verified with blake3 instead of xxh3; `mooncake_te`: the Transfer Engine transport over
-TCP with its default data path, a socket stream; `mooncake_te_engine`: the same with
-`te_data_path` engine, the engine's writes; `nixl`: the NIXL transport, UCX picking its
-own transports (on one host: cma, a process_vm_readv by the reader); `nixl_tcp`: the same
-with UCX_TLS=tcp, UCX's TCP over loopback;
+`make_transport` as a vLLM worker would be (`shm`: the defaults, the reader checking the
+producer's seal; `shm_bytes`: the reader hashing every byte again, shm_read_verify "bytes";
+`shm_nohash`: shm_verify "none", no byte hashed by either side, the seal and header checked;
+`shm_blake3`: shm verified with blake3 instead of xxh3; `mooncake_te`: the Transfer Engine
+transport over TCP with its default data path, a socket stream; `mooncake_te_engine`: the
+same with `te_data_path` engine, the engine's writes; `nixl`: the NIXL transport, UCX
+picking its own transports (on one host: cma, a process_vm_readv by the reader); `nixl_tcp`:
+the same with UCX_TLS=tcp, UCX's TCP over loopback;
 `--secret`: every path with a deployment secret, i.e. keyed digests, seals, CURVE;
 `--netns`: producer and consumer in two network namespaces joined by a veth pair (two
 "hosts", harness/netns.py; root), with a secret (peers beyond loopback need one), raw TCP
@@ -68,7 +68,7 @@ from encoder_service.local.processes import default_work_dir
 from epd_common.net import port_open
 from epd_testkit.peer_process import PeerClient, seeded_tensor
 
-PATHS = ("shm", "shm_seal", "shm_nohash", "shm_blake3", "mooncake_te", "mooncake_te_engine",
+PATHS = ("shm", "shm_bytes", "shm_nohash", "shm_blake3", "mooncake_te", "mooncake_te_engine",
          "mooncake_store", "safetensors", "nixl", "nixl_tcp")
 
 
@@ -142,13 +142,13 @@ class Path_:
         self.netns = netns
         self.env = dict(LOOPBACK)  # the peers' environment
         self.dirs: list[str] = []
-        if name in ("shm", "shm_seal", "shm_nohash", "shm_blake3"):
+        if name in ("shm", "shm_bytes", "shm_nohash", "shm_blake3"):
             root = f"/dev/shm/epd-bench-{uuid.uuid4().hex[:8]}"
             self.dirs.append(root)
             base = {"transport": "shm", "shm_path": root, "shm_lease_ttl_s": 0.05,
                     "shm_verify": {"shm_blake3": "blake3", "shm_nohash": "none"}.get(
                         name, "xxh3"),
-                    "shm_read_verify": "seal" if name == "shm_seal" else "bytes",
+                    **({"shm_read_verify": "bytes"} if name == "shm_bytes" else {}),
                     "shm_arena_bytes": 3 * max_bytes + 16 * MiB,
                     "shm_consumer_pool_bytes": 2 * max_bytes + 16 * MiB}
             self.prod, self.cons = base, base

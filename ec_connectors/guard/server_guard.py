@@ -201,7 +201,7 @@ class ServerGuard:
         if ctype and "json" not in ctype:
             return None  # multipart uploads (transcriptions): vLLM reads no parts there
         # Every JSON body is parsed (a JSON \\u escape can spell any key, so no substring test
-        # can skip one): msgspec, several times faster than json (docs/benchmarks.md); what it
+        # can skip one): msgspec, the faster parser (docs/benchmarks.md); what it
         # refuses (NaN, lone surrogates) json reads as vLLM's FastAPI does (same duplicate keys).
         # No check reads a media URL's payload: a body carrying one is parsed without it
         # (`_without_media`), the whole body again only where that could answer otherwise.

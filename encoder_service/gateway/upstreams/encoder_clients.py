@@ -86,8 +86,8 @@ async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, 
 async def _answer(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
                   headers: dict[str, str], timeout_s: float, answer_s: float
                   ) -> httpx.Response:
-    # msgspec, not httpx's json.dumps: a video's body encodes several times faster, on the
-    # event loop every other request waits on (docs/benchmarks.md, the code's figures)
+    # msgspec, not httpx's json.dumps: a video's body encodes faster (docs/benchmarks.md), on the
+    # event loop every other request waits on
     try:
         r = await asyncio.wait_for(client.post(url, content=json_encode(body), headers=headers),
                                    answer_s)

@@ -118,16 +118,19 @@ def test_items_cross_processes_verified(pair):
     assert prod.call({"op": "health"})["health"]["items"] >= 3
 
 
-def test_a_damaged_block_is_a_miss_never_wrong_bytes(pair):
-    prod, cons, root = pair["prod"], pair["cons"], pair["root"]
-    put(prod, "damaged", 5, [256, 4096])
-    rec = _record(root, "damaged")
-    with open(os.path.join(ns_dir(root), rec.arena), "r+b") as f, \
-            mmap.mmap(f.fileno(), 0) as mm:
-        mm[rec.offset + BLOCK_HEADER + 12345] ^= 0x01  # one bit of the payload
-    before = cons.call({"op": "health"})["events"]["corrupt"]
-    assert not get(cons, "damaged")["found"]
-    assert cons.call({"op": "health"})["events"]["corrupt"] == before + 1
+def test_a_damaged_block_is_a_miss_never_wrong_bytes_where_the_reader_hashes(pair):
+    """With `shm_read_verify: bytes` a bit flipped in a block after its seal is a miss."""
+    prod, root = pair["prod"], pair["root"]
+    cons = make(root, CONSUMER, shm_read_verify="bytes")
+    try:
+        put(prod, "damaged", 5, [256, 4096])
+        rec = _record(root, "damaged")
+        with open(os.path.join(ns_dir(root), rec.arena), "r+b") as f, \
+                mmap.mmap(f.fileno(), 0) as mm:
+            mm[rec.offset + BLOCK_HEADER + 12345] ^= 0x01  # one bit of the payload
+        assert cons.get("damaged", soon()) is None and cons.events.corrupt == 1
+    finally:
+        cons.close()
 
 
 def test_a_dead_producers_arena_and_records_are_swept(root, peers):
@@ -483,9 +486,9 @@ def test_a_view_outlives_its_consumers_close(root):
 def test_a_sealed_read_checks_the_seal_not_the_bytes(root, tmp_path):
     a, b = secret(tmp_path, "a"), secret(tmp_path, "b")
     prod = make(root, PRODUCER, secret_file=a)
-    sealed = make(root, CONSUMER, secret_file=a, shm_read_verify="seal")
-    foreign = make(root, CONSUMER, secret_file=b, shm_read_verify="seal")
-    full = make(root, CONSUMER, secret_file=a)
+    sealed = make(root, CONSUMER, secret_file=a)  # the default: shm_read_verify "seal"
+    foreign = make(root, CONSUMER, secret_file=b)
+    full = make(root, CONSUMER, secret_file=a, shm_read_verify="bytes")
     try:
         x = torch.randn(256, 1024)
         prod.put("a", x)
