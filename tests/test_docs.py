@@ -183,3 +183,25 @@ def test_the_wording_rule_tells_the_two_senses_apart():
                  "a session-scoped fixture", "the transfer engine session it names",
                  "a server's own session", "no GPU: measured on CPU", "its wavelength"):
         assert not _process_words(good), good
+
+
+BENCHMARKS_MAX_LINES = 600  # current figures per claim, not a history of runs (git keeps those)
+_DATED = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+_COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")  # a hash, not a number
+# figures recorded row by row, each with its date and commit, from several benchmarks
+_NO_SINGLE_COMMAND = {"## Figures behind the code's choices"}
+
+
+def test_the_benchmarks_page_is_current_figures_each_dated_with_its_command():
+    """docs/benchmarks.md stays a page of current tables: short, and every table's section
+    names the date and commit it was measured at, and the command behind it."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(text.splitlines()) <= BENCHMARKS_MAX_LINES
+    for section in re.split(r"\n(?=##+ )", text):
+        if not re.search(r"^\|---", section, re.M):
+            continue
+        title = section.splitlines()[0]
+        assert _DATED.search(section) and _COMMIT.search(section), \
+            f"{title}: a table without the date and commit it was measured at"
+        if title not in _NO_SINGLE_COMMAND:
+            assert "```" in section, f"{title}: a table without the command behind it"
