@@ -1,16 +1,24 @@
-"""The gateway's hop beside nginx's: the same small chat request sent straight to a stand-in
-decode instance, through nginx (`proxy_pass` to an upstream with a keepalive pool) and
-through `epd gateway --decoder` (no encoders, probes off) and through a bare Python proxy
+"""The gateway's hop beside nginx's and vLLM's router's: the same small chat request sent
+straight to a stand-in decode instance, through nginx (`proxy_pass` to an upstream with a
+keepalive pool), through vLLM's Rust router (`vllm-router --policy round_robin`), through
+`epd gateway --decoder` (no encoders, probes off) and through a bare Python proxy
 (gateway/bare_proxy.py: uvloop and httptools, no logic: what any Python hop costs here), one
-kept-alive connection each, sequentially; rounds interleaved (direct, nginx, gateway, bare,
-then rotated). Per stand-in delay: the direct p50, what each front adds (median over rounds
-of its round median minus the direct one), the ratio gateway/nginx and the verdict against
-the target (at most 2x).
+kept-alive connection each, sequentially; rounds interleaved (direct, nginx, router, gateway,
+bare, then rotated). Per stand-in delay: the direct p50, what each front adds (median over
+rounds of its round median minus the direct one), the ratio gateway/router and the verdict
+against the target (the gateway's hop at most the router's).
 
 nginx comes from the system (Debian's `nginx-light`); where `nginx` is not on PATH it is
-skipped with a message and only the gateway's figures are printed.
+skipped with a message. vllm-router is installed from PyPI, as a user would, into a side
+environment made once and reused (`--router-env`, by default `.work/bench-envs/vllm-router`);
+where it cannot be installed (no network) the benchmark says so and runs the rest.
 
     python -m benchmarks.gateway.hop [--delays-ms 0 20] [--rounds 5] [--requests 200]
+                                     [--router-env DIR | --no-router]
+
+`--also-gateway DIR [DIR ...]` adds other checkouts' gateways (each `DIR` holds its
+`encoder_service`, e.g. `git archive HEAD encoder_service | tar -x -C DIR`) as the fronts
+`gw:<DIR's name>`: a change A/B in the same interleaved rounds.
 
 `--layers` adds two fronts to the rounds, the gateway's layers one by one on the bare proxy
 (bare_proxy.py's modes): `http1` (the bare front relaying through the gateway's upstream
@@ -32,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -39,10 +48,13 @@ import msgspec
 from benchmarks.harness.env import pythonpath_env
 from benchmarks.harness.processes import GatewayProcess, StandIn, start_gateway
 
-PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993, layers 20994-5
+PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993, layers 20994-5,
+#               vllm-router 20997 (its Prometheus port 20998), --also-gateway 21000 on
 LAYERS = ("http1", "uvicorn")  # bare_proxy.py's modes, with --layers
 MODEL = "stand-in"
-TARGET = 2.0  # the gateway may add at most this many times what nginx adds
+TARGET = 1.0  # the gateway may add at most this many times what vllm-router adds
+ROUTER_ENV = Path(".work/bench-envs/vllm-router")
+ROUTER_PACKAGE = "vllm-router"
 
 
 class KeepAliveClient:
@@ -176,6 +188,76 @@ class Nginx:
                 self.proc.wait()
 
 
+@dataclass
+class OtherGateway(GatewayProcess):
+    """`epd gateway` imported from another checkout (`source`: the directory holding its
+    `encoder_service`), with this one's arguments."""
+
+    source: Path = Path()
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        boot = (f"import runpy, sys; sys.path.insert(0, {str(self.source)!r}); "
+                "runpy.run_module('encoder_service.cli', run_name='__main__')")
+        return [cmd[0], "-c", boot, *cmd[3:]]
+
+
+def router_binary(env: Path) -> Path | None:
+    """vllm-router's executable in the side environment `env`, installed there first when it
+    is not yet (`python -m venv`, `pip install vllm-router`); None, said on stderr, when it
+    cannot be (no network, no such package for this platform)."""
+    exe = env / "bin" / "vllm-router"
+    if exe.exists():
+        return exe
+    print(f"installing {ROUTER_PACKAGE} into {env} (once)", file=sys.stderr, flush=True)
+    try:
+        if not (env / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(env)], check=True,
+                           capture_output=True, timeout=300)
+        subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
+                        ROUTER_PACKAGE], check=True, capture_output=True, timeout=900)
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
+        print(f"{ROUTER_PACKAGE} could not be installed into {env} ({exc}"
+              f"{': ' + tail[0] if tail else ''}): skipped, the other fronts only",
+              file=sys.stderr)
+        return None
+    if not exe.exists():
+        print(f"{ROUTER_PACKAGE} installed no `vllm-router` executable into {env}: skipped",
+              file=sys.stderr)
+        return None
+    return exe
+
+
+class Router:
+    """vLLM's Rust router in front of the stand-in, round robin over its one worker; its
+    Prometheus endpoint on a port of its own, its log in the work directory."""
+
+    def __init__(self, exe: Path, port: int, upstream: int, work: Path) -> None:
+        self.log = (work / "vllm-router.log").open("wb")
+        self.proc = subprocess.Popen(
+            [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+             f"http://127.0.0.1:{upstream}", "--policy", "round_robin", "--log-level",
+             "warning", "--prometheus-port", str(port + 1)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_listening(port, self.proc, timeout_s=60)
+        except RuntimeError as exc:
+            self.stop()
+            raise RuntimeError(f"vllm-router: {exc}: see {work / 'vllm-router.log'}") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
 def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -221,40 +303,47 @@ def measure(ports: dict[str, int], rounds: int, requests: int, warmup: int) -> d
 def summarize(delay_ms: float, rounds: dict[str, list[float]]) -> dict:
     direct = rounds["direct"]
     row: dict = {"delay_ms": delay_ms, "direct_p50_ms": statistics.median(direct) * 1e3}
-    for front in ("nginx", "gateway", "bare", *LAYERS):
+    others = [f for f in rounds if f.startswith("gw:")]
+    for front in ("nginx", "router", "gateway", "bare", *LAYERS, *others):
         if front in rounds:
             row[f"{front}_added_ms"] = statistics.median(
                 f - d for f, d in zip(rounds[front], direct, strict=True)) * 1e3
-    if "nginx_added_ms" in row:
-        row["ratio"] = row["gateway_added_ms"] / max(row["nginx_added_ms"], 1e-6)
+    if "router_added_ms" in row:
+        row["ratio"] = row["gateway_added_ms"] / max(row["router_added_ms"], 1e-6)
     return row
 
 
 def format_rows(rows: list[dict], rounds: int, requests: int) -> str:
-    lines = [f"gateway hop beside nginx ({rounds} rounds x {requests} requests, "
-             "medians; added = round median minus direct's)",
-             f"{'stand-in delay':>14} {'direct p50':>11} {'nginx +':>9} {'gateway +':>10} "
-             f"{'bare py +':>10} {'gw/nginx':>9}  verdict"]
+    lines = [f"gateway hop beside nginx and vllm-router ({rounds} rounds x {requests} "
+             "requests, medians; added = round median minus direct's)",
+             f"{'stand-in delay':>14} {'direct p50':>11} {'nginx +':>9} {'router +':>9} "
+             f"{'gateway +':>10} {'bare py +':>10} {'gw/router':>10}  verdict"]
+
+    def added(r: dict, front: str) -> str:
+        return f"{r[front + '_added_ms']:.3f}" if front + "_added_ms" in r else "-"
+
     for r in rows:
-        ng = f"{r['nginx_added_ms']:.3f}" if "nginx_added_ms" in r else "-"
         if "ratio" in r:
             ratio = f"{r['ratio']:.2f}x"
-            verdict = (f"within {TARGET:g}x" if r["ratio"] <= TARGET
-                       else f"over {TARGET:g}x")
+            verdict = "at or below the router" if r["ratio"] <= TARGET else "above the router"
         else:
-            ratio, verdict = "-", "no nginx to compare"
-        bare = f"{r['bare_added_ms']:.3f}" if "bare_added_ms" in r else "-"
-        layers = "".join(f"  {m} +{r[m + '_added_ms']:.3f}" for m in LAYERS
-                         if m + "_added_ms" in r)
-        lines.append(f"{r['delay_ms']:>11g} ms {r['direct_p50_ms']:>8.3f} ms {ng:>9} "
-                     f"{r['gateway_added_ms']:>10.3f} {bare:>10} {ratio:>9}  {verdict}{layers}")
+            ratio, verdict = "-", "no router to compare"
+        layers = "".join(f"  {m[:-9]} +{r[m]:.3f}" for m in r if m.endswith("_added_ms")
+                         and (m.startswith("gw:") or m[:-9] in LAYERS))
+        lines.append(f"{r['delay_ms']:>11g} ms {r['direct_p50_ms']:>8.3f} ms "
+                     f"{added(r, 'nginx'):>9} {added(r, 'router'):>9} "
+                     f"{r['gateway_added_ms']:>10.3f} {added(r, 'bare'):>10} {ratio:>10}  "
+                     f"{verdict}{layers}")
     return "\n".join(lines)
 
 
-def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: Path) -> dict:
+def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, router: Path | None,
+              work: Path) -> dict:
     stand_in = StandIn("stand-in", a.port, work, delay_ms=delay_ms).start()
     front: Nginx | None = None
+    rt: Router | None = None
     gw: GatewayProcess | None = None
+    others: list[GatewayProcess] = []
     bare: list[subprocess.Popen] = []
     try:
         stand_in.wait(30)
@@ -262,9 +351,20 @@ def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: P
         if nginx is not None:
             front = Nginx(nginx, a.port + 1, a.port, work)
             ports["nginx"] = a.port + 1
+        if router is not None:
+            rt = Router(router, a.port + 7, a.port, work)
+            ports["router"] = a.port + 7
         gw = start_gateway("gateway", a.port + 2, work, model=MODEL, decoders=[stand_in.url],
                            config={"routing": {"probe_interval_s": 0}})
         ports["gateway"] = a.port + 2
+        for i, source in enumerate(a.also_gateway):
+            name = f"gw:{source.resolve().name}"
+            others.append(OtherGateway(name.replace(":", "-"), a.port + 10 + i, work, MODEL,
+                                       decoders=[stand_in.url],
+                                       config={"routing": {"probe_interval_s": 0}},
+                                       source=source.resolve()).start())
+            others[-1].wait()
+            ports[name] = a.port + 10 + i
         for i, mode in enumerate(("bare", *LAYERS) if a.layers else ("bare",)):
             port = a.port + 3 + i
             bare.append(subprocess.Popen([sys.executable, "-m", "benchmarks.gateway.bare_proxy",
@@ -279,8 +379,12 @@ def run_delay(delay_ms: float, a: argparse.Namespace, nginx: str | None, work: P
             proc.wait(timeout=10)
         if gw is not None:
             gw.stop()
+        for other in others:
+            other.stop()
         if front is not None:
             front.stop()
+        if rt is not None:
+            rt.stop()
         stand_in.stop()
 
 
@@ -292,19 +396,26 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=200, help="per front and round")
     p.add_argument("--warmup", type=int, default=50, help="per front, before the rounds")
     p.add_argument("--port", type=int, default=PORT,
-                   help="the stand-in's; nginx the next, the gateway the one after")
+                   help="the stand-in's; nginx the next, the gateway the one after, "
+                   "vllm-router the seventh after")
     p.add_argument("--layers", action="store_true",
                    help="also the gateway's layers on the bare proxy (http1, uvicorn)")
+    p.add_argument("--router-env", type=Path, default=ROUTER_ENV,
+                   help="the side environment vllm-router is installed into (once)")
+    p.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    p.add_argument("--also-gateway", type=Path, metavar="DIR", nargs="+", default=[],
+                   help="other checkouts' gateways beside this one's (fronts gw:<name>)")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     a = p.parse_args()
     nginx = shutil.which("nginx")
     if nginx is None:
-        print("nginx is not on PATH: skipped (Debian: apt-get install nginx-light); "
-              "the gateway's figures only", file=sys.stderr)
+        print("nginx is not on PATH: skipped (Debian: apt-get install nginx-light)",
+              file=sys.stderr)
+    router = None if a.no_router else router_binary(a.router_env)
     rows = []
     with tempfile.TemporaryDirectory(prefix="gw-hop-") as tmp:
         for delay in a.delays_ms:
-            rows.append(run_delay(delay, a, nginx, Path(tmp)))
+            rows.append(run_delay(delay, a, nginx, router, Path(tmp)))
             print(format_rows(rows[-1:], a.rounds, a.requests).splitlines()[-1],
                   file=sys.stderr, flush=True)
     print(format_rows(rows, a.rounds, a.requests))
