@@ -90,7 +90,10 @@ class MediaConfig(_Strict):
 class TimeoutConfig(_Strict):
     """Every upstream call has a deadline."""
 
-    encoder_s: float = Field(30.0, gt=0, description="one encode call, end to end")
+    encoder_s: float = Field(30.0, gt=0, description=(
+        "an encode call fails once its encoder answered no call for this long; a call "
+        "queued behind others waits while they are answered, at most this long for each "
+        "call in flight beside it (upstreams/encoder_progress.py)"))
     connect_s: float = Field(3.0, gt=0)
     decode_s: float = Field(300.0, gt=0,
                         description="non-streamed answer end to end; streamed: first byte "

@@ -24,6 +24,7 @@ from encoder_service.gateway.upstreams.encoder_clients import (
     PoolEncoderClient,
     VllmEncoderClient,
 )
+from encoder_service.gateway.upstreams.encoder_progress import EncoderProgress, EncoderSilent
 
 
 @dataclass
@@ -63,8 +64,9 @@ class CoalescingClient:
     item, a prompt too long) is split back into its requests, each sent alone, so a bad item
     fails its own request only; one refused for vLLM's `--limit-mm-per-prompt` also lowers
     `max_items` to that limit for every later call (a shared call it would refuse again costs
-    the encoder a parse and the requests a round trip). Every wait ends within the inner
-    client's `timeout_s`."""
+    the encoder a parse and the requests a round trip). Every wait has a deadline: the
+    inner client's `progress` rules where it has them (encoder_progress.py: a request
+    queued behind calls waits while the encoder answers them), else `timeout_s`."""
 
     def __init__(self, inner: EncoderClient, max_items: int, max_calls: int,
                  timeout_s: float, on_call: Callable[[int], None] | None = None) -> None:
@@ -89,10 +91,16 @@ class CoalescingClient:
             return await self._alone(waiter)
         self._queue.append(waiter)
         self._pump()
+        progress: EncoderProgress | None = getattr(self.inner, "progress", None)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout_s)
+            if progress is None:
+                return await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout_s)
+            # queued behind calls in flight: waits while the encoder answers them
+            return await progress.within(asyncio.shield(waiter.future), counted=False)
         except asyncio.TimeoutError:
             raise EncoderFailed(f"{self.name}: no answer within {self.timeout_s} s") from None
+        except EncoderSilent as exc:
+            raise EncoderFailed(f"{self.name}: {exc}") from None
         finally:
             if waiter in self._queue:  # timed out or cancelled before its call went out
                 self._queue.remove(waiter)

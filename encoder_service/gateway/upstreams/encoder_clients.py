@@ -31,6 +31,7 @@ import httpx
 from ec_connectors.protocol.params import ItemEntry, TransferParams
 from encoder_service.gateway.media.parsing import MediaPart
 from encoder_service.gateway.telemetry import tracing
+from encoder_service.gateway.upstreams.encoder_progress import EncoderProgress, EncoderSilent
 from encoder_service.gateway.upstreams.routing import Chooser, Members
 from encoder_service.gateway.wire import json_decode, json_encode
 from epd_common.lru import BoundedLRU
@@ -65,15 +66,18 @@ class Releasing(Protocol):
 
 
 async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                request_id: str, timeout_s: float, answer_s: float) -> httpx.Response:
+                request_id: str, timeout_s: float, answer_s: float,
+                progress: EncoderProgress | None = None) -> httpx.Response:
     """POST with a deadline; every failure (timeout, connection, non-200) is EncoderFailed.
 
-    Traced (tracing.py): an `epd.encoder_call` span, its traceparent sent along."""
+    The deadline: `answer_s` from the start, or with `progress`, its rules (a call queued
+    behind others waits while the encoder answers them). Traced (tracing.py): an
+    `epd.encoder_call` span, its traceparent sent along."""
     headers = {"x-request-id": request_id, "content-type": "application/json"}
     span = tracing.call("epd.encoder_call", headers, {"server.address": name,
                                                       "epd.request_id": request_id})
     try:
-        r = await _answer(name, client, url, body, headers, timeout_s, answer_s)
+        r = await _answer(name, client, url, body, headers, timeout_s, answer_s, progress)
     except BaseException as exc:
         if span is not None:
             span.failed(exc)
@@ -84,15 +88,21 @@ async def _post(name: str, client: httpx.AsyncClient, url: str, body: dict[str, 
 
 
 async def _answer(name: str, client: httpx.AsyncClient, url: str, body: dict[str, Any],
-                  headers: dict[str, str], timeout_s: float, answer_s: float
-                  ) -> httpx.Response:
+                  headers: dict[str, str], timeout_s: float, answer_s: float,
+                  progress: EncoderProgress | None) -> httpx.Response:
     # msgspec, not httpx's json.dumps: a video's body encodes faster (docs/benchmarks.md), on the
     # event loop every other request waits on
+    call = client.post(url, content=json_encode(body), headers=headers)
     try:
-        r = await asyncio.wait_for(client.post(url, content=json_encode(body), headers=headers),
-                                   answer_s)
+        if progress is None:
+            r = await asyncio.wait_for(call, answer_s)
+        else:
+            r = await progress.within(call)
+            progress.answered()
     except asyncio.TimeoutError:
         raise EncoderFailed(f"{name}: no answer within {timeout_s} s") from None
+    except EncoderSilent as exc:
+        raise EncoderFailed(f"{name}: {exc}") from None
     except httpx.HTTPError as exc:
         raise EncoderFailed(f"{name}: {type(exc).__name__}: {exc}") from None
     if r.status_code != 200:
@@ -113,6 +123,8 @@ class VllmEncoderClient:
         self.model = model
         self.client = client
         self.timeout_s = timeout_s
+        # its calls queue inside vLLM: a call waits while the encoder answers the ones ahead
+        self.progress = EncoderProgress(timeout_s)
 
     async def encode(self, items: Sequence[MediaPart], request_id: str
                      ) -> dict[str, ItemEntry]:
@@ -121,7 +133,7 @@ class VllmEncoderClient:
                 "max_tokens": 1, "temperature": 0.0}
         body.update(items[0].kwargs)  # one request's items: the same processor settings
         r = await _post(self.name, self.client, self.url, body, request_id, self.timeout_s,
-                        self.timeout_s)
+                        self.timeout_s, self.progress)
         bad: list[str] = []  # malformed entries: those items failed (they go raw)
         try:
             made = TransferParams.parse(json_decode(r.content).get("ec_transfer_params"),

@@ -83,6 +83,8 @@ class Stub:
         self.fail_metadata_only = False  # decoder: fail requests with *_embeds parts
         self.refusal: tuple[int, dict] | None = None  # decoder: answer this (status, body)
         self.delay = 0.0  # seconds before answering
+        self.serial = False  # answer chat calls one at a time (vLLM's queue of long encodes)
+        self._one_at_a_time = asyncio.Lock()
         self.break_at_end = False  # decoder: streams break off after the finishing chunk
         self.stall_s = 0.0  # decoder: a stream's role chunk, then this long before the rest
         self.netloc = f"127.0.0.1:{port}"  # an encoder names itself as its items' location
@@ -104,7 +106,11 @@ class Stub:
         body = await request.json()
         self.calls.append(body)
         self.headers.append(dict(request.headers))
-        await asyncio.sleep(self.delay)
+        if self.serial:
+            async with self._one_at_a_time:
+                await asyncio.sleep(self.delay)
+        else:
+            await asyncio.sleep(self.delay)
         if self.fail:
             return JSONResponse({"error": "boom"}, status_code=500)
         handoff = body.get("kv_transfer_params") == {"do_remote_decode": True}

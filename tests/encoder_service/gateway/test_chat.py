@@ -235,3 +235,40 @@ def test_overlap_never_for_modalities_whose_encoders_publish_metadata(overlap_st
         assert metric(g, 'epd_gateway_items_total{outcome="overlapped"}') == 0
     finally:
         enc.metadata = None
+
+
+def test_requests_queued_behind_a_busy_encoder_wait_for_it_and_none_goes_raw():
+    """An encoder that answers its calls one after another (as vLLM works through queued
+    video encodes) is busy, not down: calls and coalesced requests queued behind the first
+    wait past `timeouts.encoder_s` while it keeps answering, and every item reaches the
+    decode instance encoded (no fallback to raw media). An encoder that then answers nothing
+    still fails a call within `encoder_s`, and the request goes raw."""
+    enc, dec = LAB.stub("encoder"), LAB.stub("decoder")
+    enc.delay, enc.serial = 0.4, True
+    gws = [gateway([enc.url], [dec.url], timeouts={"encoder_s": 0.7},
+                   routing={"probe_interval_s": 0, "coalesce_items": n, "encoder_calls": 1})
+           for n in (1, 8)]  # every request its own call; requests sharing calls
+    try:
+        for k, g in enumerate(gws):
+            imgs = [sample_image_png(300 + 10 * k + i) for i in range(4)]
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(4) as ex:
+                rs = list(ex.map(lambda im, g=g: post(g, chat_body(MODEL, im, "x")), imgs))
+            took = time.monotonic() - t0
+            assert [r.status_code for r in rs] == [200] * 4
+            assert metric(g, "epd_gateway_fallbacks_total") == 0
+            assert took > 0.7  # the last one waited past encoder_s, and was not given up on
+            sent = {i for c in dec.calls[-4:] for i in c["ec_transfer_params"]["epd"]["items"]}
+            assert sent == {content_item_id(im, MODEL) for im in imgs}
+        enc.delay = 3.0  # now it answers nothing in time
+        g = gws[0]
+        t0 = time.monotonic()
+        r = post(g, chat_body(MODEL, sample_image_png(399), "x"))
+        assert r.status_code == 200 and "ec_transfer_params" not in dec.calls[-1]
+        assert metric(g, "epd_gateway_fallbacks_total") == 1
+        assert time.monotonic() - t0 < 2 * 0.7 + 0.5  # the call and its one retry
+    finally:
+        for g in gws:
+            g.stop()
+        enc.stop()
+        dec.stop()
