@@ -47,14 +47,13 @@ import msgspec
 
 from benchmarks.harness.env import pythonpath_env
 from benchmarks.harness.processes import GatewayProcess, StandIn, start_gateway
+from benchmarks.harness.router import ROUTER_ENV, router_binary
 
 PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993, layers 20994-5,
 #               vllm-router 20997 (its Prometheus port 20998), --also-gateway 21000 on
 LAYERS = ("http1", "uvicorn")  # bare_proxy.py's modes, with --layers
 MODEL = "stand-in"
 TARGET = 1.0  # the gateway may add at most this many times what vllm-router adds
-ROUTER_ENV = Path(".work/bench-envs/vllm-router")
-ROUTER_PACKAGE = "vllm-router"
 
 
 class KeepAliveClient:
@@ -200,34 +199,6 @@ class OtherGateway(GatewayProcess):
         boot = (f"import runpy, sys; sys.path.insert(0, {str(self.source)!r}); "
                 "runpy.run_module('encoder_service.cli', run_name='__main__')")
         return [cmd[0], "-c", boot, *cmd[3:]]
-
-
-def router_binary(env: Path) -> Path | None:
-    """vllm-router's executable in the side environment `env`, installed there first when it
-    is not yet (`python -m venv`, `pip install vllm-router`); None, said on stderr, when it
-    cannot be (no network, no such package for this platform)."""
-    exe = env / "bin" / "vllm-router"
-    if exe.exists():
-        return exe
-    print(f"installing {ROUTER_PACKAGE} into {env} (once)", file=sys.stderr, flush=True)
-    try:
-        if not (env / "bin" / "python").exists():
-            subprocess.run([sys.executable, "-m", "venv", str(env)], check=True,
-                           capture_output=True, timeout=300)
-        subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q",
-                        ROUTER_PACKAGE], check=True, capture_output=True, timeout=900)
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
-        print(f"{ROUTER_PACKAGE} could not be installed into {env} ({exc}"
-              f"{': ' + tail[0] if tail else ''}): skipped, the other fronts only",
-              file=sys.stderr)
-        return None
-    if not exe.exists():
-        print(f"{ROUTER_PACKAGE} installed no `vllm-router` executable into {env}: skipped",
-              file=sys.stderr)
-        return None
-    return exe
 
 
 class Router:

@@ -10,12 +10,13 @@ Deployments (stacks.py): `aggregated` (plain vLLM, the reference for answers),
 ECMooncakeConnector over TCP, driven by mooncake_front.py), `ours_shm`, `ours_te` (vLLM encoder
 + EPDConnector over shared memory / the Mooncake Transfer Engine) and `ours_pool_shm` (our
 encoder pool); not by default, `ours_nixl` (the same over NIXL) and E/P/D (`--epd` =
-`--deployments aggregated vllm_epd ours_epd vllm_pd_text`): `vllm_epd` (vLLM's
+`--deployments aggregated vllm_epd ours_epd vllm_pd_text vllm_pd_router`): `vllm_epd` (vLLM's
 disaggregated-encoder proxy flow: ECExampleConnector encoder, prefill and decode
 instances with NixlConnector, epd_front.py in front), `ours_epd` (`epd up --prefill 1
 --decode 1`, shm) and
 `vllm_pd_text` (vLLM's P/D alone on text prompts: cases light_text and distinct_text, which
-aggregated then runs too, for the answers). Workloads (workloads.py): `light`,
+aggregated then runs too, for the answers) and `vllm_pd_router` (the same instances
+behind vLLM's Rust router in its P/D mode). Workloads (workloads.py): `light`,
 `distinct`, `video` (cases video_<frames>x<at once>) and `video_with_images`. Each round
 starts every deployment fresh, in order (A B C D, A B C D, ...), once per model (tiny LLaVA
 for light and distinct, qwen3-vl-video for the rest), and runs the round's workloads on it.

@@ -30,7 +30,10 @@ machine's two cores, behind one front end, every server through the handoff prob
                  instance of vllm_epd (NixlConnector only), epd_front.py in front; text
                  prompts only (workloads.TEXT_RUNNERS): what NixlConnector costs here
                  at the least
-(the last three are not in the default run: `--deployments ...` or `--epd`)
+  vllm_pd_router the prefill and decode instances of vllm_pd_text behind vLLM's Rust router
+                 (`vllm-router --vllm-pd-disaggregation --kv-connector nixl`, installed into
+                 a side environment on first use: harness/router.py): the field's P/D front
+(the last four are not in the default run: `--deployments ...` or `--epd`)
 
 vLLM's own deployments run plain `vllm serve` (no `--middleware`: our server guard is part of
 our deployment, as the README runs it); ours run exactly what `epd up` starts. Fronts run as
@@ -50,6 +53,7 @@ from pathlib import Path
 from benchmarks.harness import video
 from benchmarks.harness.env import pythonpath_env
 from benchmarks.harness.processes import example_config, start_gateway
+from benchmarks.harness.router import ROUTER_ENV, RouterProcess, router_binary
 from benchmarks.harness.stack import Stack
 from benchmarks.rivals import epd_front, mooncake_front
 from benchmarks.rivals.probe import PROBE_ENV, V1_NO_FORWARD_ENV
@@ -63,15 +67,15 @@ from encoder_service.local.testmodels import SPECS, ModelSpec, build
 from encoder_service.local.up import Deployment
 from encoder_service.local.up_config import UpConfig, gateway_routing
 
-EPD = ("vllm_epd", "ours_epd", "vllm_pd_text")  # prefill and decode instances apart
+EPD = ("vllm_epd", "ours_epd", "vllm_pd_text", "vllm_pd_router")  # P and D apart
 DEPLOYMENTS = ("aggregated", "ec_example", "ec_mooncake", "ours_shm", "ours_te", "ours_fs",
                "ours_nixl", "ours_pool_shm", *EPD)
 DEFAULT_DEPLOYMENTS = tuple(d for d in DEPLOYMENTS
                             if d not in ("ours_fs", "ours_nixl") and d not in EPD)
 RIVALS = ("ec_example", "ec_mooncake")  # vLLM's connectors; aggregated is the reference
-TEXT_ONLY = ("vllm_pd_text",)  # no encoder: text prompts only
+TEXT_ONLY = ("vllm_pd_text", "vllm_pd_router")  # no encoder: text prompts only
 BASE_PORT = 20800  # front; servers +1, +2, +3; ECMooncake control ports +60, +61
-NIXL_SIDE_CHANNEL_PORT = BASE_PORT + 40  # vllm_epd / vllm_pd_text: prefill; decode +1
+NIXL_SIDE_CHANNEL_PORT = BASE_PORT + 40  # vLLM's P/D deployments: prefill; decode +1
 MOONCAKE_BASE_PORT = 15900  # our TE transport's side channels (announce +1000, data +2000)
 PROBE = "benchmarks.rivals.probe"  # every server's module, in place of vLLM's or the pool's
 
@@ -294,9 +298,14 @@ def nixl_args() -> list[str]:
 
 def start_vllm_epd(name: str, g: Group, model: Path, work: Path, probe_dir: Path, say
                    ) -> Stack:
-    """vllm_epd (encoder, prefill, decode) or vllm_pd_text (prefill, decode), each vLLM
-    server plain, epd_front.py in front."""
+    """vllm_epd (encoder, prefill, decode), vllm_pd_text or vllm_pd_router (prefill,
+    decode), each vLLM server plain, epd_front.py (vllm_pd_router: vLLM's router) in front."""
     text = name in TEXT_ONLY
+    router = None
+    if name == "vllm_pd_router":
+        router = router_binary(ROUTER_ENV)
+        if router is None:
+            raise Unsupported("vllm-router could not be installed (said above)")
     storage = None if text else Path(tempfile.mkdtemp(prefix="epd-rivals-vepd-",
                                                       dir="/dev/shm"))
 
@@ -325,9 +334,15 @@ def start_vllm_epd(name: str, g: Group, model: Path, work: Path, probe_dir: Path
     except BaseException:
         rm()
         raise
-    front = epd_front.process(f"rv-{name}-front", BASE_PORT, work,
-                              encoder=enc.url if enc else "", prefills=[pre.url],
-                              decodes=[dec.url])
+    front: ManagedProcess
+    if router is not None:  # the router's own P/D flow: prefill, then decode with its KV
+        front = RouterProcess(f"rv-{name}-front", BASE_PORT, work, router, [
+            "--vllm-pd-disaggregation", "--prefill", pre.url, "--decode", dec.url,
+            "--kv-connector", "nixl", "--policy", "round_robin"])
+    else:
+        front = epd_front.process(f"rv-{name}-front", BASE_PORT, work,
+                                  encoder=enc.url if enc else "", prefills=[pre.url],
+                                  decodes=[dec.url])
     try:
         start_all([front], timeout_s=60, progress=say)
     except BaseException:
@@ -335,7 +350,8 @@ def start_vllm_epd(name: str, g: Group, model: Path, work: Path, probe_dir: Path
         raise
     pids = _pids(decode=dec, prefill=pre, front=front, **({"encoder": enc} if enc else {}))
     return Stack(name, g.served, front.url, _stopper(front, *servers, after=rm), pids=pids,
-                 probe_dir=probe_dir, hop_log=front.log_path, text_only=text)
+                 probe_dir=probe_dir, hop_log=None if router else front.log_path,
+                 text_only=text)
 
 
 class Unsupported(RuntimeError):
@@ -369,6 +385,6 @@ def start(name: str, group: str, work: Path, models: Path, probe_dir: Path, say)
         return start_mooncake(g, model, work, probe_dir, say)
     if name in ("ours_shm", "ours_te", "ours_fs", "ours_nixl", "ours_pool_shm", "ours_epd"):
         return start_ours(name, g, model, work, probe_dir, say)
-    if name in ("vllm_epd", "vllm_pd_text"):
+    if name in ("vllm_epd", "vllm_pd_text", "vllm_pd_router"):
         return start_vllm_epd(name, g, model, work, probe_dir, say)
     raise ValueError(f"unknown deployment {name!r}")

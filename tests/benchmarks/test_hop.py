@@ -4,6 +4,7 @@ and a router that cannot be installed is said and left out, not an error."""
 from __future__ import annotations
 
 from benchmarks.gateway import hop
+from benchmarks.harness import router
 
 
 def test_the_gateway_is_judged_against_the_router_and_missing_fronts_are_dashes():
@@ -26,9 +27,9 @@ def test_the_gateway_is_judged_against_the_router_and_missing_fronts_are_dashes(
 def test_a_router_that_cannot_be_installed_is_skipped_with_a_reason(tmp_path, capsys):
     env = tmp_path / "not-a-directory"
     env.write_text("")  # no environment can be made here
-    assert hop.router_binary(env) is None
+    assert router.router_binary(env) is None
     assert "could not be installed" in capsys.readouterr().err
     exe = tmp_path / "made" / "bin" / "vllm-router"
     exe.parent.mkdir(parents=True)
     exe.write_text("")
-    assert hop.router_binary(tmp_path / "made") == exe  # made once, reused
+    assert router.router_binary(tmp_path / "made") == exe  # made once, reused

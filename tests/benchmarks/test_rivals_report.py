@@ -6,6 +6,7 @@ server is started (the benchmark runs by hand)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -268,10 +269,11 @@ def test_text_only_deployments_run_the_text_cases_and_aggregated_both():
     from benchmarks.rivals.run import parse_args, runners
 
     a = parse_args(["--epd", "--workloads", "light", "distinct", "video"])
-    assert a.deployments == ["aggregated", "vllm_epd", "ours_epd", "vllm_pd_text"]
+    assert a.deployments == ["aggregated", "vllm_epd", "ours_epd", "vllm_pd_text",
+                             "vllm_pd_router"]
     cases = {d: [c for wl in ("light", "video") for _, cs in runners(d, wl, a) for c in cs]
              for d in a.deployments}
-    assert cases["vllm_pd_text"] == ["light_text"]
+    assert cases["vllm_pd_text"] == cases["vllm_pd_router"] == ["light_text"]
     assert cases["aggregated"][:2] == ["light", "light_text"]
     assert cases["vllm_epd"][0] == "light" and "light_text" not in cases["ours_epd"]
     b = parse_args(["--deployments", "aggregated", "ours_epd"])
@@ -289,3 +291,23 @@ def test_ours_epd_is_set_beside_vllms_epd_with_its_hops():
     assert lines == ["  ours_epd / vllm_epd: req/s 2.00, TTFT p99 1.00, handoff -, decode "
                      "CPU 1.00, prefill_ms 0.50, kv_first_token_ms 1.00"]
     assert ratio_lines({"ours_epd": row, "ec_example": row}) == []
+
+
+def test_vllms_router_fronts_vllms_p_d_or_is_left_out_with_its_reason(tmp_path, monkeypatch):
+    """vllm_pd_router puts vLLM's Rust router in its P/D mode (NIXL) before the P/D
+    instances; where the router cannot be installed the deployment is left out, said why,
+    before any server starts."""
+    from benchmarks.harness.router import RouterProcess
+    from benchmarks.rivals import stacks
+
+    cmd = RouterProcess("r", 9000, tmp_path, Path("/x/vllm-router"), [
+        "--vllm-pd-disaggregation", "--prefill", "http://p", "--decode", "http://d"]).command()
+    assert cmd[:5] == ["/x/vllm-router", "--host", "127.0.0.1", "--port", "9000"]
+    assert cmd[cmd.index("--prefill") + 1] == "http://p" and "--vllm-pd-disaggregation" in cmd
+    monkeypatch.setattr(stacks, "router_binary", lambda env: None)
+    started = []
+    monkeypatch.setattr(stacks, "_vllm", lambda *a, **k: started.append(a))
+    with pytest.raises(stacks.Unsupported, match="vllm-router could not be installed"):
+        stacks.start_vllm_epd("vllm_pd_router", stacks.GROUPS["llava"], tmp_path, tmp_path,
+                              tmp_path, print)
+    assert not started
