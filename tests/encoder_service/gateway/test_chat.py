@@ -260,13 +260,13 @@ def test_requests_queued_behind_a_busy_encoder_wait_for_it_and_none_goes_raw():
             assert took > 0.7  # the last one waited past encoder_s, and was not given up on
             sent = {i for c in dec.calls[-4:] for i in c["ec_transfer_params"]["epd"]["items"]}
             assert sent == {content_item_id(im, MODEL) for im in imgs}
-        enc.delay = 3.0  # now it answers nothing in time
+        enc.delay = 10.0  # now it answers nothing in time
         g = gws[0]
         t0 = time.monotonic()
         r = post(g, chat_body(MODEL, sample_image_png(399), "x"))
         assert r.status_code == 200 and "ec_transfer_params" not in dec.calls[-1]
         assert metric(g, "epd_gateway_fallbacks_total") == 1
-        assert time.monotonic() - t0 < 2 * 0.7 + 0.5  # the call and its one retry
+        assert time.monotonic() - t0 < 5.0  # the call and its one retry, not the 10 s
     finally:
         for g in gws:
             g.stop()
