@@ -3,7 +3,8 @@
 - `routing.py`: rendezvous hashing with bounded loads (pure).
 - `encoder_clients.py`: encoder clients (vLLM producers, `epd encoder` pools) and the router
   that gives each item one encode; `coalescing.py`: new images of concurrent requests in one
-  vLLM encoder call, and the maker of each encoder's client.
+  vLLM encoder call, and the maker of each encoder's client; `encoder_progress.py`: the
+  deadline of a call queued behind others on one encoder.
 - `decoders.py`: the prefill/decode instances, their in-flight counts and cooldowns;
   `http1.py`: the lean HTTP/1.1 client it calls them with.
 - `kv_handoff.py`: E/P/D, the prefill hop whose KV cache a decode instance loads.

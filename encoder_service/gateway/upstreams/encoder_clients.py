@@ -41,10 +41,7 @@ _UNLISTED = ItemEntry()  # an item an encoder had stored before: the consumer lo
 
 
 class EncoderFailed(Exception):
-    """An encode call failed or missed its deadline.
-
-    An encode call failed or missed its deadline (message: what and where; `status`: the
-    encoder's HTTP status when it answered with an error)."""
+    """An encode call failed or missed its deadline (`status`: the encoder's HTTP error)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -156,10 +153,9 @@ def _payload(item: MediaPart) -> str:
 class PoolEncoderClient:
     """The client of a batching encoder pool (`epd encoder`).
 
-    The batching encoder pool (`epd encoder`): `POST /v1/encode` with all of a group's
-    images (one request; the pool batches across requests). Items the pool reports as
-    failed are left out of the answer (the caller sends them raw); so are modalities the pool
-    does not serve. `release()` tells the pool the decode side has prefilled the items."""
+    `POST /v1/encode` with all of a group's items (the pool batches across requests). Items
+    the pool reports failed, and modalities it does not serve, are left out of the answer
+    (the caller sends them raw). `release()`: the decode side has prefilled the items."""
 
     modalities = ("image", "video", "audio")  # what `epd encoder` can serve; its model decides
 
@@ -171,10 +167,7 @@ class PoolEncoderClient:
 
     @classmethod
     def takes(cls, item: MediaPart) -> bool:
-        """Whether the pool encodes an item.
-
-        Whether the pool encodes `item`: it applies its own processor settings, so an
-        item with others (or a modality it does not serve) goes raw."""
+        """Whether the pool encodes `item` (its own processor settings: others go raw)."""
         return item.modality in cls.modalities and not item.kwargs
 
     async def encode(self, items: Sequence[MediaPart], request_id: str
