@@ -47,7 +47,7 @@ import msgspec
 
 from benchmarks.harness.env import pythonpath_env
 from benchmarks.harness.processes import GatewayProcess, StandIn, start_gateway
-from benchmarks.harness.router import ROUTER_ENV, router_binary
+from benchmarks.harness.router import ROUTER_ENV, RouterProcess, router_binary
 
 PORT = 20990  # stand-in 20990, nginx 20991, gateway 20992, bare proxy 20993, layers 20994-5,
 #               vllm-router 20997 (its Prometheus port 20998), --also-gateway 21000 on
@@ -202,31 +202,23 @@ class OtherGateway(GatewayProcess):
 
 
 class Router:
-    """vLLM's Rust router in front of the stand-in, round robin over its one worker; its
-    Prometheus endpoint on a port of its own, its log in the work directory."""
+    """vLLM's Rust router in front of the stand-in, round robin over its one worker
+    (harness/router.py's process: its Prometheus endpoint on the next port, its log in
+    work/logs); ready once its port listens, as the other fronts here."""
 
     def __init__(self, exe: Path, port: int, upstream: int, work: Path) -> None:
-        self.log = (work / "vllm-router.log").open("wb")
-        self.proc = subprocess.Popen(
-            [str(exe), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-             f"http://127.0.0.1:{upstream}", "--policy", "round_robin", "--log-level",
-             "warning", "--prometheus-port", str(port + 1)],
-            stdout=self.log, stderr=subprocess.STDOUT)
+        self.server = RouterProcess("vllm-router", port, work, exe, [
+            "--worker-urls", f"http://127.0.0.1:{upstream}", "--policy", "round_robin"])
+        self.server.start()
+        assert self.server.proc is not None
         try:
-            wait_listening(port, self.proc, timeout_s=60)
+            wait_listening(port, self.server.proc, timeout_s=60)
         except RuntimeError as exc:
             self.stop()
-            raise RuntimeError(f"vllm-router: {exc}: see {work / 'vllm-router.log'}") from None
+            raise RuntimeError(f"vllm-router: {exc}: see {self.server.log_path}") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        self.server.stop(timeout_s=5)
 
 
 def wait_listening(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
