@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two commands of the README. Both run the idempotent setup first.
 #   ./run.sh demo   epd up --demo: vLLM encoder + vLLM prefill/decode + gateway; one image request through the gateway
-#   ./run.sh test   lint, then the whole test suite: the fast lane (no vLLM servers) on two
+#   ./run.sh test   lint, then the whole test suite: the fast lane (no vLLM servers) on three
 #                   workers, then the end-to-end tests (real `vllm serve` processes) one at a time
 #                   (at the end, per lane: its time, vLLM server starts, slowest set-ups)
 #   ./run.sh fast   lint + the fast lane only (tests marked e2e are left out)
@@ -23,8 +23,12 @@ cd "$(dirname "$0")"
 # a GPU machine has no network: no setup there, only the carried wheels (scripts/gpu_check.py)
 if [ "${1:-}" = gpu-check ]; then shift; exec python3 scripts/gpu_check.py "$@"; fi
 python3 scripts/setup_env.py
+# Python's bytecode caches (__pycache__, git-ignored) even where the environment turns them
+# off: without them every process recompiles the project's modules and every pytest worker
+# rewrites every test module again (docs/testing.md)
+unset PYTHONDONTWRITEBYTECODE
 PYTEST=(.venv/bin/python -m pytest -q -rs)
-FAST=(-m "not e2e and not compat" -n 2 --dist loadfile)  # one module per worker; ports: tests/helpers.py PORT_BLOCKS
+FAST=(-m "not e2e and not compat" -n 3 --dist loadfile)  # one module per worker; ports: tests/helpers.py PORT_BLOCKS
 case "${1:-}" in
   demo) shift; exec .venv/bin/epd up --demo "$@" ;;
   test)
