@@ -7,7 +7,8 @@ Grouped by subject (docs/benchmarks.md has each one's figures and the command be
   workloads, handoff probe, report and the rivals' front ends beside it).
 - `serving/`: whole stacks under load: `serve.py` (four deployments of one model),
   `video.py` (video at real sizes), `epd_kv.py` (E/P/D beside E+PD), `elastic.py`,
-  `idle_cpu.py`, `worker_spin.py`, `conformance.py` (answers equal aggregated vLLM's).
+  `idle_cpu.py`, `worker_spin.py`, `conformance.py` (answers equal aggregated vLLM's),
+  `starts.py` (a vLLM server's start, plain and from a fork server).
 - `gateway/`: the gateway alone: `hop.py` (beside nginx and a bare Python proxy,
   `bare_proxy.py`), `tracing.py` (what tracing costs), `routing.py` (routing policies).
 - `transports/`: one item producer -> consumer: `paths.py` (every transport beside memcpy

@@ -4,8 +4,10 @@ Most of a `vllm serve` start on CPU is Python importing vLLM, torch and transfor
 API server (EngineCore, spawned, imports its own). A fork server is a process that imports
 them once (`preload`) and then forks each server from itself, so a start, and above all a
 restart after a crash, skips that import (figures: docs/benchmarks.md, "Test suite times").
-`VllmServer` starts through one (`fork_server=True`, its default); the server's command line,
-environment, working directory, log and exit code are what a plain start would give it:
+`VllmServer` forks from one (`fork_server=True`, its default) once its `prepare()` made one
+ready (`start_all`, hence `epd up`); `start()` never waits for one's imports: without a ready
+one it is a plain start. The server's command line (/proc/PID/cmdline), environment,
+working directory, log and exit code are what a plain start would give it:
 
 - One fork server per core and environment (`fork_server_for`): it is started pinned
   (taskset) to its servers' core, with their environment, so what vLLM's modules read while
@@ -120,8 +122,8 @@ class ForkServer:
     `preload` is "module:function", run once in the fork server before any fork; `env` its
     environment (a server's, `PER_START_VARIABLES` aside); `pin` the command that pins it and
     so its servers to their core (`taskset -c N`; empty: unpinned); its log is `log_path`.
-    `launch()` starts it and returns at once (its imports run beside whatever the caller
-    starts next); `fork()` waits for them."""
+    `launch()` starts it and returns at once: its imports run beside whatever the caller
+    starts next; `ready` says whether they are done, `wait_ready()` waits for them."""
 
     def __init__(self, preload: str, env: dict[str, str], pin: list[str],
                  log_path: Path) -> None:
@@ -132,13 +134,30 @@ class ForkServer:
         self._news = threading.Condition()
         self._replies: list[dict] = []
         self._children: dict[int, ForkedProcess] = {}
-        self._ready = False
+        self._ready = threading.Event()
         self._proc: subprocess.Popen | None = None
         self._ended = threading.Event()
 
     @property
     def alive(self) -> bool:
         return not self._ended.is_set()
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has done its imports and runs: a fork now takes milliseconds."""
+        return self._ready.is_set() and self.alive
+
+    @property
+    def failed(self) -> bool:
+        """Whether it ended before it was ready (its log says why): it is not tried again."""
+        return self._ended.is_set() and not self._ready.is_set()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` for `ready`; False when it failed or is still importing."""
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.is_set() and self.alive and time.monotonic() < deadline:
+            self._ready.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+        return self.ready
 
     def launch(self) -> ForkServer:
         """Start the fork server process; its imports go on in the background."""
@@ -169,6 +188,9 @@ class ForkServer:
             started.set()
         for line in _lines(self._sock):
             message = json.loads(line)
+            if "ready" in message:
+                self._ready.set()
+                continue
             if "exit" in message:
                 child = self._children.pop(message["exit"], None)
                 if child is not None:
@@ -211,14 +233,11 @@ class ForkServer:
         """Fork `python -m module *argv` with `env`, its output appended to `log_path`.
 
         Waits for the fork server's imports first (at most `timeout_s`)."""
+        if not self.wait_ready(timeout_s):
+            state = ("is not ready" if self.alive else "exited with code "
+                     f"{None if self._proc is None else self._proc.returncode}")
+            raise ForkServerError(f"the fork server {state}; log {self.log_path}")
         with self._lock:
-            if not self._ready:
-                ready = self._reply(timeout_s)
-                if "ready" not in ready:
-                    raise ForkServerError(ready.get("error", str(ready)))
-                self._ready = True
-            if not self.alive:
-                raise ForkServerError(f"the fork server is gone; log {self.log_path}")
             args = [sys.executable, "-m", module, *argv]
             _send(self._sock, {"module": module, "argv": argv, "env": env, "args": args,
                                "cwd": os.getcwd(), "log": str(log_path)})
@@ -259,17 +278,21 @@ _SERVERS: dict[tuple, ForkServer] = {}
 _SERVERS_LOCK = threading.Lock()
 
 
-def fork_server_for(preload: str, env: dict[str, str], pin: list[str],
-                    log_dir: Path) -> ForkServer:
+def fork_server_for(preload: str, env: dict[str, str], pin: list[str], log_dir: Path,
+                    launch: bool = True) -> ForkServer | None:
     """This process's fork server for `preload`, pinned by `pin`, with `env`; launched if need be.
 
-    One per (preload, pin, environment without `PER_START_VARIABLES`); a dead one is
-    replaced. Its TMPDIR is a directory of its own beside `log_dir`; its log is in it."""
+    One per (preload, pin, environment without `PER_START_VARIABLES`); one that died after
+    it was ready is replaced, one that never got ready is not (its `failed` says so). Its
+    TMPDIR is a directory of its own beside `log_dir`; its log is in it. With `launch`
+    false, only one that runs already (None if none)."""
     base = {k: v for k, v in env.items() if k not in PER_START_VARIABLES}
     key = (preload, tuple(pin), frozenset(base.items()))
     with _SERVERS_LOCK:
         server = _SERVERS.get(key)
-        if server is None or not server.alive:
+        if not launch:
+            return server if server is not None and server.alive else None
+        if server is None or not (server.alive or server.failed):
             name = f"forkserver-{os.getpid()}-{len(_SERVERS)}"
             tmp = log_dir.parent / "tmp" / name
             tmp.mkdir(parents=True, exist_ok=True)

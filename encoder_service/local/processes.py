@@ -1,9 +1,8 @@
 """Start, health-check and stop the servers of the local stack.
 
-The processes the local stack manages: start, health-check and stop real servers (`epd up`,
-the demo, tests, benchmarks). `ManagedProcess` is what they share; `VllmServer` (`vllm serve`),
-`PoolServer` (`epd encoder`) and `UpProcess` (a whole `epd up`, for tests and benchmarks) are
-here, `MasterServer` (`mooncake_master`) is in mooncake_master.py.
+For `epd up`, the demo, tests and benchmarks. `ManagedProcess` is what they share; `VllmServer`
+(`vllm serve`, forked from a fork server once one is ready: forkserver.py), `PoolServer`
+(`epd encoder`), `UpProcess` (a whole `epd up`); `MasterServer` is in mooncake_master.py.
 
 Every managed process runs in a session of its own (stopped as a whole: SIGTERM, then
 SIGKILL, even when the process itself is already gone) and dies with the thread that started
@@ -87,12 +86,9 @@ def _pinned(cmd: list[str], cpu_core: int | None) -> list[str]:
 
 VLLM_CLI = "encoder_service.local.vllm_cli"  # the `vllm` entry point servers run
 VLLM_PRELOAD = VLLM_CLI + ":preload"  # what their fork servers import
-
 # vLLM's `--middleware` every server gets: the deployment key on every route, bounds on
 # metadata-only items before vLLM allocates anything, a reason on every refusal
 SERVER_GUARD = "ec_connectors.server_guard.ServerGuard"
-
-
 LEDGER_ENV = "EPD_START_LEDGER"
 
 
@@ -123,13 +119,11 @@ class ServerFailed(RuntimeError):
 
 
 class ManagedProcess:
-    """One managed server process: start, wait, stop and its log.
+    """One managed server process: `start()`, `wait()` (until `healthy()`), `stop()`, its log.
 
-    One managed server process: `start()`, `wait()` (until `healthy()`), `stop()`, its log
-    (`log_path`, `log_tail()`); a context manager. Subclasses are dataclasses that declare at
-    least these fields, each in its own public order, and define `command()`:
-    `name`, `port`, `work_dir` (logs go to work_dir/logs/NAME.log), `env` (on top of
-    `child_env()`), `proc` (the running `subprocess.Popen`, set by `start()`)."""
+    A context manager. Subclasses are dataclasses that define `command()` and declare, each
+    in its own public order, `name`, `port`, `work_dir` (logs: work_dir/logs/NAME.log), `env`
+    (on top of `child_env()`), `proc` (the running process, set by `start()`)."""
 
     name: str
     port: int
@@ -172,11 +166,12 @@ class ManagedProcess:
         record_start(self)
         return self
 
-    def prepare(self) -> None:
-        """Get ready to start, beside other servers' starts (`start_all`); nothing here."""
+    def prepare(self, wait_s: float = 0.0) -> None:
+        """Get ready to start, waiting at most `wait_s` (`start_all`); nothing here."""
+
+    preparing: ClassVar[bool] = False  # whether `prepare()` is under way (start_all waits)
 
     def _launch(self, env: dict[str, str]) -> subprocess.Popen | forkserver.ForkedProcess:
-        """Start the process (a new session, its output in its log) with `env`."""
         with open(self.log_path, "wb") as log:
             return child_process.popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                        env=env, start_new_session=True)
@@ -258,8 +253,7 @@ class VllmServer(ManagedProcess):
     def command(self) -> list[str]:
         return _pinned([sys.executable, "-m", VLLM_CLI, *self.serve_args()], self.cpu_core)
 
-    def serve_args(self) -> list[str]:
-        """The arguments of `vllm serve` (after the program's name)."""
+    def serve_args(self) -> list[str]:  # `vllm serve`'s arguments, after the program
         cmd = ["serve", str(self.model),
                "--served-model-name", self.served_name, "--host", "127.0.0.1",
                "--port", str(self.port), "--enforce-eager", "--max-model-len", "1024",
@@ -271,25 +265,28 @@ class VllmServer(ManagedProcess):
             cmd += ["--ec-transfer-config", json.dumps(self.ec_config)]
         return cmd
 
-    def _fork_server(self) -> forkserver.ForkServer:
-        env, pin = {**self.child_env(), **self.env}, _pinned([], self.cpu_core)
-        return forkserver.fork_server_for(VLLM_PRELOAD, env, pin, self.work_dir / "logs")
+    def _fork_server(self, launch: bool = False) -> forkserver.ForkServer | None:
+        """Its fork server (launched if none runs and `launch`); None without one."""
+        return forkserver.fork_server_for(
+            VLLM_PRELOAD, {**self.child_env(), **self.env}, _pinned([], self.cpu_core),
+            self.work_dir / "logs", launch=launch) if self.fork_server else None
 
-    def prepare(self) -> None:
-        """Launch the fork server this server will fork from, if it has none yet."""
-        if self.fork_server:
-            self._fork_server()
+    def prepare(self, wait_s: float = 0.0) -> None:
+        """Launch its fork server if none runs; wait at most `wait_s` for its imports."""
+        if (server := self._fork_server(launch=True)) is not None:
+            server.wait_ready(wait_s)
+
+    preparing = property(lambda self: (s := self._fork_server()) is not None and not s.ready)
 
     def _launch(self, env: dict[str, str]) -> subprocess.Popen | forkserver.ForkedProcess:
-        if not self.fork_server:
-            return super()._launch(env)
-        self.log_path.write_bytes(b"")  # a new log, as a plain start's
-        try:
-            return self._fork_server().fork(VLLM_CLI, self.serve_args(), env, self.log_path)
-        except forkserver.ForkServerError as exc:  # a plain start still works: take it, say why
-            logging.getLogger(__name__).warning("%s: %s; started as a new process instead",
-                                                self.name, exc)
-            return super()._launch(env)
+        server = self._fork_server()  # one `prepare()` launched; start() never waits for it
+        if server is not None and server.ready:
+            self.log_path.write_bytes(b"")  # a new log, as a plain start's
+            try:
+                return server.fork(VLLM_CLI, self.serve_args(), env, self.log_path)
+            except forkserver.ForkServerError as exc:  # gone just now: a plain start
+                logging.getLogger(__name__).warning("%s: %s; a plain start", self.name, exc)
+        return super()._launch(env)
 
     def child_env(self) -> dict[str, str]:
         env = vllm_env(self.work_dir, self.cpu_core)
@@ -399,14 +396,18 @@ class UpProcess(ManagedProcess):
 
 def start_all(servers: Sequence[ManagedProcess], timeout_s: float = 420.0,
               progress: Callable[[str], None] = print) -> None:
-    """Start servers together and wait until all are healthy.
+    """Start servers together from this thread (they die with it); wait until all answer.
 
-    Start servers together (from this thread: they die with it) and wait for all, printing
-    progress; stops all on failure."""
+    Prints progress; stops all on failure."""
     t0 = time.monotonic()
-    for s in servers:  # fork servers' imports first, side by side
+    for s in servers:  # fork servers import side by side; what needs none starts now
         s.prepare()
-    for s in servers:
+    later = [s for s in servers if s.preparing]
+    if later:
+        progress(f"importing vLLM once per core for {', '.join(s.name for s in later)} "
+                 "(fork servers: this start and every restart is a fork)")
+    for s in sorted(servers, key=lambda s: any(s is x for x in later)):
+        s.prepare(wait_s=max(0.0, timeout_s / 2 - (time.monotonic() - t0)))
         s.start()
         progress(f"starting {s.name} on :{s.port} (log {s.log_path})")
     pending = list(servers)

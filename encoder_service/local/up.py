@@ -315,6 +315,8 @@ class Deployment:
             m.wait()
             progress(f"{m.name} healthy after {time.monotonic() - t0:.1f} s (store_master "
                      f"{m.address}, store_metadata {m.metadata_url})")
+        for s in self.spare:  # their fork servers import beside the deploy: scale-ups fork
+            s.prepare()
         start_all(self.servers, timeout_s=self.cfg.startup_timeout_s, progress=progress)
         assert self.gateway_cfg is not None
         self.gateway = GatewayThread(self.gateway_cfg).start()

@@ -2,7 +2,8 @@
 
 `report CODE`: prints one JSON line (its arguments, working directory, temp directory, a few
 variables, its parent, whether it leads its session, what the fork server's preload left)
-and exits with CODE. `sleep`: sleeps until signalled."""
+and exits with CODE. `sleep` (or `serve ...`, standing in for `vllm serve`): sleeps until
+signalled."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def preload() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "sleep":
+    if sys.argv[1] in ("sleep", "serve"):
         print("sleeping", flush=True)
         time.sleep(600)
     print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "tmp": tempfile.gettempdir(),

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from encoder_service.local import forkserver
+from encoder_service.local import forkserver, processes
 from encoder_service.local.forkserver import ForkServer, ForkServerError, fork_server_for
 from epd_common import child_process
 from tests.helpers import alive, wait_for
@@ -120,4 +120,36 @@ def test_one_fork_server_per_core_and_environment(tmp_path):
             s.close()
         for key, s in list(forkserver._SERVERS.items()):
             if s in made:
+                del forkserver._SERVERS[key]
+
+
+def test_a_vllm_server_forks_once_prepared_and_its_start_never_waits(tmp_path, monkeypatch):
+    """`VllmServer.start()` forks only from a fork server `prepare()` made ready, with the
+    plain start's command line; before, and without one, it starts a new interpreter at once
+    (the program stands in for vLLM's CLI and its preload)."""
+    monkeypatch.setattr(processes, "VLLM_CLI", PROGRAM)
+    monkeypatch.setattr(processes, "VLLM_PRELOAD", PRELOAD)
+    monkeypatch.delenv(processes.LEDGER_ENV, raising=False)  # no vLLM server starts here
+    server = processes.VllmServer("s", tmp_path / "model", 18997, tmp_path)
+    try:
+        assert not server.preparing
+        server.start()  # no fork server yet: a plain start, none launched by it
+        assert isinstance(server.proc, subprocess.Popen) and not server.preparing
+        assert wait_for(lambda: _said(server.log_path, "sleeping"), timeout=30)
+        server.stop()
+        server.prepare(wait_s=30)
+        assert not server.preparing
+        server.start()
+        assert isinstance(server.proc, forkserver.ForkedProcess)
+        assert wait_for(lambda: _said(server.log_path, "sleeping"), timeout=30)
+        with open(f"/proc/{server.proc.pid}/cmdline", "rb") as f:
+            assert f.read().rstrip(b"\0").split(b"\0") == [
+                os.fsencode(a) for a in server.command()]
+        server.stop()
+        assert server.proc.returncode == -signal.SIGTERM
+    finally:
+        server.stop()
+        for key, s in list(forkserver._SERVERS.items()):
+            if s.preload == PRELOAD:
+                s.close()
                 del forkserver._SERVERS[key]
