@@ -87,6 +87,19 @@ def test_a_closed_fork_server_takes_its_programs_along(tmp_path):
         s.fork(PROGRAM, ["report", "0"], _env(tmp_path), log)
 
 
+def test_a_sigkilled_fork_server_takes_its_programs_along(tmp_path):
+    """Its children get SIGTERM from the kernel; their exit codes went with it (LOST)."""
+    s = ForkServer(PRELOAD, dict(os.environ), [], tmp_path / "forkserver.log").launch()
+    log = tmp_path / "child.log"
+    child = s.fork(PROGRAM, ["sleep"], _env(tmp_path), log)
+    assert wait_for(lambda: _said(log, "sleeping"), timeout=30)
+    assert s._proc is not None
+    os.kill(s._proc.pid, signal.SIGKILL)
+    assert child.wait(30) in (forkserver.ForkedProcess.LOST, -signal.SIGTERM)
+    assert not alive(child.pid) and not s.alive and not s.ready
+    s.close()
+
+
 def test_a_fork_server_whose_preload_fails_says_so(tmp_path):
     s = ForkServer("no_such_module_here:x", dict(os.environ), [],
                    tmp_path / "forkserver.log").launch()
