@@ -110,8 +110,9 @@ def test_a_crash_loop_ends_with_the_instance_and_its_log_named_and_backoff_betwe
     assert len(downs) == 4 and len(restarts) == 3 and not run.kinds("back")
     waits = [r - d for d, r in zip(downs[:3], restarts, strict=True)]  # exit seen -> restart
     for wait, want in zip(waits, (0.1, 0.2, 0.4), strict=True):
-        # at least the backoff; the slack above it is for a loaded machine's scheduling
-        assert want <= wait < want + 2.0, waits
+        # at least the backoff; above it only a bound that a wrong unit (ms for s) would
+        # break: a loaded fast lane (three workers on two cores) delays this thread by seconds
+        assert want <= wait < want + 8.0, waits
     text = run.text()
     assert text.count("WARNING: decode-9 exited with code 3") == 4
     assert "boom: bad weights" in text
