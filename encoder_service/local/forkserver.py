@@ -186,26 +186,30 @@ class ForkServer:
         finally:
             theirs.close()
             started.set()
-        for line in _lines(self._sock):
-            message = json.loads(line)
-            if "ready" in message:
-                self._ready.set()
-                continue
-            if "exit" in message:
-                child = self._children.pop(message["exit"], None)
-                if child is not None:
-                    child._set_exit(message["code"])
-                continue
-            if "pid" in message:  # registered here, before its exit can be read
-                child = ForkedProcess(message["pid"], message["args"], self)
-                self._children[child.pid] = child
-                message["child"] = child
-            with self._news:
-                self._replies.append(message)
-                self._news.notify_all()
+        with contextlib.suppress(OSError), self._sock.makefile("rb") as lines:
+            for line in lines:
+                self._read(json.loads(line))
         self._proc.wait()
         self._finish({"error": f"the fork server exited with code {self._proc.returncode}; "
                                f"log {self.log_path}"})
+
+    def _read(self, message: dict) -> None:
+        """Take one report of the fork server: ready, a child's exit, a reply to a request."""
+        if "ready" in message:
+            self._ready.set()
+            return
+        if "exit" in message:
+            child = self._children.pop(message["exit"], None)
+            if child is not None:
+                child._set_exit(message["code"])
+            return
+        if "pid" in message:  # registered here, before its exit can be read
+            child = ForkedProcess(message["pid"], message["args"], self)
+            self._children[child.pid] = child
+            message["child"] = child
+        with self._news:
+            self._replies.append(message)
+            self._news.notify_all()
 
     def _finish(self, message: dict) -> None:
         with self._news:
@@ -257,21 +261,6 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 child_process.stop_session(self._proc, 1.0)
         self._ended.wait(timeout_s)
-
-
-def _lines(sock: socket.socket):
-    """The lines `sock` receives until it closes."""
-    buf = b""
-    while True:
-        try:
-            data = sock.recv(65536)
-        except OSError:
-            return
-        if not data:
-            return
-        buf += data
-        *lines, buf = buf.split(b"\n")
-        yield from (line for line in lines if line)
 
 
 _SERVERS: dict[tuple, ForkServer] = {}
@@ -342,7 +331,7 @@ def _serve(sock: socket.socket) -> None:
                 continue
             if pid == 0:
                 _child(request, me, [sock.fileno(), wake_r, wake_w])  # never returns
-            _send(sock, {"pid": pid, "args": request.get("args", [])})
+            _send(sock, {"pid": pid, "args": request["args"]})
 
 
 def _report_exits(sock: socket.socket) -> None:
@@ -384,7 +373,7 @@ def _child(request: dict, server_pid: int, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(env)
         tempfile.tempdir = None  # TMPDIR is the server's now
-        _retitle(request.get("args") or [sys.executable, "-m", request["module"]])
+        _retitle(request["args"])
         sys.argv = [request["module"], *request["argv"]]
         # run afresh as __main__, as `python -m` does, though a preload imported it
         sys.modules.pop(request["module"], None)

@@ -396,17 +396,16 @@ class UpProcess(ManagedProcess):
 
 def start_all(servers: Sequence[ManagedProcess], timeout_s: float = 420.0,
               progress: Callable[[str], None] = print) -> None:
-    """Start servers together from this thread (they die with it); wait until all answer.
-
-    Prints progress; stops all on failure."""
+    """Start servers from this thread (they die with it), wait for all; stop all on failure."""
     t0 = time.monotonic()
     for s in servers:  # fork servers import side by side; what needs none starts now
         s.prepare()
+    now = [s for s in servers if not s.preparing]
     later = [s for s in servers if s.preparing]
     if later:
         progress(f"importing vLLM once per core for {', '.join(s.name for s in later)} "
                  "(fork servers: this start and every restart is a fork)")
-    for s in sorted(servers, key=lambda s: any(s is x for x in later)):
+    for s in [*now, *later]:
         s.prepare(wait_s=max(0.0, timeout_s / 2 - (time.monotonic() - t0)))
         s.start()
         progress(f"starting {s.name} on :{s.port} (log {s.log_path})")

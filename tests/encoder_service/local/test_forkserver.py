@@ -23,6 +23,13 @@ pytestmark = pytest.mark.skipif(not child_process.supported(),
                                 reason="parent-death signals are Linux-only")
 
 
+@pytest.fixture(autouse=True)
+def _no_fork_server_left():
+    """Every fork server `fork_server_for` made in a test is stopped after it."""
+    yield
+    forkserver.close_all()
+
+
 @pytest.fixture
 def server(tmp_path):
     s = ForkServer(PRELOAD, dict(os.environ), [], tmp_path / "forkserver.log").launch()
@@ -115,25 +122,15 @@ def test_a_fork_server_whose_preload_fails_says_so(tmp_path):
 def test_one_fork_server_per_core_and_environment(tmp_path):
     """Servers that differ only in variables read once they run share one; any other
     difference (a variable read while modules import) gets its own."""
-    made = []
-    try:
-        a = fork_server_for(PRELOAD, _env(tmp_path, TMPDIR="/a"), [], tmp_path / "logs")
-        made.append(a)
-        b = fork_server_for(PRELOAD, _env(tmp_path, TMPDIR="/b", OTEL_SERVICE_NAME="b"),
-                            [], tmp_path / "logs")
-        c = fork_server_for(PRELOAD, _env(tmp_path, EPD_TEST_X="z"), [], tmp_path / "logs")
-        made.append(c)
-        assert a is b and a is not c
-        child = c.fork(PROGRAM, ["report", "0"], _env(tmp_path, EPD_TEST_X="z"),
-                       tmp_path / "child.log")
-        assert child.wait(30) == 0
-        assert json.loads((tmp_path / "child.log").read_text().splitlines()[-1])["x"] == "z"
-    finally:
-        for s in made:
-            s.close()
-        for key, s in list(forkserver._SERVERS.items()):
-            if s in made:
-                del forkserver._SERVERS[key]
+    a = fork_server_for(PRELOAD, _env(tmp_path, TMPDIR="/a"), [], tmp_path / "logs")
+    b = fork_server_for(PRELOAD, _env(tmp_path, TMPDIR="/b", OTEL_SERVICE_NAME="b"),
+                        [], tmp_path / "logs")
+    c = fork_server_for(PRELOAD, _env(tmp_path, EPD_TEST_X="z"), [], tmp_path / "logs")
+    assert a is b and a is not c
+    child = c.fork(PROGRAM, ["report", "0"], _env(tmp_path, EPD_TEST_X="z"),
+                   tmp_path / "child.log")
+    assert child.wait(30) == 0
+    assert json.loads((tmp_path / "child.log").read_text().splitlines()[-1])["x"] == "z"
 
 
 def test_a_vllm_server_forks_once_prepared_and_its_start_never_waits(tmp_path, monkeypatch):
@@ -162,7 +159,3 @@ def test_a_vllm_server_forks_once_prepared_and_its_start_never_waits(tmp_path, m
         assert server.proc.returncode == -signal.SIGTERM
     finally:
         server.stop()
-        for key, s in list(forkserver._SERVERS.items()):
-            if s.preload == PRELOAD:
-                s.close()
-                del forkserver._SERVERS[key]
