@@ -38,8 +38,20 @@ def register() -> None:
         )
     enable_amx()
     quiet_nixl_progress_thread()
-    # SIGKILL: the parent is gone, nobody is left to hear a clean shutdown; a worker's
-    # EngineCore going first makes the worker go too
+    engines_die_with_their_server()
+
+
+def engines_die_with_their_server() -> None:
+    """Ask for SIGKILL in this process, a vLLM child, when its parent dies; and so in the
+    vLLM children this process forks, which load no plugins (vLLM loads them once per
+    interpreter: a spawned child runs this again, a forked one inherits the hook). SIGKILL:
+    the parent is gone, nobody is left to hear a clean shutdown; a worker's EngineCore going
+    first makes the worker go too."""
+    child_process.die_with_parent_process(signal.SIGKILL, VLLM_CHILDREN)
+    child_process.in_forked_children(_die_with_parent)
+
+
+def _die_with_parent() -> None:
     child_process.die_with_parent_process(signal.SIGKILL, VLLM_CHILDREN)
 
 

@@ -23,8 +23,9 @@ Caveats:
 - The setting does not survive exec of a set-user-ID or file-capability program; the commands
   started here are plain programs (python, taskset, mooncake_master, `ip netns exec` as root).
 - vLLM's own children (EngineCore, workers: multiprocessing, from vLLM's main thread) ask for
-  it themselves once started (`die_with_parent_process`, run by ec_connectors.plugin), so an
-  API server killed by SIGKILL takes them along.
+  it themselves once started (`die_with_parent_process`, run by ec_connectors.plugin, in a
+  spawned child by vLLM's plugin loading and in a forked one by multiprocessing's after-fork
+  hook, `in_forked_children`), so an API server killed by SIGKILL takes them along.
 - Stopping: `stop_session` signals a child's whole session (it leads one), also once the child
   itself is gone and what it started is not.
 """
@@ -246,6 +247,31 @@ def die_with_parent_process(sig: int = signal.SIGKILL,
     if os.getppid() != parent.pid:  # the parent is already gone: nobody would signal us
         os.kill(os.getpid(), sig)
     return True
+
+
+class _Hooks:
+    """What multiprocessing's after-fork registry holds (weakly) for `in_forked_children`."""
+
+
+_HOOKS = _Hooks()
+_FORK_ACTIONS: list[Callable[[], object]] = []
+
+
+def in_forked_children(action: Callable[[], object]) -> None:
+    """Run `action` in every multiprocessing child this process forks from now on.
+
+    It runs in the child before the child's target, once multiprocessing has set the
+    child's name and parent (its after-fork hooks). A forked child inherits the
+    registration, so its own forked children run it too; a spawned child starts afresh and
+    registers nothing. An action already registered (the same object) is not added again."""
+    import multiprocessing.util
+
+    if action in _FORK_ACTIONS:
+        return
+    if not _FORK_ACTIONS:
+        multiprocessing.util.register_after_fork(
+            _HOOKS, lambda _hooks: [act() for act in _FORK_ACTIONS])
+    _FORK_ACTIONS.append(action)
 
 
 def guard_process_group_from_env(grace_s: float = 5.0) -> threading.Thread | None:

@@ -408,6 +408,18 @@ def _retitle(args: list[str]) -> None:
     ctypes.memmove(start, data.ljust(room, b"\0"), room)
 
 
+def _find_title_room() -> None:
+    """Let setproctitle find this process's argument area while it still holds its argv.
+
+    setproctitle (vLLM's process titles: `VLLM::EngineCore`) finds the area on its first
+    call by matching argv's strings; after `_retitle` rewrote them in a child it finds none
+    and titles nothing. Found here, its children inherit it."""
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.getproctitle()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preload", required=True, help="module:function to run once")
@@ -420,6 +432,7 @@ def main() -> None:
     loaded = importlib.import_module(module)
     if function:
         getattr(loaded, function)()
+    _find_title_room()
     _send(sock, {"ready": os.getpid()})
     _serve(sock)
 

@@ -3,7 +3,8 @@
 `report CODE`: prints one JSON line (its arguments, working directory, temp directory, a few
 variables, its parent, whether it leads its session, what the fork server's preload left)
 and exits with CODE. `sleep` (or `serve ...`, standing in for `vllm serve`): sleeps until
-signalled."""
+signalled. `title NAME`: sets its process title as vLLM titles its processes (setproctitle)
+and prints its /proc/self/cmdline."""
 
 from __future__ import annotations
 
@@ -20,6 +21,13 @@ def preload() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "title":
+        import setproctitle
+
+        setproctitle.setproctitle(sys.argv[2])
+        with open("/proc/self/cmdline", "rb") as f:
+            print(json.dumps({"cmdline": f.read().decode(errors="replace")}), flush=True)
+        raise SystemExit(0)
     if sys.argv[1] in ("sleep", "serve"):
         print("sleeping", flush=True)
         time.sleep(600)

@@ -68,6 +68,16 @@ def test_a_forked_program_gets_its_arguments_environment_log_and_exit_code(serve
     assert again.wait(30) == 0 and again.pid != child.pid
 
 
+def test_a_forked_program_can_retitle_itself_as_vllms_processes_do(server, tmp_path):
+    """setproctitle (vLLM's `VLLM::EngineCore`) works in a forked program whose command line
+    the fork server rewrote: it found its room in the fork server, before the rewrite."""
+    log = tmp_path / "child.log"
+    child = server.fork(PROGRAM, ["title", "VLLM::EngineCore"], _env(tmp_path), log)
+    assert child.wait(30) == 0
+    seen = json.loads(log.read_text().splitlines()[-1])
+    assert seen["cmdline"].rstrip("\0") == "VLLM::EngineCore"
+
+
 def test_a_forked_program_is_stopped_and_killed_like_a_child(server, tmp_path):
     log = tmp_path / "child.log"
     child = server.fork(PROGRAM, ["sleep"], _env(tmp_path), log)

@@ -76,8 +76,7 @@ PARENT = textwrap.dedent("""
         out["children"] = [s.proc.pid]
         out["tree"] = 2  # it and its own child
     elif kind == "master":
-        from encoder_service.local import vllm_cli
-from encoder_service.local.mooncake_master import master_server
+        from encoder_service.local.mooncake_master import master_server
         m = master_server(work, port).start()
         m.wait()
         out["children"] = [m.proc.pid]
@@ -265,28 +264,33 @@ def test_every_server_and_every_epd_up_share_one_vllm_cache(tmp_path, monkeypatc
 
 
 MP_PARENT = textwrap.dedent("""
-    import multiprocessing, os, time
-    from epd_common import child_process
-    from ec_connectors.plugin import VLLM_CHILDREN
+    import multiprocessing, os, sys, time
+    from ec_connectors.plugin import VLLM_CHILDREN, engines_die_with_their_server
 
-    def child():  # what the plugin does in every vLLM process
-        child_process.die_with_parent_process(names=VLLM_CHILDREN)
+    def child(asks):
+        if asks:  # a spawned child: the plugin runs in it (vLLM loads plugins afresh)
+            engines_die_with_their_server()
         me = multiprocessing.current_process()
         os.write(1, f"{me.name} {me.pid}\\n".encode())  # one write: no interleaving
         time.sleep(600)
 
-    ctx = multiprocessing.get_context("fork")  # vLLM: spawn on CPU; the same in the child
+    forked = sys.argv[1] == "fork"
+    if forked:  # vLLM's API server loaded the plugin; its forked children load none
+        engines_die_with_their_server()
+    ctx = multiprocessing.get_context("fork")  # spawn: the plugin in the child, as above
     for name in ("EngineCore", "VllmWorker-0", "SomethingElse"):
-        ctx.Process(target=child, name=name).start()
+        ctx.Process(target=child, args=(not forked,), name=name).start()
     time.sleep(600)
 """)
 
 
-def test_vllm_engine_processes_die_with_their_api_server():
-    """vLLM's own children (EngineCore, workers) ask for a parent-death signal in the
-    plugin: an API server killed by SIGKILL takes them along (they stayed, orphaned). Other
-    multiprocessing children of a vLLM process are left as they were."""
-    parent = child_process.popen([sys.executable, "-c", MP_PARENT], cwd=ROOT,
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+def test_vllm_engine_processes_die_with_their_api_server(start):
+    """vLLM's own children (EngineCore, workers) ask for a parent-death signal through the
+    plugin, in the child (a spawned child loads plugins) or, for a forked child, through the
+    after-fork hook its API server registered: an API server killed by SIGKILL takes them
+    along (they stayed, orphaned). Other multiprocessing children are left as they were."""
+    parent = child_process.popen([sys.executable, "-c", MP_PARENT, start], cwd=ROOT,
                                  stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     pids = {name: int(pid) for name, pid in (parent.stdout.readline().split()
