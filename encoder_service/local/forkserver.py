@@ -1,7 +1,8 @@
 """Fork servers: vLLM servers forked from a process that has imported vLLM already.
 
 Most of a `vllm serve` start on CPU is Python importing vLLM, torch and transformers into the
-API server (EngineCore, spawned, imports its own). A fork server is a process that imports
+API server (a spawned EngineCore imports its own; on one core the API server forks it,
+encoder_service.local.vllm_cli). A fork server is a process that imports
 them once (`preload`) and then forks each server from itself, so a start, and above all a
 restart after a crash, skips that import (figures: docs/benchmarks.md, "Test suite times").
 `VllmServer` forks from one (`fork_server=True`, its default) once its `prepare()` made one
@@ -15,7 +16,9 @@ working directory, log and exit code are what a plain start would give it:
   start reads. Only `PER_START_VARIABLES` may differ between a server and its fork server.
 - A forked server leads its own session, gets SIGTERM when its fork server dies (and its
   group guard, `$EPD_PARENT_PID`, watches the fork server), and runs its module as
-  `python -m` would (`runpy`), so vLLM's spawned EngineCore re-imports the same main module.
+  `python -m` would (`runpy`), so a spawned EngineCore re-imports the same main module; the
+  fork server lets setproctitle find its argument room first, so vLLM's process titles
+  (`VLLM::EngineCore`) still work in what the server forks.
 - The fork server reaps its children and reports each exit code; `ForkedProcess` gives them
   the `subprocess.Popen` calls the local stack uses (`pid`, `poll`, `wait`, `returncode`,
   `send_signal`). The fork server dies with the thread that keeps it (a daemon thread of the
