@@ -47,7 +47,7 @@ def engines_die_with_their_server() -> None:
     interpreter: a spawned child runs this again, a forked one inherits the hook). SIGKILL:
     the parent is gone, nobody is left to hear a clean shutdown; a worker's EngineCore going
     first makes the worker go too."""
-    child_process.die_with_parent_process(signal.SIGKILL, VLLM_CHILDREN)
+    _die_with_parent()
     child_process.in_forked_children(_die_with_parent)
 
 
