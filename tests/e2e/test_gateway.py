@@ -576,9 +576,11 @@ def test_a_decode_instance_killed_mid_stream_the_answer_goes_on_elsewhere(cluste
 
 
 def test_encoder_killed_mid_run_answers_stay_correct_and_it_comes_back(cluster):
-    """The encoder's API server SIGKILLed between requests: they go raw (fallback), its
-    EngineCore goes with it, `epd up` restarts it and the gateway takes it back within
-    120 s while requests flow, all answered; then it encodes again."""
+    """The encoder's API server SIGKILLed between requests: the next request goes raw
+    (fallback), and each after it until the encoder is back (a restart from its warm fork
+    server can beat the rest); its EngineCore goes with it, `epd up` restarts it and the
+    gateway takes it back within 120 s while requests flow, all answered; then it encodes
+    again."""
     c = cluster
     images = [sample_image_png(seed=600 + i) for i in range(5)]
     refs = [answer(c, c["agg"], im) for im in images]
@@ -591,7 +593,8 @@ def test_encoder_killed_mid_run_answers_stay_correct_and_it_comes_back(cluster):
             t0 = time.monotonic()
             os.kill(encoder, signal.SIGKILL)  # the API server alone
         assert answer(c, GW, im) == ref, f"request {i}"
-    assert gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}') == fallbacks + 3
+    fell_back = gw_metric(c, 'epd_gateway_items_total{outcome="fallback"}') - fallbacks
+    assert 1 <= fell_back <= 3, fell_back  # the three requests from the kill on
     assert "encoder failure" in c["log"].read_text()
     assert wait_for(lambda: not session_members(encoder), timeout=10, interval=0.1), \
         "the killed encoder's EngineCore remains"
