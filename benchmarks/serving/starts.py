@@ -24,7 +24,7 @@ import httpx
 
 from benchmarks.harness.env import ROOT
 from benchmarks.harness.report import say
-from encoder_service.local import forkserver
+from encoder_service.local import forkserver, vllm_cli
 from encoder_service.local.processes import VllmServer, default_work_dir
 from encoder_service.local.testmodels import SPECS, build
 
@@ -61,7 +61,7 @@ def main() -> int:
     for r in range(a.rounds):
         row: dict[str, float] = {}
         reference = ""
-        for kind, env in ((KINDS[0], {"EPD_FORK_ENGINE_CORE": "0"}), (KINDS[1], {})):
+        for kind, env in ((KINDS[0], {vllm_cli.FORK_ENGINE_CORE_ENV: "0"}), (KINDS[1], {})):
             plain = VllmServer("plain", model, PORT, work, None, cpu_core=a.core,
                                fork_server=False, env=env)
             try:

